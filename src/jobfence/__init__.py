@@ -1,0 +1,69 @@
+"""jobfence: queue consumers that apply each job's effect once, and lose no failure.
+
+The public API is what ``__all__`` lists; everything else is private.
+"""
+
+from jobfence.adapters.pg_queue import PgQueue
+from jobfence.adapters.prometheus import PrometheusMetrics
+from jobfence.app import App, Consumer
+from jobfence.cleanup import CleanupResult, cleanup_expired
+from jobfence.dead_letters import (
+    DeadLetter,
+    ReplayResult,
+    discard_dead_letter,
+    get_dead_letter,
+    replay_dead_letter,
+)
+from jobfence.db import open_pool, resolve_database_url
+from jobfence.errors import (
+    ConfigError,
+    DatabaseUnavailable,
+    DeadLetterConflict,
+    DeadLetterNotFound,
+    HardFailure,
+    JobfenceError,
+    PoisonMessage,
+)
+from jobfence.harness import Outcome
+from jobfence.migrate import migrate
+from jobfence.model import Delivery, JobMeta, Message
+from jobfence.ports import Clock, MetricsSink, QueueCapabilities, QueuePort, QueueSize
+from jobfence.retry import DEFAULT_RETRY_POLICY, RetryPolicy
+from jobfence.worker import Worker, WorkerStats
+
+__all__ = [
+    "App",
+    "CleanupResult",
+    "Clock",
+    "ConfigError",
+    "Consumer",
+    "DEFAULT_RETRY_POLICY",
+    "DatabaseUnavailable",
+    "DeadLetter",
+    "DeadLetterConflict",
+    "DeadLetterNotFound",
+    "Delivery",
+    "HardFailure",
+    "JobMeta",
+    "JobfenceError",
+    "Message",
+    "MetricsSink",
+    "Outcome",
+    "PgQueue",
+    "PoisonMessage",
+    "PrometheusMetrics",
+    "QueueCapabilities",
+    "QueuePort",
+    "QueueSize",
+    "ReplayResult",
+    "RetryPolicy",
+    "Worker",
+    "WorkerStats",
+    "cleanup_expired",
+    "discard_dead_letter",
+    "get_dead_letter",
+    "migrate",
+    "open_pool",
+    "replay_dead_letter",
+    "resolve_database_url",
+]

@@ -1,0 +1,1 @@
+"""Adapters: implementations of jobfence's ports, each named after its technology."""

@@ -1,0 +1,240 @@
+"""A queue in PostgreSQL itself (schema ``jobfence_queue``), the default transport.
+
+Receiving takes due rows with ``FOR UPDATE SKIP LOCKED`` and moves their ``run_at`` forward by
+the lease, so a crashed worker's message comes back when the lease runs out. Publishing sends a
+NOTIFY that wakes idle workers at commit; a poll interval covers scheduled retries. Because the
+queue shares the work database, ``ack`` joins the work transaction: a job's removal commits or
+rolls back with its effect and its fence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+from uuid import UUID
+
+import psycopg
+from psycopg import AsyncConnection
+from psycopg_pool import AsyncConnectionPool
+
+from jobfence._sql import Queries
+from jobfence.model import Delivery, Message
+from jobfence.ports import Clock, QueueCapabilities, QueueSize
+
+log = logging.getLogger("jobfence.pg_queue")
+
+SQL = Queries("jobfence.adapters", "pg_queue.sql")
+NOTIFY_CHANNEL = "jobfence_queue"
+
+
+@dataclass(frozen=True, slots=True)
+class PgReceipt:
+    id: int
+    lease_token: UUID
+
+
+def _now(clock: Clock | None) -> datetime | None:
+    return clock.now() if clock is not None else None
+
+
+async def publish_on(
+    conn: AsyncConnection[Any],
+    message: Message,
+    *,
+    delay_seconds: float = 0.0,
+    clock: Clock | None = None,
+) -> None:
+    """Insert ``message`` on ``conn`` without committing: it joins the caller's transaction."""
+    await conn.execute(
+        SQL["publish"],
+        {
+            "queue": message.queue,
+            "consumer": message.consumer,
+            "job_id": message.job_id,
+            "body": message.body,
+            "tenant_id": message.tenant_id,
+            "correlation_id": message.correlation_id,
+            "now": _now(clock),
+            "delay": timedelta(seconds=max(delay_seconds, 0.0)),
+        },
+    )
+
+
+def _receipt(delivery: Delivery) -> PgReceipt:
+    receipt = delivery.receipt
+    if not isinstance(receipt, PgReceipt):
+        raise TypeError("this delivery did not come from PgQueue")
+    return receipt
+
+
+class PgQueue:
+    """The PostgreSQL queue adapter. ``clock`` defaults to the database's own clock."""
+
+    capabilities = QueueCapabilities(transactional=True, delayed_publish=True)
+
+    def __init__(
+        self,
+        pool: AsyncConnectionPool[Any],
+        *,
+        clock: Clock | None = None,
+        poll_interval_seconds: float = 1.0,
+    ) -> None:
+        self._pool = pool
+        self._clock = clock
+        self._poll_interval = poll_interval_seconds
+        self._wakeup = asyncio.Event()
+        self._listener: asyncio.Task[None] | None = None
+        self._closed = False
+
+    async def publish(
+        self,
+        message: Message,
+        *,
+        delay_seconds: float = 0.0,
+        tx: AsyncConnection[Any] | None = None,
+    ) -> None:
+        if tx is not None:
+            await publish_on(tx, message, delay_seconds=delay_seconds, clock=self._clock)
+            return
+        async with self._pool.connection() as conn:
+            await publish_on(conn, message, delay_seconds=delay_seconds, clock=self._clock)
+
+    async def receive(
+        self,
+        queues: Sequence[str],
+        *,
+        max_messages: int,
+        lease_seconds: float,
+        wait_seconds: float = 0.0,
+    ) -> list[Delivery]:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_seconds
+        if wait_seconds > 0:
+            self._ensure_listener()
+        while True:
+            self._wakeup.clear()
+            deliveries = await self._take(queues, max_messages, lease_seconds)
+            remaining = deadline - loop.time()
+            if deliveries or remaining <= 0 or self._closed:
+                return deliveries
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wakeup.wait(), min(remaining, self._poll_interval))
+
+    async def _take(
+        self, queues: Sequence[str], max_messages: int, lease_seconds: float
+    ) -> list[Delivery]:
+        async with self._pool.connection() as conn:
+            cur = await conn.execute(
+                SQL["receive"],
+                {
+                    "queues": list(queues),
+                    "limit": max_messages,
+                    "now": _now(self._clock),
+                    "lease": timedelta(seconds=lease_seconds),
+                },
+            )
+            rows = await cur.fetchall()
+        return [
+            Delivery(
+                message=Message(
+                    queue=queue,
+                    consumer=consumer,
+                    job_id=job_id,
+                    body=bytes(body),
+                    tenant_id=tenant_id,
+                    correlation_id=correlation_id,
+                ),
+                attempt=attempts,
+                receipt=PgReceipt(id=row_id, lease_token=lease_token),
+            )
+            for (
+                row_id,
+                queue,
+                consumer,
+                job_id,
+                body,
+                tenant_id,
+                correlation_id,
+                attempts,
+                lease_token,
+            ) in sorted(rows, key=lambda r: r[0])
+        ]
+
+    async def ack(self, delivery: Delivery, *, tx: AsyncConnection[Any] | None = None) -> None:
+        receipt = _receipt(delivery)
+        params = {"id": receipt.id, "lease_token": receipt.lease_token}
+        if tx is not None:
+            await tx.execute(SQL["ack"], params)
+            return
+        async with self._pool.connection() as conn:
+            await conn.execute(SQL["ack"], params)
+
+    async def retry(self, delivery: Delivery, *, delay_seconds: float, error: str) -> None:
+        receipt = _receipt(delivery)
+        async with self._pool.connection() as conn:
+            await conn.execute(
+                SQL["retry"],
+                {
+                    "id": receipt.id,
+                    "lease_token": receipt.lease_token,
+                    "now": _now(self._clock),
+                    "delay": timedelta(seconds=delay_seconds),
+                    "last_error": error[:4000],
+                },
+            )
+
+    async def release(self, delivery: Delivery) -> None:
+        receipt = _receipt(delivery)
+        async with self._pool.connection() as conn:
+            await conn.execute(
+                SQL["release"],
+                {"id": receipt.id, "lease_token": receipt.lease_token, "now": _now(self._clock)},
+            )
+
+    async def size(self, queues: Sequence[str]) -> QueueSize:
+        async with self._pool.connection() as conn:
+            cur = await conn.execute(
+                SQL["size"], {"queues": list(queues), "now": _now(self._clock)}
+            )
+            row = await cur.fetchone()
+        assert row is not None
+        return QueueSize(due=int(row[0]), total=int(row[1]))
+
+    def _ensure_listener(self) -> None:
+        if self._listener is None or self._listener.done():
+            self._listener = asyncio.create_task(self._listen(), name="jobfence-pg-queue-listen")
+
+    async def _listen(self) -> None:
+        """Hold a LISTEN connection; reconnect with backoff when it drops."""
+        backoff = 0.5
+        while not self._closed:
+            try:
+                kwargs = {**(self._pool.kwargs or {}), "autocommit": True}
+                async with await psycopg.AsyncConnection.connect(
+                    self._pool.conninfo, **kwargs
+                ) as conn:
+                    await conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
+                    backoff = 0.5
+                    async for _ in conn.notifies():
+                        self._wakeup.set()
+            except asyncio.CancelledError:
+                raise
+            except psycopg.Error as exc:
+                log.warning("queue listener lost its connection, retrying: %s", type(exc).__name__)
+                self._wakeup.set()  # fall back to polling meanwhile
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 10.0)
+
+    async def close(self) -> None:
+        self._closed = True
+        self._wakeup.set()
+        if self._listener is not None:
+            self._listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError, psycopg.Error):
+                await self._listener
+            self._listener = None

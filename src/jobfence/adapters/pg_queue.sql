@@ -1,0 +1,61 @@
+-- Named queries of the PostgreSQL queue adapter (schema jobfence_queue).
+
+-- name: publish
+-- Works on the caller's connection: inside the caller's transaction when one is open.
+-- The NOTIFY is delivered at commit, waking idle workers.
+WITH inserted AS (
+    INSERT INTO jobfence_queue.messages (
+        queue, consumer, job_id, body, tenant_id, correlation_id, run_at
+    )
+    VALUES (
+        %(queue)s, %(consumer)s, %(job_id)s, %(body)s, %(tenant_id)s, %(correlation_id)s,
+        coalesce(%(now)s::timestamptz, now()) + %(delay)s::interval
+    )
+    RETURNING id
+)
+SELECT id, pg_notify('jobfence_queue', %(queue)s) FROM inserted;
+
+-- name: receive
+-- Takes up to %(limit)s due messages under a fresh lease. A message is due when run_at has
+-- passed: new, scheduled for retry, or leased by a worker that did not finish in time.
+WITH due AS (
+    SELECT id
+    FROM jobfence_queue.messages
+    WHERE queue = ANY(%(queues)s::text[])
+      AND run_at <= coalesce(%(now)s::timestamptz, now())
+    ORDER BY run_at, id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE jobfence_queue.messages m
+SET attempts = m.attempts + 1,
+    run_at = coalesce(%(now)s::timestamptz, now()) + %(lease)s::interval,
+    lease_token = gen_random_uuid()
+FROM due
+WHERE m.id = due.id
+RETURNING m.id, m.queue, m.consumer, m.job_id, m.body, m.tenant_id, m.correlation_id,
+          m.attempts, m.lease_token;
+
+-- name: ack
+DELETE FROM jobfence_queue.messages WHERE id = %(id)s AND lease_token = %(lease_token)s;
+
+-- name: retry
+UPDATE jobfence_queue.messages
+SET run_at = coalesce(%(now)s::timestamptz, now()) + %(delay)s::interval,
+    lease_token = NULL,
+    last_error = %(last_error)s
+WHERE id = %(id)s AND lease_token = %(lease_token)s;
+
+-- name: release
+-- Gives a message back without counting the delivery (shutdown, database outage: D7).
+UPDATE jobfence_queue.messages
+SET run_at = coalesce(%(now)s::timestamptz, now()),
+    lease_token = NULL,
+    attempts = greatest(attempts - 1, 0)
+WHERE id = %(id)s AND lease_token = %(lease_token)s;
+
+-- name: size
+SELECT count(*) FILTER (WHERE run_at <= coalesce(%(now)s::timestamptz, now())) AS due,
+       count(*) AS total
+FROM jobfence_queue.messages
+WHERE queue = ANY(%(queues)s::text[]);

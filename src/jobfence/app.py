@@ -1,0 +1,181 @@
+"""The application: the registry of consumers a worker runs."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Generic, TypeVar
+
+from psycopg import AsyncConnection
+from pydantic import BaseModel
+
+from jobfence.codec import encode_payload
+from jobfence.errors import ConfigError
+from jobfence.model import JobMeta, Message
+from jobfence.retry import DEFAULT_RETRY_POLICY, RetryPolicy
+
+P = TypeVar("P", bound=BaseModel)
+
+Handler = Callable[[P, JobMeta, AsyncConnection[Any]], Awaitable[None]]
+
+DEFAULT_FENCE_TTL = timedelta(days=7)
+_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,200}$")
+
+
+@dataclass(frozen=True, slots=True)
+class Consumer(Generic[P]):
+    """One consumer: its name (the fence's ``consumer``), queue, payload schema and handler."""
+
+    name: str
+    queue: str
+    schema: type[P]
+    handler: Handler[P]
+    retry: RetryPolicy = DEFAULT_RETRY_POLICY
+    fence_ttl: timedelta = DEFAULT_FENCE_TTL
+
+    @property
+    def minimum_fence_ttl(self) -> timedelta:
+        """D3: the fence must outlive twice the worst-case retry window plus an hour."""
+        return timedelta(seconds=2 * self.retry.retry_window_seconds + 3600)
+
+
+class App:
+    """Consumers registered by name. Workers, the CLI and replay look consumers up here.
+
+    Register with the :meth:`consumer` decorator::
+
+        app = App()
+
+        @app.consumer("award_points", queue="loyalty", schema=AwardPoints)
+        async def award_points(payload: AwardPoints, job: JobMeta, tx: AsyncConnection) -> None:
+            await tx.execute("UPDATE accounts SET points = points + %s WHERE id = %s", ...)
+    """
+
+    def __init__(self) -> None:
+        self._consumers: dict[str, Consumer[Any]] = {}
+
+    @property
+    def consumers(self) -> Mapping[str, Consumer[Any]]:
+        return dict(self._consumers)
+
+    @property
+    def queues(self) -> list[str]:
+        return sorted({c.queue for c in self._consumers.values()})
+
+    def consumer(
+        self,
+        name: str,
+        *,
+        queue: str,
+        schema: type[P],
+        retry: RetryPolicy = DEFAULT_RETRY_POLICY,
+        fence_ttl: timedelta = DEFAULT_FENCE_TTL,
+    ) -> Callable[[Handler[P]], Handler[P]]:
+        """Register the decorated async function as consumer ``name`` of ``queue``."""
+
+        def register(handler: Handler[P]) -> Handler[P]:
+            self.add(
+                Consumer(
+                    name=name,
+                    queue=queue,
+                    schema=schema,
+                    handler=handler,
+                    retry=retry,
+                    fence_ttl=fence_ttl,
+                )
+            )
+            return handler
+
+        return register
+
+    def add(self, consumer: Consumer[Any]) -> None:
+        for label, value in (("consumer name", consumer.name), ("queue name", consumer.queue)):
+            if not _NAME.match(value):
+                raise ConfigError(
+                    f"{label} {value!r} must be 1-200 characters of letters, digits and _ . : -"
+                )
+        if consumer.name in self._consumers:
+            raise ConfigError(f"consumer {consumer.name!r} is registered twice")
+        if not (isinstance(consumer.schema, type) and issubclass(consumer.schema, BaseModel)):
+            raise ConfigError(f"consumer {consumer.name!r}: schema must be a pydantic model class")
+        if consumer.fence_ttl <= timedelta(0):
+            raise ConfigError(f"consumer {consumer.name!r}: fence_ttl must be positive")
+        self._consumers[consumer.name] = consumer
+
+    def get(self, name: str) -> Consumer[Any] | None:
+        return self._consumers.get(name)
+
+    def message(
+        self,
+        consumer: str,
+        payload: BaseModel | Mapping[str, Any],
+        *,
+        job_id: str,
+        tenant_id: str | None = None,
+        correlation_id: str | None = None,
+    ) -> Message:
+        """Build the message for ``consumer``, checking the payload against its schema."""
+        target = self._consumers.get(consumer)
+        if target is None:
+            raise ConfigError(f"no consumer named {consumer!r} is registered")
+        if not job_id:
+            raise ValueError("job_id must be a non-empty string")
+        validated = (
+            payload if isinstance(payload, target.schema) else target.schema.model_validate(payload)
+        )
+        return Message(
+            queue=target.queue,
+            consumer=target.name,
+            job_id=job_id,
+            body=encode_payload(validated),
+            tenant_id=tenant_id,
+            correlation_id=correlation_id,
+        )
+
+    async def enqueue(
+        self,
+        conn: AsyncConnection[Any],
+        consumer: str,
+        payload: BaseModel | Mapping[str, Any],
+        *,
+        job_id: str,
+        tenant_id: str | None = None,
+        correlation_id: str | None = None,
+        delay_seconds: float = 0.0,
+    ) -> None:
+        """Publish to the PostgreSQL queue on the caller's connection, never committing it.
+
+        Inside the caller's transaction the job exists exactly when that transaction commits.
+        """
+        from jobfence.adapters.pg_queue import publish_on
+
+        await publish_on(
+            conn,
+            self.message(
+                consumer,
+                payload,
+                job_id=job_id,
+                tenant_id=tenant_id,
+                correlation_id=correlation_id,
+            ),
+            delay_seconds=delay_seconds,
+        )
+
+    def check_fence_ttls(self) -> None:
+        """D3: refuse consumers whose fence TTL does not cover their retry window."""
+        for consumer in self._consumers.values():
+            minimum = consumer.minimum_fence_ttl
+            if consumer.fence_ttl < minimum:
+                raise ConfigError(
+                    f"consumer {consumer.name!r}: fence TTL {_fmt(consumer.fence_ttl)} is shorter "
+                    f"than the minimum {_fmt(minimum)} (2 x retry window "
+                    f"{consumer.retry.retry_window_seconds:g}s + 1h); a late retry after expiry "
+                    "would apply the work twice"
+                )
+
+
+def _fmt(delta: timedelta) -> str:
+    seconds = delta.total_seconds()
+    return f"{seconds:g}s ({seconds / 3600:.2f}h)"

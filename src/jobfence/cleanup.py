@@ -1,0 +1,69 @@
+"""TTL cleanup of fence rows: bounded batches, database clock, never a row still in its TTL."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from psycopg import AsyncConnection
+
+from jobfence.harness import SQL
+
+log = logging.getLogger("jobfence.cleanup")
+
+DEFAULT_BATCH_SIZE = 5000
+
+
+@dataclass(frozen=True, slots=True)
+class CleanupResult:
+    deleted: int
+    batches: int
+
+
+async def cleanup_expired(
+    conn: AsyncConnection[Any],
+    *,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    max_batches: int | None = None,
+) -> CleanupResult:
+    """Delete fence rows with ``expires_at < now()`` (database clock), one short transaction
+    per batch of at most ``batch_size`` rows, until a batch comes back short.
+
+    ``conn`` must be in autocommit mode so each batch commits on its own: no long lock, no table
+    rewrite, and concurrent workers never wait long behind it.
+    """
+    if batch_size < 1:
+        raise ValueError("batch_size must be >= 1")
+    if not conn.autocommit:
+        raise ValueError("cleanup needs an autocommit connection (one transaction per batch)")
+    deleted = 0
+    batches = 0
+    while max_batches is None or batches < max_batches:
+        cur = await conn.execute(SQL["cleanup_expired_batch"], {"batch_size": batch_size})
+        batches += 1
+        deleted += max(cur.rowcount, 0)
+        if cur.rowcount < batch_size:
+            break
+    return CleanupResult(deleted=deleted, batches=batches)
+
+
+async def cleanup_every(
+    conn: AsyncConnection[Any],
+    *,
+    interval_seconds: float,
+    stop: asyncio.Event,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+) -> int:
+    """Run :func:`cleanup_expired` every ``interval_seconds`` until ``stop`` is set."""
+    total = 0
+    while not stop.is_set():
+        result = await cleanup_expired(conn, batch_size=batch_size)
+        total += result.deleted
+        log.info("cleanup removed %d expired fence rows in %d batch(es)", result.deleted, result.batches)
+        try:
+            await asyncio.wait_for(stop.wait(), interval_seconds)
+        except TimeoutError:
+            pass
+    return total

@@ -1,0 +1,94 @@
+"""Turning a message body into a payload, and keeping bodies that are not JSON intact (D6)."""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+from jobfence.errors import PoisonMessage
+
+PAYLOAD_JSON = "json"
+PAYLOAD_BASE64 = "base64"
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _unstorable_reason(value: object) -> str | None:
+    """Why PostgreSQL's jsonb could not hold ``value`` (NUL characters, lone surrogates)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if "\x00" in item:
+                return "payload contains \\u0000, which PostgreSQL text and jsonb cannot hold"
+            if any(0xD800 <= ord(ch) <= 0xDFFF for ch in item):
+                return "payload contains a lone UTF-16 surrogate escape, which is not valid Unicode"
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return None
+
+
+def decode_body(body: bytes) -> Any:
+    """Parse a body as UTF-8 JSON that PostgreSQL can store, or raise :class:`PoisonMessage`."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PoisonMessage(
+            f"payload is not valid UTF-8 ({exc.reason} at byte {exc.start})",
+            error_class="InvalidUtf8",
+        ) from None
+    try:
+        value = json.loads(text, parse_constant=_reject_constant)
+    except ValueError as exc:
+        raise PoisonMessage(f"payload is not valid JSON: {exc}", error_class="InvalidJson") from None
+    if "\\u" in text:  # escapes are the only way NULs and lone surrogates get in
+        reason = _unstorable_reason(value)
+        if reason is not None:
+            raise PoisonMessage(reason, error_class="UnstorablePayload")
+    return value
+
+
+def stored_payload(body: bytes) -> tuple[str, str]:
+    """The ``(jsonb text, payload_encoding)`` that stores ``body`` in a dead letter losslessly.
+
+    A body that is storable JSON is kept as that JSON document; any other body is wrapped as
+    ``{"encoding": "base64", "data": ..., "note": ...}`` with ``payload_encoding = 'base64'``.
+    """
+    try:
+        decode_body(body)
+    except PoisonMessage as exc:
+        wrapper = {
+            "encoding": PAYLOAD_BASE64,
+            "data": base64.b64encode(body).decode("ascii"),
+            "note": f"original bytes kept as base64: {exc.reason}",
+        }
+        return json.dumps(wrapper), PAYLOAD_BASE64
+    return body.decode("utf-8"), PAYLOAD_JSON
+
+
+def original_body(payload_text: str, encoding: str) -> bytes:
+    """The bytes to republish for a stored dead-letter payload (inverse of :func:`stored_payload`).
+
+    ``payload_text`` is the jsonb column as text. A base64 payload gives back the exact original
+    bytes; a JSON payload gives back the same JSON document (jsonb keeps neither whitespace nor
+    key order, so the bytes may differ while the document is equal).
+    """
+    if encoding == PAYLOAD_BASE64:
+        return base64.b64decode(json.loads(payload_text)["data"])
+    if encoding == PAYLOAD_JSON:
+        return payload_text.encode("utf-8")
+    raise ValueError(f"unknown payload encoding {encoding!r}")
+
+
+def encode_payload(payload: Any) -> bytes:
+    """Serialise an application payload (a pydantic model or JSON-able value) to a body."""
+    dump = getattr(payload, "model_dump_json", None)
+    if callable(dump):
+        return str(dump()).encode("utf-8")
+    return json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode("utf-8")

@@ -1,0 +1,91 @@
+"""Finding the database: the configured URL, or an embedded PostgreSQL (pgserver) when none is."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg_pool import AsyncConnectionPool
+
+from jobfence.config import ENV_DATABASE_URL, database_url_from_env, embedded_dir_from_env
+from jobfence.errors import ConfigError, DatabaseUnavailable
+
+log = logging.getLogger("jobfence.db")
+
+
+def redact(url: str) -> str:
+    """The URL with its password removed, for messages and logs."""
+    try:
+        params = conninfo_to_dict(url)
+    except psycopg.ProgrammingError:
+        return "<unparseable database URL>"
+    if "password" in params:
+        params["password"] = "***"
+    return make_conninfo("", **params)
+
+
+def validate_url(url: str) -> str:
+    try:
+        conninfo_to_dict(url)
+    except psycopg.ProgrammingError as exc:
+        first_line = str(exc).splitlines()[0] if str(exc) else "invalid"
+        raise ConfigError(
+            f"{ENV_DATABASE_URL} is not a valid libpq connection string or URL ({first_line}); "
+            "expected e.g. postgresql://user@127.0.0.1:5432/dbname"
+        ) from None
+    return url
+
+
+def start_embedded(data_dir: Path) -> str:
+    """Start (or find running) an embedded PostgreSQL in ``data_dir`` and return its URL."""
+    try:
+        import pgserver
+    except ImportError:  # pragma: no cover - pgserver is a dependency
+        raise ConfigError(
+            f"{ENV_DATABASE_URL} is not set and the embedded PostgreSQL (pgserver) is not installed"
+        ) from None
+    data_dir.mkdir(parents=True, exist_ok=True)
+    log.info("no %s set: using embedded PostgreSQL in %s", ENV_DATABASE_URL, data_dir)
+    server = pgserver.get_server(str(data_dir.resolve()))
+    return str(server.get_uri())
+
+
+def resolve_database_url() -> str:
+    """JOBFENCE_DATABASE_URL when set, otherwise the embedded server's URL."""
+    url = database_url_from_env()
+    if url is not None:
+        return validate_url(url)
+    return start_embedded(embedded_dir_from_env())
+
+
+async def check_connection(url: str, *, timeout: int = 5) -> None:
+    """Connect once; turn failure into one clear line without the password."""
+    try:
+        conn = await psycopg.AsyncConnection.connect(url, connect_timeout=timeout)
+    except psycopg.OperationalError as exc:
+        reason = " ".join(str(exc).split())
+        raise DatabaseUnavailable(
+            f"cannot connect to the database at {redact(url)}: {reason}"
+        ) from None
+    await conn.close()
+
+
+async def open_pool(
+    url: str, *, min_size: int = 1, max_size: int = 10, name: str = "jobfence"
+) -> AsyncConnectionPool[Any]:
+    """An open autocommit pool: the harness opens its own transactions explicitly."""
+    await check_connection(url)
+    pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
+        url,
+        min_size=min_size,
+        max_size=max_size,
+        kwargs={"autocommit": True},
+        open=False,
+        name=name,
+        timeout=30.0,
+    )
+    await pool.open(wait=True, timeout=30.0)
+    return pool

@@ -1,0 +1,123 @@
+"""Dead letters at the library level: read one, replay it (D8), discard it with a reason."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from psycopg import AsyncConnection
+from psycopg.rows import dict_row
+from psycopg_pool import AsyncConnectionPool
+
+from jobfence.codec import original_body
+from jobfence.errors import DeadLetterConflict, DeadLetterNotFound
+from jobfence.harness import SQL
+from jobfence.model import Message
+from jobfence.ports import QueuePort
+
+MAX_DISCARD_REASON = 2000
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    id: int
+    job_id: str
+    queue: str
+    consumer: str
+    tenant_id: str | None
+    payload: Any
+    payload_encoding: str
+    attempts: int
+    last_error: str
+    error_class: str
+    correlation_id: str | None
+    status: str
+    discard_reason: str | None
+    created_at: datetime
+    resolved_at: datetime | None
+    resolved_by: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayResult:
+    dead_letter_id: int
+    message: Message
+
+
+async def get_dead_letter(conn: AsyncConnection[Any], dead_letter_id: int) -> DeadLetter:
+    async with conn.cursor(row_factory=dict_row) as cur:
+        await cur.execute(SQL["dead_letter_get"], {"id": dead_letter_id})
+        row = await cur.fetchone()
+    if row is None:
+        raise DeadLetterNotFound(f"no dead letter with id {dead_letter_id}")
+    return DeadLetter(**row)
+
+
+async def replay_dead_letter(
+    pool: AsyncConnectionPool[Any],
+    queue: QueuePort,
+    dead_letter_id: int,
+    *,
+    resolved_by: str,
+) -> ReplayResult:
+    """D8: republish the original payload with the same job_id and correlation_id, to the
+    consumer that failed only, and move the dead letter to ``replayed``.
+
+    With a transactional queue (the PostgreSQL one) the publish and the transition commit
+    together. With an external broker the publish happens first and the transition after, in
+    the same database transaction: a publish that fails leaves the row ``pending_review``; a
+    crash between the two may publish twice, which the fence absorbs.
+    """
+    async with pool.connection() as conn, conn.transaction():
+        async with conn.cursor(row_factory=dict_row) as cur:
+            await cur.execute(SQL["dead_letter_lock_pending"], {"id": dead_letter_id})
+            row = await cur.fetchone()
+        if row is None:
+            raise DeadLetterNotFound(f"no dead letter with id {dead_letter_id}")
+        if row["status"] != "pending_review":
+            raise DeadLetterConflict(dead_letter_id, row["status"])
+        message = Message(
+            queue=row["queue"],
+            consumer=row["consumer"],
+            job_id=row["job_id"],
+            body=original_body(row["payload_text"], row["payload_encoding"]),
+            tenant_id=row["tenant_id"],
+            correlation_id=row["correlation_id"],
+        )
+        if queue.capabilities.transactional:
+            await queue.publish(message, tx=conn)
+        else:
+            await queue.publish(message)
+        await conn.execute(
+            SQL["dead_letter_mark_replayed"], {"id": dead_letter_id, "resolved_by": resolved_by}
+        )
+    return ReplayResult(dead_letter_id=dead_letter_id, message=message)
+
+
+async def discard_dead_letter(
+    pool: AsyncConnectionPool[Any],
+    dead_letter_id: int,
+    *,
+    reason: str,
+    resolved_by: str,
+) -> DeadLetter:
+    """Move a pending dead letter to ``discarded``. A blank reason is refused here, and by the
+    database's own constraint if this check is bypassed."""
+    if not reason or not reason.strip():
+        raise ValueError("discarding a dead letter requires a non-blank reason")
+    if len(reason) > MAX_DISCARD_REASON:
+        raise ValueError(f"a discard reason is at most {MAX_DISCARD_REASON} characters")
+    async with pool.connection() as conn, conn.transaction():
+        async with conn.cursor(row_factory=dict_row) as cur:
+            await cur.execute(SQL["dead_letter_lock_pending"], {"id": dead_letter_id})
+            row = await cur.fetchone()
+        if row is None:
+            raise DeadLetterNotFound(f"no dead letter with id {dead_letter_id}")
+        if row["status"] != "pending_review":
+            raise DeadLetterConflict(dead_letter_id, row["status"])
+        await conn.execute(
+            SQL["dead_letter_mark_discarded"],
+            {"id": dead_letter_id, "reason": reason, "resolved_by": resolved_by},
+        )
+        return await get_dead_letter(conn, dead_letter_id)

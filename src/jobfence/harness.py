@@ -1,0 +1,271 @@
+"""One delivery, from bytes to exactly one effect or one dead letter.
+
+    decode/validate -> transaction(fence insert, handler, ack) -> commit
+                    \-> poison: dead letter at once (D6)
+    on failure: roll back, then hard -> dead letter; transient -> retry or, exhausted, dead letter
+
+The fence row is inserted first (``ON CONFLICT DO NOTHING``): a concurrent duplicate blocks on
+the uncommitted key and, once the first commits, finds it and skips. There is no "in progress"
+state that could get stuck: a crash rolls the whole transaction back, fence included.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import random
+import time
+import traceback
+from collections.abc import Awaitable
+from typing import Any
+
+import psycopg
+from psycopg import AsyncConnection, errors
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
+from pydantic import BaseModel, ValidationError
+
+from jobfence._sql import Queries
+from jobfence.app import App, Consumer
+from jobfence.codec import decode_body, stored_payload
+from jobfence.errors import HardFailure, PoisonMessage
+from jobfence.model import Delivery, JobMeta
+from jobfence.ports import MetricsSink, QueuePort
+from jobfence.retry import RetryPolicy
+
+log = logging.getLogger("jobfence.harness")
+
+SQL = Queries("jobfence.sql", "core.sql")
+
+MAX_ERROR_CHARS = 4000
+MAX_TRACEBACK_FRAMES = 15
+# Serialization failures and deadlocks are retried at once, without counting an attempt (D7).
+CONFLICT_RETRIES = 3
+
+
+class Outcome(enum.StrEnum):
+    SUCCEEDED = "succeeded"
+    DUPLICATE = "duplicate"
+    RETRIED = "retried"
+    DEAD_LETTERED = "dead_lettered"
+    POISON = "poison"
+
+
+class InfrastructureError(Exception):
+    """The database went away mid-job: the worker releases the job and reconnects (D7)."""
+
+
+def error_class_of(exc: BaseException) -> str:
+    cls = type(exc)
+    if cls.__module__ in ("builtins", "__main__"):
+        return cls.__qualname__
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def describe_error(exc: BaseException) -> str:
+    """``Class: message`` plus a trimmed traceback, bounded in size."""
+    head = f"{error_class_of(exc)}: {exc}"
+    frames = traceback.extract_tb(exc.__traceback__)[-MAX_TRACEBACK_FRAMES:]
+    tail = "".join(traceback.format_list(frames))
+    text = f"{head}\nTraceback (most recent call last, trimmed):\n{tail}" if frames else head
+    if len(text) > MAX_ERROR_CHARS:
+        text = text[: MAX_ERROR_CHARS - 20] + "\n... (trimmed)"
+    return text
+
+
+def _is_connection_loss(exc: BaseException, conn: AsyncConnection[Any] | None) -> bool:
+    if isinstance(exc, PoolTimeout):
+        return True
+    if isinstance(exc, psycopg.OperationalError):
+        return exc.sqlstate is None or (conn is not None and conn.broken)
+    return False
+
+
+def _is_permanent(exc: BaseException, policy: RetryPolicy) -> bool:
+    return isinstance(exc, HardFailure) or (
+        bool(policy.permanent) and isinstance(exc, policy.permanent)
+    )
+
+
+class Harness:
+    """Runs deliveries through the fence, the handler and the failure policy."""
+
+    def __init__(
+        self,
+        app: App,
+        pool: AsyncConnectionPool[Any],
+        queue: QueuePort,
+        *,
+        metrics: MetricsSink,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._app = app
+        self._pool = pool
+        self._queue = queue
+        self._metrics = metrics
+        self._rng = rng if rng is not None else random.Random()
+        self._transactional = queue.capabilities.transactional
+
+    async def handle(self, delivery: Delivery) -> Outcome:
+        """Process one delivery; raises :class:`InfrastructureError` if the database is gone."""
+        message = delivery.message
+        consumer = self._app.get(message.consumer)
+        if consumer is None:
+            return await self._poison(
+                delivery,
+                PoisonMessage(
+                    f"no consumer named {message.consumer!r} is registered",
+                    error_class="UnknownConsumer",
+                ),
+            )
+        try:
+            payload = consumer.schema.model_validate(decode_body(message.body))
+        except PoisonMessage as exc:
+            return await self._poison(delivery, exc)
+        except ValidationError as exc:
+            return await self._poison(
+                delivery,
+                PoisonMessage(
+                    f"payload does not match {consumer.schema.__name__}: {exc}",
+                    error_class="SchemaInvalid",
+                ),
+            )
+        meta = JobMeta(
+            job_id=message.job_id,
+            consumer=consumer.name,
+            queue=message.queue,
+            tenant_id=message.tenant_id,
+            correlation_id=message.correlation_id,
+            attempt=delivery.attempt,
+        )
+
+        failure: BaseException | None = None
+        for conflict_try in range(CONFLICT_RETRIES + 1):
+            try:
+                return await self._run(consumer, delivery, payload, meta)
+            except (errors.SerializationFailure, errors.DeadlockDetected) as exc:
+                failure = exc
+                if conflict_try < CONFLICT_RETRIES:
+                    log.info("job %s: %s, retrying at once", meta.job_id, type(exc).__name__)
+                    continue
+            except InfrastructureError:
+                raise
+            except Exception as exc:
+                failure = exc
+            break
+        assert failure is not None
+        return await self._fail(consumer, delivery, failure)
+
+    async def _run(
+        self, consumer: Consumer[Any], delivery: Delivery, payload: BaseModel, meta: JobMeta
+    ) -> Outcome:
+        conn: AsyncConnection[Any] | None = None
+        try:
+            async with self._pool.connection() as conn, conn.transaction():
+                cur = await conn.execute(
+                    SQL["fence_insert"],
+                    {
+                        "job_id": meta.job_id,
+                        "consumer": meta.consumer,
+                        "tenant_id": meta.tenant_id,
+                        "ttl": consumer.fence_ttl,
+                    },
+                )
+                fresh = await cur.fetchone() is not None
+                if fresh:
+                    started = time.perf_counter()
+                    try:
+                        await consumer.handler(payload, meta, conn)
+                    finally:
+                        self._metrics.handler_duration(
+                            meta.queue, meta.consumer, time.perf_counter() - started
+                        )
+                if self._transactional:
+                    await self._queue.ack(delivery, tx=conn)
+        except Exception as exc:
+            if _is_connection_loss(exc, conn):
+                raise InfrastructureError(str(exc)) from exc
+            raise
+        if not self._transactional:
+            await self._queue.ack(delivery)
+        outcome = Outcome.SUCCEEDED if fresh else Outcome.DUPLICATE
+        self._metrics.job_outcome(meta.queue, meta.consumer, outcome)
+        if not fresh:
+            log.debug("job %s for %s already processed: skipped", meta.job_id, meta.consumer)
+        return outcome
+
+    async def _fail(self, consumer: Consumer[Any], delivery: Delivery, exc: BaseException) -> Outcome:
+        policy = consumer.retry
+        message = delivery.message
+        text = describe_error(exc)
+        if not _is_permanent(exc, policy) and delivery.attempt < policy.max_deliveries:
+            delay = policy.delay(delivery.attempt, self._rng)
+            await self._guard(self._queue.retry(delivery, delay_seconds=delay, error=text))
+            self._metrics.job_outcome(message.queue, message.consumer, Outcome.RETRIED)
+            log.info(
+                "job %s for %s failed (attempt %d of %d), retrying in %.1fs: %s",
+                message.job_id,
+                message.consumer,
+                delivery.attempt,
+                policy.max_deliveries,
+                delay,
+                error_class_of(exc),
+            )
+            return Outcome.RETRIED
+        await self._write_dead_letter(delivery, error_class_of(exc), text)
+        self._metrics.job_outcome(message.queue, message.consumer, Outcome.DEAD_LETTERED)
+        log.warning(
+            "job %s for %s dead-lettered after %d attempt(s): %s",
+            message.job_id,
+            message.consumer,
+            delivery.attempt,
+            error_class_of(exc),
+        )
+        return Outcome.DEAD_LETTERED
+
+    async def _poison(self, delivery: Delivery, exc: PoisonMessage) -> Outcome:
+        message = delivery.message
+        await self._write_dead_letter(delivery, exc.error_class, f"{exc.error_class}: {exc.reason}")
+        self._metrics.job_outcome(message.queue, message.consumer, Outcome.POISON)
+        log.warning(
+            "job %s for %s is poison, dead-lettered without retry: %s",
+            message.job_id,
+            message.consumer,
+            exc.reason[:300],
+        )
+        return Outcome.POISON
+
+    async def _write_dead_letter(self, delivery: Delivery, error_class: str, text: str) -> None:
+        message = delivery.message
+        payload_text, encoding = stored_payload(message.body)
+        params = {
+            "job_id": message.job_id,
+            "queue": message.queue,
+            "consumer": message.consumer,
+            "tenant_id": message.tenant_id,
+            "payload": payload_text,
+            "payload_encoding": encoding,
+            "attempts": delivery.attempt,
+            "last_error": text[:MAX_ERROR_CHARS],
+            "error_class": error_class[:200],
+            "correlation_id": message.correlation_id,
+        }
+
+        async def write() -> None:
+            async with self._pool.connection() as conn, conn.transaction():
+                await conn.execute(SQL["dead_letter_insert"], params)
+                if self._transactional:
+                    await self._queue.ack(delivery, tx=conn)
+            if not self._transactional:
+                await self._queue.ack(delivery)
+
+        await self._guard(write())
+
+    @staticmethod
+    async def _guard(action: Awaitable[None]) -> None:
+        """Run a queue or database action; turn a lost connection into InfrastructureError."""
+        try:
+            await action
+        except Exception as exc:
+            if _is_connection_loss(exc, None):
+                raise InfrastructureError(str(exc)) from exc
+            raise

@@ -1,0 +1,46 @@
+"""Plain data that flows through the harness: messages, deliveries and job metadata."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """A job to publish: addressed to one consumer on one queue, identified by ``job_id``.
+
+    ``body`` is the payload's bytes, normally UTF-8 JSON. The same ``job_id`` published twice
+    to the same consumer produces one effect.
+    """
+
+    queue: str
+    consumer: str
+    job_id: str
+    body: bytes
+    tenant_id: str | None = None
+    correlation_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """One delivery of a message to a worker, held under a lease until acked or given back.
+
+    ``attempt`` counts deliveries of this message, the first included (D1). ``receipt`` is the
+    adapter's own handle for ack, retry and release; the core never looks inside it.
+    """
+
+    message: Message
+    attempt: int
+    receipt: object
+
+
+@dataclass(frozen=True, slots=True)
+class JobMeta:
+    """What a handler knows about the job it is running."""
+
+    job_id: str
+    consumer: str
+    queue: str
+    tenant_id: str | None
+    correlation_id: str | None
+    attempt: int

@@ -1,0 +1,98 @@
+"""The ports the core talks through: the queue, the metrics sink and the clock.
+
+Adapters implement them; the core never imports an adapter. Every queue adapter passes the
+shared conformance suite in ``tests/queue_conformance.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Protocol
+
+from psycopg import AsyncConnection
+
+from jobfence.model import Delivery, Message
+
+
+@dataclass(frozen=True, slots=True)
+class QueueCapabilities:
+    """What an adapter can do beyond the minimum, declared rather than discovered.
+
+    ``transactional`` means the queue lives in the work database: ``publish`` and ``ack`` can
+    join a caller's transaction, so a job's ack commits (or rolls back) with its work, and a
+    replay's publish commits with the dead letter's status change.
+    """
+
+    transactional: bool
+    delayed_publish: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class QueueSize:
+    due: int
+    total: int
+
+
+class QueuePort(Protocol):
+    """An at-least-once queue that delivers messages under a lease."""
+
+    @property
+    def capabilities(self) -> QueueCapabilities: ...
+
+    async def publish(
+        self,
+        message: Message,
+        *,
+        delay_seconds: float = 0.0,
+        tx: AsyncConnection[object] | None = None,
+    ) -> None:
+        """Enqueue ``message``, visible after ``delay_seconds``.
+
+        With ``tx`` (transactional adapters only) the message is part of that transaction and
+        the adapter never commits it.
+        """
+
+    async def receive(
+        self,
+        queues: Sequence[str],
+        *,
+        max_messages: int,
+        lease_seconds: float,
+        wait_seconds: float = 0.0,
+    ) -> list[Delivery]:
+        """Take up to ``max_messages`` due messages, each under a lease of ``lease_seconds``.
+
+        Waits up to ``wait_seconds`` for one to arrive when none is due. A delivery not acked,
+        retried or released before its lease runs out is delivered again, with its attempt
+        count one higher.
+        """
+
+    async def ack(self, delivery: Delivery, *, tx: AsyncConnection[object] | None = None) -> None:
+        """Remove a delivered message for good (within ``tx`` for transactional adapters)."""
+
+    async def retry(self, delivery: Delivery, *, delay_seconds: float, error: str) -> None:
+        """Deliver the message again after ``delay_seconds``; the next attempt counts."""
+
+    async def release(self, delivery: Delivery) -> None:
+        """Give the message back at once without counting this delivery (shutdown, outage)."""
+
+    async def size(self, queues: Sequence[str]) -> QueueSize:
+        """How many messages are due now and held in total (due, scheduled or leased)."""
+
+    async def close(self) -> None: ...
+
+
+class Clock(Protocol):
+    """Wall-clock time for scheduling. Inject a fake one in tests instead of sleeping."""
+
+    def now(self) -> datetime: ...
+
+
+class MetricsSink(Protocol):
+    """Where the harness reports outcomes. Labels stay bounded: never job ids or attempts."""
+
+    def job_outcome(self, queue: str, consumer: str, outcome: str) -> None: ...
+
+    def handler_duration(self, queue: str, consumer: str, seconds: float) -> None: ...

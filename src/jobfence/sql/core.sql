@@ -1,0 +1,72 @@
+-- Named queries on the core schema. Loaded by jobfence._sql; every query here is prepared
+-- against a migrated database by tests/test_sql.py.
+
+-- name: fence_insert
+-- The dedupe fence: one row means "this job's work committed for this consumer".
+-- Returns a row only when this transaction inserted it; a duplicate returns nothing (after
+-- waiting for a concurrent holder of the same key to commit or roll back).
+INSERT INTO core.processed_jobs (job_id, consumer, tenant_id, expires_at)
+VALUES (%(job_id)s, %(consumer)s, %(tenant_id)s, now() + %(ttl)s::interval)
+ON CONFLICT (job_id, consumer) DO NOTHING
+RETURNING 1;
+
+-- name: fence_exists
+SELECT EXISTS (
+    SELECT 1 FROM core.processed_jobs WHERE job_id = %(job_id)s AND consumer = %(consumer)s
+);
+
+-- name: dead_letter_insert
+-- A redelivered failure of a job that already has a pending dead letter inserts nothing (D5).
+INSERT INTO core.dead_letters (
+    job_id, queue, consumer, tenant_id, payload, payload_encoding, attempts,
+    last_error, error_class, correlation_id
+)
+VALUES (
+    %(job_id)s, %(queue)s, %(consumer)s, %(tenant_id)s, %(payload)s, %(payload_encoding)s,
+    %(attempts)s, %(last_error)s, %(error_class)s, %(correlation_id)s
+)
+ON CONFLICT (job_id, consumer) WHERE status = 'pending_review' DO NOTHING
+RETURNING id;
+
+-- name: dead_letter_get
+SELECT id, job_id, queue, consumer, tenant_id, payload, payload_encoding, attempts, last_error,
+       error_class, correlation_id, status, discard_reason, created_at, resolved_at, resolved_by
+FROM core.dead_letters
+WHERE id = %(id)s;
+
+-- name: dead_letter_lock_pending
+-- Locks one dead letter for a status change; payload as text keeps its exact jsonb rendering.
+SELECT id, job_id, queue, consumer, tenant_id, payload::text AS payload_text, payload_encoding,
+       correlation_id, status
+FROM core.dead_letters
+WHERE id = %(id)s
+FOR UPDATE;
+
+-- name: dead_letter_mark_replayed
+UPDATE core.dead_letters
+SET status = 'replayed', resolved_at = now(), resolved_by = %(resolved_by)s
+WHERE id = %(id)s AND status = 'pending_review'
+RETURNING id;
+
+-- name: dead_letter_mark_discarded
+UPDATE core.dead_letters
+SET status = 'discarded', discard_reason = %(reason)s, resolved_at = now(),
+    resolved_by = %(resolved_by)s
+WHERE id = %(id)s AND status = 'pending_review'
+RETURNING id;
+
+-- name: cleanup_expired_batch
+-- Deletes at most %(batch_size)s expired fence rows by the database clock. SKIP LOCKED keeps
+-- two cleanups (or a cleanup and a worker) from waiting on each other; the outer re-check of
+-- expires_at means a row is never removed unless it is expired at delete time.
+WITH doomed AS (
+    SELECT job_id, consumer
+    FROM core.processed_jobs
+    WHERE expires_at < now()
+    ORDER BY expires_at
+    LIMIT %(batch_size)s
+    FOR UPDATE SKIP LOCKED
+)
+DELETE FROM core.processed_jobs p
+USING doomed
+WHERE p.job_id = doomed.job_id AND p.consumer = doomed.consumer AND p.expires_at < now();

@@ -1,0 +1,252 @@
+"""The worker: fetches batches under a lease, runs them through the harness, shuts down cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from psycopg_pool import AsyncConnectionPool
+
+from jobfence.adapters.prometheus import PrometheusMetrics
+from jobfence.app import App
+from jobfence.errors import ConfigError
+from jobfence.harness import Harness, InfrastructureError, Outcome
+from jobfence.model import Delivery
+from jobfence.ports import MetricsSink, QueuePort
+
+log = logging.getLogger("jobfence.worker")
+
+RunUntil = Literal["stopped", "idle", "empty"]
+
+
+@dataclass
+class WorkerStats:
+    """Outcomes of the deliveries this worker handled, for summaries (metrics hold the rest)."""
+
+    outcomes: Counter[str] = field(default_factory=Counter)
+    released: int = 0
+
+    @property
+    def handled(self) -> int:
+        return sum(self.outcomes.values())
+
+
+class Worker:
+    """Runs an :class:`App`'s consumers against a queue.
+
+    ``concurrency`` jobs run at once, each on its own pooled connection; the worker fetches up to
+    ``batch_size`` messages per round trip and keeps at most that many leased but not started.
+    ``run(until="idle")`` returns when nothing is due, ``until="empty"`` when the queues hold
+    nothing at all (scheduled retries included), and the default runs until :meth:`stop`.
+    """
+
+    def __init__(
+        self,
+        app: App,
+        pool: AsyncConnectionPool[Any],
+        queue: QueuePort,
+        *,
+        queues: Sequence[str] | None = None,
+        concurrency: int = 4,
+        batch_size: int | None = None,
+        lease_seconds: float = 300.0,
+        poll_seconds: float = 1.0,
+        shutdown_grace_seconds: float = 30.0,
+        metrics: MetricsSink | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        if concurrency < 1:
+            raise ConfigError(f"concurrency must be >= 1, got {concurrency}")
+        self.app = app
+        self.queue = queue
+        self.queues = list(queues) if queues else app.queues
+        unknown = sorted(set(self.queues) - set(app.queues))
+        if unknown:
+            raise ConfigError(f"no consumer is registered for queue(s) {', '.join(unknown)}")
+        self.concurrency = concurrency
+        self.batch_size = batch_size or max(2 * concurrency, 10)
+        self.lease_seconds = lease_seconds
+        self.poll_seconds = poll_seconds
+        self.shutdown_grace_seconds = shutdown_grace_seconds
+        self.metrics: MetricsSink = metrics if metrics is not None else PrometheusMetrics()
+        self.harness = Harness(app, pool, queue, metrics=self.metrics, rng=rng)
+        self.stats = WorkerStats()
+        self._pool = pool
+        self._stopping = asyncio.Event()
+        self._buffer: asyncio.Queue[Delivery] = asyncio.Queue()
+        self._room = asyncio.Event()
+        self._progress = asyncio.Event()
+        self._busy = 0
+        self._unreleased: list[Delivery] = []
+        self._outage = asyncio.Event()
+
+    def stop(self) -> None:
+        """Ask the worker to finish in-flight jobs, give back the rest and return."""
+        self._stopping.set()
+
+    def check(self) -> None:
+        """Start-up checks: D3 fence TTLs, and the retry overrides' rationales in the log."""
+        self.app.check_fence_ttls()
+        for consumer in self.app.consumers.values():
+            if consumer.queue not in self.queues:
+                continue
+            if consumer.retry.overrides_default:
+                log.info(
+                    "consumer %s on queue %s overrides the retry policy: %s",
+                    consumer.name,
+                    consumer.queue,
+                    consumer.retry.describe(),
+                )
+
+    async def run(self, *, until: RunUntil = "stopped") -> WorkerStats:
+        self.check()
+        processors = [
+            asyncio.create_task(self._process_loop(), name=f"jobfence-processor-{i}")
+            for i in range(self.concurrency)
+        ]
+        try:
+            await self._fetch_loop(until)
+        finally:
+            await self._shutdown(processors)
+        return self.stats
+
+    async def _fetch_loop(self, until: RunUntil) -> None:
+        wait = self.poll_seconds if until != "stopped" else 5.0
+        while not self._stopping.is_set():
+            if self._outage.is_set():
+                await self._recover()
+                continue
+            room = self.batch_size - self._buffer.qsize()
+            if self._buffer.qsize() >= self.concurrency or room <= 0:
+                self._room.clear()
+                await self._wait_or_stop(self._room.wait(), None)
+                continue
+            self._progress.clear()
+            try:
+                deliveries = await self.queue.receive(
+                    self.queues,
+                    max_messages=room,
+                    lease_seconds=self.lease_seconds,
+                    wait_seconds=0.0 if self._busy or self._buffer.qsize() else wait,
+                )
+            except Exception as exc:
+                log.warning("cannot fetch jobs (%s): pausing", type(exc).__name__)
+                self._outage.set()
+                continue
+            for delivery in deliveries:
+                self._buffer.put_nowait(delivery)
+            if deliveries:
+                continue
+            if until != "stopped" and await self._finished(until):
+                return
+            if self._busy or self._buffer.qsize():
+                await self._wait_or_stop(self._progress.wait(), self.poll_seconds)
+
+    async def _finished(self, until: RunUntil) -> bool:
+        if self._busy or self._buffer.qsize():
+            return False
+        try:
+            size = await self.queue.size(self.queues)
+        except Exception:
+            self._outage.set()
+            return False
+        if self._busy or self._buffer.qsize():
+            return False
+        return size.due == 0 if until == "idle" else size.total == 0
+
+    async def _wait_or_stop(self, aw: Any, timeout: float | None) -> None:
+        stop = asyncio.ensure_future(self._stopping.wait())
+        other = asyncio.ensure_future(aw)
+        try:
+            await asyncio.wait({stop, other}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (stop, other):
+                task.cancel()
+
+    async def _process_loop(self) -> None:
+        while True:
+            delivery = await self._buffer.get()
+            self._busy += 1
+            if self._buffer.qsize() < self.concurrency:
+                self._room.set()
+            try:
+                outcome = await self.harness.handle(delivery)
+                self.stats.outcomes[outcome] += 1
+            except InfrastructureError as exc:
+                log.warning("database unreachable while handling job %s: %s", delivery.message.job_id, exc)
+                self._unreleased.append(delivery)
+                self._outage.set()
+                self._room.set()
+            except asyncio.CancelledError:
+                self._unreleased.append(delivery)
+                raise
+            except Exception:
+                log.exception(
+                    "internal error handling job %s; it stays leased and comes back when its "
+                    "lease runs out",
+                    delivery.message.job_id,
+                )
+            finally:
+                self._busy -= 1
+                self._buffer.task_done()
+                self._progress.set()
+
+    async def _recover(self) -> None:
+        """D7: the database is unreachable. Pause, probe, then give back what we held."""
+        backoff = 0.5
+        while not self._stopping.is_set():
+            self._drain_buffer_to_unreleased()
+            try:
+                async with self._pool.connection(timeout=5.0) as conn:
+                    await conn.execute("SELECT 1")
+            except Exception as exc:
+                log.warning("database still unreachable (%s), retrying in %.1fs", type(exc).__name__, backoff)
+                await self._wait_or_stop(asyncio.sleep(backoff), None)
+                backoff = min(backoff * 2, 30.0)
+                continue
+            break
+        await self._release_held()
+        self._outage.clear()
+        log.info("database reachable again: resuming")
+
+    def _drain_buffer_to_unreleased(self) -> None:
+        while True:
+            try:
+                delivery = self._buffer.get_nowait()
+            except asyncio.QueueEmpty:
+                return
+            self._buffer.task_done()
+            self._unreleased.append(delivery)
+
+    async def _release_held(self) -> None:
+        held, self._unreleased = self._unreleased, []
+        for delivery in held:
+            try:
+                await self.queue.release(delivery)
+                self.stats.released += 1
+            except Exception as exc:
+                log.warning(
+                    "could not release job %s (%s); it returns when its lease runs out",
+                    delivery.message.job_id,
+                    type(exc).__name__,
+                )
+
+    async def _shutdown(self, processors: list[asyncio.Task[None]]) -> None:
+        """Give back what has not started, let running jobs finish within the grace period."""
+        self._drain_buffer_to_unreleased()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.shutdown_grace_seconds
+        while self._busy and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        for task in processors:
+            task.cancel()
+        for task in processors:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self._release_held()
