@@ -7,6 +7,7 @@ from jobfence.adapters.pg_queue import PgQueue
 from jobfence.adapters.prometheus import PrometheusMetrics
 from jobfence.app import App, Consumer
 from jobfence.cleanup import CleanupResult, cleanup_expired
+from jobfence.db import open_pool, resolve_database_url
 from jobfence.dead_letters import (
     DeadLetter,
     ReplayResult,
@@ -14,7 +15,6 @@ from jobfence.dead_letters import (
     get_dead_letter,
     replay_dead_letter,
 )
-from jobfence.db import open_pool, resolve_database_url
 from jobfence.errors import (
     ConfigError,
     DatabaseUnavailable,
@@ -25,10 +25,10 @@ from jobfence.errors import (
     PoisonMessage,
 )
 from jobfence.harness import Outcome
-from jobfence.migrate import migrate
 from jobfence.model import Delivery, JobMeta, Message
 from jobfence.ports import Clock, MetricsSink, QueueCapabilities, QueuePort, QueueSize
 from jobfence.retry import DEFAULT_RETRY_POLICY, RetryPolicy
+from jobfence.schema import migrate
 from jobfence.worker import Worker, WorkerStats
 
 __all__ = [

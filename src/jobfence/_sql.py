@@ -10,7 +10,6 @@ import functools
 import re
 from importlib import resources
 
-from psycopg.abc import Query
 from psycopg.sql import SQL
 
 _HEADER = re.compile(r"^--\s*name:\s*([a-z_][a-z0-9_]*)\s*$", re.MULTILINE)
@@ -42,12 +41,12 @@ class Queries:
 
     def __init__(self, package: str, filename: str) -> None:
         self._raw = load_queries(package, filename)
-        self._compiled: dict[str, Query] = {
-            name: SQL(body)  # type: ignore[arg-type]  # trusted text from the package itself
+        self._compiled: dict[str, SQL] = {
+            name: SQL(body)  # trusted text shipped in the package itself
             for name, body in self._raw.items()
         }
 
-    def __getitem__(self, name: str) -> Query:
+    def __getitem__(self, name: str) -> SQL:
         return self._compiled[name]
 
     def names(self) -> list[str]:

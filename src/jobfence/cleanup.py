@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -61,9 +62,9 @@ async def cleanup_every(
     while not stop.is_set():
         result = await cleanup_expired(conn, batch_size=batch_size)
         total += result.deleted
-        log.info("cleanup removed %d expired fence rows in %d batch(es)", result.deleted, result.batches)
-        try:
+        log.info(
+            "cleanup removed %d expired fence rows in %d batch(es)", result.deleted, result.batches
+        )
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), interval_seconds)
-        except TimeoutError:
-            pass
     return total

@@ -14,7 +14,7 @@ from typing import Any
 
 import psycopg
 
-from jobfence import db, migrate
+from jobfence import db, schema
 from jobfence.app import App
 from jobfence.errors import JobfenceError
 
@@ -37,17 +37,17 @@ def _load_app(spec: str) -> App:
 
 async def _cmd_migrate(args: argparse.Namespace) -> int:
     if args.print_sql:
-        sys.stdout.write(migrate.render_sql())
+        sys.stdout.write(schema.render_sql())
         return 0
     url = db.resolve_database_url()
     await db.check_connection(url)
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
-        applied = await migrate.migrate(conn)
+        applied = await schema.migrate(conn)
     if applied:
         for m in applied:
             print(f"applied {m.version:04d}_{m.name}")
     else:
-        print(f"already up to date (version {migrate.latest_version():04d})")
+        print(f"already up to date (version {schema.latest_version():04d})")
     return 0
 
 
@@ -61,7 +61,7 @@ async def _cmd_worker(args: argparse.Namespace) -> int:
     pool = await db.open_pool(url, max_size=args.concurrency + 2, name="jobfence-worker")
     try:
         async with pool.connection() as conn:
-            await migrate.ensure_migrated(conn)
+            await schema.ensure_migrated(conn)
         queue = PgQueue(pool)
         worker = Worker(
             app,
@@ -97,7 +97,7 @@ async def _cmd_cleanup(args: argparse.Namespace) -> int:
     url = db.resolve_database_url()
     await db.check_connection(url)
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
-        await migrate.ensure_migrated(conn)
+        await schema.ensure_migrated(conn)
         if args.every is None:
             result = await cleanup_expired(conn, batch_size=args.batch_size)
             print(f"removed {result.deleted} expired fence rows in {result.batches} batch(es)")

@@ -46,7 +46,9 @@ def decode_body(body: bytes) -> Any:
     try:
         value = json.loads(text, parse_constant=_reject_constant)
     except ValueError as exc:
-        raise PoisonMessage(f"payload is not valid JSON: {exc}", error_class="InvalidJson") from None
+        raise PoisonMessage(
+            f"payload is not valid JSON: {exc}", error_class="InvalidJson"
+        ) from None
     if "\\u" in text:  # escapes are the only way NULs and lone surrogates get in
         reason = _unstorable_reason(value)
         if reason is not None:

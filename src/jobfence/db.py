@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -42,14 +43,17 @@ def validate_url(url: str) -> str:
 def start_embedded(data_dir: Path) -> str:
     """Start (or find running) an embedded PostgreSQL in ``data_dir`` and return its URL."""
     try:
-        import pgserver
+        from pgserver import get_server  # type: ignore[attr-defined]
     except ImportError:  # pragma: no cover - pgserver is a dependency
         raise ConfigError(
             f"{ENV_DATABASE_URL} is not set and the embedded PostgreSQL (pgserver) is not installed"
         ) from None
     data_dir.mkdir(parents=True, exist_ok=True)
     log.info("no %s set: using embedded PostgreSQL in %s", ENV_DATABASE_URL, data_dir)
-    server = pgserver.get_server(str(data_dir.resolve()))
+    with warnings.catch_warnings():
+        # platformdirs warns when XDG_RUNTIME_DIR is unset (containers, CI): harmless here.
+        warnings.simplefilter("ignore")
+        server = get_server(str(data_dir.resolve()))
     return str(server.get_uri())
 
 
@@ -61,10 +65,10 @@ def resolve_database_url() -> str:
     return start_embedded(embedded_dir_from_env())
 
 
-async def check_connection(url: str, *, timeout: int = 5) -> None:
+async def check_connection(url: str, *, connect_timeout: int = 5) -> None:
     """Connect once; turn failure into one clear line without the password."""
     try:
-        conn = await psycopg.AsyncConnection.connect(url, connect_timeout=timeout)
+        conn = await psycopg.AsyncConnection.connect(url, connect_timeout=connect_timeout)
     except psycopg.OperationalError as exc:
         reason = " ".join(str(exc).split())
         raise DatabaseUnavailable(

@@ -8,6 +8,7 @@ recovers, and that a job that always fails ends as one dead letter after 6 deliv
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import sys
 import time
@@ -21,9 +22,9 @@ from jobfence import db
 from jobfence.adapters.pg_queue import PgQueue, publish_on
 from jobfence.adapters.prometheus import PrometheusMetrics
 from jobfence.app import App
-from jobfence.migrate import migrate
 from jobfence.model import JobMeta, Message
 from jobfence.retry import RetryPolicy
+from jobfence.schema import migrate
 from jobfence.worker import Worker
 
 QUEUE = "demo-loyalty"
@@ -86,43 +87,71 @@ async def _scalar(conn: AsyncConnection[Any], query: Any, params: Any = None) ->
     return row[0] if row else None
 
 
-async def _enqueue(app: App, conn: AsyncConnection[Any], run: str, jobs: int, duplicates: int) -> dict[str, int]:
+async def _enqueue(
+    app: App, conn: AsyncConnection[Any], run: str, jobs: int, duplicates: int
+) -> dict[str, int]:
     rng = random.Random(42)
-    expected_points = 0
+    awards = [
+        AwardPoints(account_id=rng.randint(1, ACCOUNTS), points=rng.randint(1, 50))
+        for _ in range(jobs)
+    ]
+    expected_points = sum(a.points for a in awards)
+    # Each award once, then redeliveries of some of them with the same job_id, as a broker
+    # timeout or a deploy would cause.
+    order = list(range(jobs)) + [rng.randrange(jobs) for _ in range(duplicates)]
     async with conn.transaction():
-        for i in range(1, jobs + 1):
-            payload = AwardPoints(account_id=rng.randint(1, ACCOUNTS), points=rng.randint(1, 50))
-            expected_points += payload.points
-            await app.enqueue(conn, "award_points", payload, job_id=f"{run}:award-{i}",
-                              tenant_id="demo", correlation_id=f"{run}:order-{i}")
-        # Redeliveries: the same job_ids again, as a broker timeout or a deploy would cause.
-        for _ in range(duplicates):
-            i = rng.randint(1, jobs)
-            rng2 = random.Random(42)
-            payload = None
-            for _k in range(i):
-                payload = AwardPoints(account_id=rng2.randint(1, ACCOUNTS), points=rng2.randint(1, 50))
-            assert payload is not None
-            await app.enqueue(conn, "award_points", payload, job_id=f"{run}:award-{i}",
-                              tenant_id="demo", correlation_id=f"{run}:order-{i}")
+        for i in order:
+            await app.enqueue(
+                conn,
+                "award_points",
+                awards[i],
+                job_id=f"{run}:award-{i + 1}",
+                tenant_id="demo",
+                correlation_id=f"{run}:order-{i + 1}",
+            )
         # A transient failure that recovers on the third delivery.
         flaky = AwardPoints(account_id=1, points=7, fail_until_attempt=3)
         expected_points += flaky.points
-        await app.enqueue(conn, "award_points", flaky, job_id=f"{run}:flaky",
-                          tenant_id="demo", correlation_id=f"{run}:flaky")
+        await app.enqueue(
+            conn,
+            "award_points",
+            flaky,
+            job_id=f"{run}:flaky",
+            tenant_id="demo",
+            correlation_id=f"{run}:flaky",
+        )
         # A job that always fails: 6 deliveries, then one dead letter.
-        await app.enqueue(conn, "award_points", AwardPoints(account_id=2, points=5, always_fail=True),
-                          job_id=f"{run}:doomed", tenant_id="demo", correlation_id=f"{run}:doomed")
+        await app.enqueue(
+            conn,
+            "award_points",
+            AwardPoints(account_id=2, points=5, always_fail=True),
+            job_id=f"{run}:doomed",
+            tenant_id="demo",
+            correlation_id=f"{run}:doomed",
+        )
         # A poison payload: points is not a number. Published raw, as a buggy producer would.
-        await publish_on(conn, Message(queue=QUEUE, consumer="award_points", job_id=f"{run}:poison",
-                                       body=b'{"account_id": 3, "points": "lots"}',
-                                       tenant_id="demo", correlation_id=f"{run}:poison"))
-    return {"expected_points": expected_points, "expected_effects": jobs + 1,
-            "deliveries": jobs + duplicates + 3}
+        await publish_on(
+            conn,
+            Message(
+                queue=QUEUE,
+                consumer="award_points",
+                job_id=f"{run}:poison",
+                body=b'{"account_id": 3, "points": "lots"}',
+                tenant_id="demo",
+                correlation_id=f"{run}:poison",
+            ),
+        )
+    return {
+        "expected_points": expected_points,
+        "expected_effects": jobs + 1,
+        "deliveries": jobs + duplicates + 3,
+    }
 
 
 async def run_demo(*, jobs: int = 200, duplicates: int = 50, out: Any = None) -> int:
     out = out or sys.stdout
+    # The progress display and the summary say it all; keep per-job log lines out of the way.
+    logging.getLogger("jobfence").setLevel(logging.ERROR)
     url = db.resolve_database_url()
     print(f"database: {db.redact(url)}", file=out)
     pool = await db.open_pool(url, max_size=8, name="jobfence-demo")
@@ -137,12 +166,18 @@ async def run_demo(*, jobs: int = 200, duplicates: int = 50, out: Any = None) ->
             await conn.execute("DELETE FROM jobfence_queue.messages WHERE queue = %s", (QUEUE,))
             await conn.execute(
                 "INSERT INTO jobfence_demo.accounts (id) SELECT generate_series(1, %s)"
-                " ON CONFLICT DO NOTHING", (ACCOUNTS,))
-            before = await _scalar(conn, "SELECT coalesce(sum(points), 0) FROM jobfence_demo.accounts")
+                " ON CONFLICT DO NOTHING",
+                (ACCOUNTS,),
+            )
+            before = await _scalar(
+                conn, "SELECT coalesce(sum(points), 0) FROM jobfence_demo.accounts"
+            )
             plan = await _enqueue(app, conn, run, jobs, duplicates)
-        print(f"run {run}: enqueued {plan['deliveries']} deliveries "
-              f"({jobs} award jobs, {duplicates} duplicates, 1 flaky, 1 always failing, 1 poison)",
-              file=out)
+        print(
+            f"run {run}: enqueued {plan['deliveries']} deliveries "
+            f"({jobs} award jobs, {duplicates} duplicates, 1 flaky, 1 always failing, 1 poison)",
+            file=out,
+        )
 
         queue = PgQueue(pool, poll_interval_seconds=0.1)
         worker = Worker(app, pool, queue, concurrency=4, poll_seconds=0.1, metrics=metrics)
@@ -152,21 +187,34 @@ async def run_demo(*, jobs: int = 200, duplicates: int = 50, out: Any = None) ->
             await asyncio.wait({task}, timeout=0.5)
             size = await queue.size([QUEUE])
             s = worker.stats.outcomes
-            print(f"  {time.perf_counter() - started:5.1f}s  handled {worker.stats.handled:4d}  "
-                  f"succeeded {s['succeeded']:4d}  duplicates {s['duplicate']:3d}  "
-                  f"retries {s['retried']:2d}  dead letters {s['dead_lettered'] + s['poison']:2d}  "
-                  f"queue {size.total}", file=out)
+            print(
+                f"  {time.perf_counter() - started:5.1f}s  handled {worker.stats.handled:4d}  "
+                f"succeeded {s['succeeded']:4d}  duplicates {s['duplicate']:3d}  "
+                f"retries {s['retried']:2d}  dead letters {s['dead_lettered'] + s['poison']:2d}  "
+                f"queue {size.total}",
+                file=out,
+            )
         await task
         await queue.close()
         elapsed = time.perf_counter() - started
 
         async with pool.connection() as conn:
-            effects = await _scalar(conn, "SELECT count(*) FROM jobfence_demo.awards WHERE job_id LIKE %s", (f"{run}:%",))
-            after = await _scalar(conn, "SELECT coalesce(sum(points), 0) FROM jobfence_demo.accounts")
-            fences = await _scalar(conn, "SELECT count(*) FROM core.processed_jobs WHERE job_id LIKE %s", (f"{run}:%",))
+            effects = await _scalar(
+                conn,
+                "SELECT count(*) FROM jobfence_demo.awards WHERE job_id LIKE %s",
+                (f"{run}:%",),
+            )
+            after = await _scalar(
+                conn, "SELECT coalesce(sum(points), 0) FROM jobfence_demo.accounts"
+            )
+            fences = await _scalar(
+                conn, "SELECT count(*) FROM core.processed_jobs WHERE job_id LIKE %s", (f"{run}:%",)
+            )
             cur = await conn.execute(
-                "SELECT job_id, attempts, error_class FROM core.dead_letters WHERE job_id LIKE %s ORDER BY id",
-                (f"{run}:%",))
+                "SELECT job_id, attempts, error_class FROM core.dead_letters"
+                " WHERE job_id LIKE %s ORDER BY id",
+                (f"{run}:%",),
+            )
             dead = await cur.fetchall()
     finally:
         await pool.close()
@@ -188,6 +236,10 @@ async def run_demo(*, jobs: int = 200, duplicates: int = 50, out: Any = None) ->
         print(f"  {label:<20} {got:>6}   expected {want:<6} {mark}", file=out)
     for job_id, attempts, error_class in dead:
         print(f"  dead letter: {job_id}  attempts={attempts}  {error_class}", file=out)
-    print("\nall checks passed: each award applied once, no failure lost" if ok
-          else "\nSOME CHECKS FAILED", file=out)
+    print(
+        "\nall checks passed: each award applied once, no failure lost"
+        if ok
+        else "\nSOME CHECKS FAILED",
+        file=out,
+    )
     return 0 if ok else 1

@@ -21,7 +21,7 @@ class DatabaseUnavailable(JobfenceError):
     __module__ = "jobfence"
 
 
-class HardFailure(Exception):  # noqa: N818 - the name reads as what the handler says
+class HardFailure(Exception):
     """Raised by a handler to say "this job can never succeed": it is dead-lettered at once.
 
     Any other exception is transient and retried per the consumer's retry policy (D7).

@@ -1,4 +1,4 @@
-"""One delivery, from bytes to exactly one effect or one dead letter.
+r"""One delivery, from bytes to exactly one effect or one dead letter.
 
     decode/validate -> transaction(fence insert, handler, ack) -> commit
                     \-> poison: dead letter at once (D6)
@@ -193,7 +193,9 @@ class Harness:
             log.debug("job %s for %s already processed: skipped", meta.job_id, meta.consumer)
         return outcome
 
-    async def _fail(self, consumer: Consumer[Any], delivery: Delivery, exc: BaseException) -> Outcome:
+    async def _fail(
+        self, consumer: Consumer[Any], delivery: Delivery, exc: BaseException
+    ) -> Outcome:
         policy = consumer.retry
         message = delivery.message
         text = describe_error(exc)

@@ -16,7 +16,7 @@ from psycopg_pool import AsyncConnectionPool
 from jobfence.adapters.prometheus import PrometheusMetrics
 from jobfence.app import App
 from jobfence.errors import ConfigError
-from jobfence.harness import Harness, InfrastructureError, Outcome
+from jobfence.harness import Harness, InfrastructureError
 from jobfence.model import Delivery
 from jobfence.ports import MetricsSink, QueuePort
 
@@ -160,11 +160,13 @@ class Worker:
             return False
         return size.due == 0 if until == "idle" else size.total == 0
 
-    async def _wait_or_stop(self, aw: Any, timeout: float | None) -> None:
+    async def _wait_or_stop(self, aw: Any, max_seconds: float | None) -> None:
         stop = asyncio.ensure_future(self._stopping.wait())
         other = asyncio.ensure_future(aw)
         try:
-            await asyncio.wait({stop, other}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(
+                {stop, other}, timeout=max_seconds, return_when=asyncio.FIRST_COMPLETED
+            )
         finally:
             for task in (stop, other):
                 task.cancel()
@@ -179,7 +181,9 @@ class Worker:
                 outcome = await self.harness.handle(delivery)
                 self.stats.outcomes[outcome] += 1
             except InfrastructureError as exc:
-                log.warning("database unreachable while handling job %s: %s", delivery.message.job_id, exc)
+                log.warning(
+                    "database unreachable while handling job %s: %s", delivery.message.job_id, exc
+                )
                 self._unreleased.append(delivery)
                 self._outage.set()
                 self._room.set()
@@ -206,7 +210,11 @@ class Worker:
                 async with self._pool.connection(timeout=5.0) as conn:
                     await conn.execute("SELECT 1")
             except Exception as exc:
-                log.warning("database still unreachable (%s), retrying in %.1fs", type(exc).__name__, backoff)
+                log.warning(
+                    "database still unreachable (%s), retrying in %.1fs",
+                    type(exc).__name__,
+                    backoff,
+                )
                 await self._wait_or_stop(asyncio.sleep(backoff), None)
                 backoff = min(backoff * 2, 30.0)
                 continue
@@ -242,8 +250,10 @@ class Worker:
         self._drain_buffer_to_unreleased()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.shutdown_grace_seconds
-        while self._busy and loop.time() < deadline:
-            await asyncio.sleep(0.01)
+        while self._busy and (remaining := deadline - loop.time()) > 0:
+            self._progress.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._progress.wait(), remaining)
         for task in processors:
             task.cancel()
         for task in processors:

@@ -83,7 +83,13 @@ class PgQueue:
         *,
         clock: Clock | None = None,
         poll_interval_seconds: float = 1.0,
+        listen_conninfo: str | None = None,
     ) -> None:
+        if listen_conninfo is None:
+            if not isinstance(pool.conninfo, str):
+                raise TypeError("pass listen_conninfo when the pool's conninfo is not a string")
+            listen_conninfo = pool.conninfo
+        self._listen_conninfo = listen_conninfo
         self._pool = pool
         self._clock = clock
         self._poll_interval = poll_interval_seconds
@@ -214,9 +220,8 @@ class PgQueue:
         backoff = 0.5
         while not self._closed:
             try:
-                kwargs = {**(self._pool.kwargs or {}), "autocommit": True}
                 async with await psycopg.AsyncConnection.connect(
-                    self._pool.conninfo, **kwargs
+                    self._listen_conninfo, autocommit=True
                 ) as conn:
                     await conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
                     backoff = 0.5

@@ -6,7 +6,22 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 OUTCOMES = ("succeeded", "duplicate", "retried", "dead_lettered", "poison")
 
-DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+DURATION_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+)
 
 
 class PrometheusMetrics:

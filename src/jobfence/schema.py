@@ -80,9 +80,7 @@ def render_sql() -> str:
 
 
 async def applied_versions(conn: AsyncConnection[Any]) -> dict[int, str]:
-    cur = await conn.execute(
-        "SELECT to_regclass('jobfence.schema_migrations') IS NOT NULL"
-    )
+    cur = await conn.execute("SELECT to_regclass('jobfence.schema_migrations') IS NOT NULL")
     row = await cur.fetchone()
     if not row or not row[0]:
         return {}
@@ -100,7 +98,7 @@ async def migrate(conn: AsyncConnection[Any]) -> list[Migration]:
     applied: list[Migration] = []
     async with conn.transaction():
         await conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK_KEY,))
-        await conn.execute(SQL(BOOKKEEPING))  # type: ignore[arg-type]
+        await conn.execute(BOOKKEEPING)
         done = await applied_versions(conn)
         for m in migrations():
             if m.version in done:
@@ -110,7 +108,7 @@ async def migrate(conn: AsyncConnection[Any]) -> list[Migration]:
                         "(checksum mismatch); the database and this jobfence version disagree"
                     )
                 continue
-            await conn.execute(SQL(m.sql))  # type: ignore[arg-type]
+            await conn.execute(SQL(m.sql))  # our own shipped file
             await conn.execute(
                 "INSERT INTO jobfence.schema_migrations (version, name, checksum)"
                 " VALUES (%s, %s, %s)",

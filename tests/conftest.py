@@ -1,0 +1,113 @@
+"""Shared fixtures: a real PostgreSQL, one fresh migrated database per test.
+
+The server is ``JOBFENCE_DATABASE_URL`` when set (CI points it at the machine's PostgreSQL),
+otherwise an embedded PostgreSQL (pgserver) started once for the session. Each test gets its
+own database cloned from a migrated template, so tests never see each other's rows and
+``core.dead_letters`` can stay append-only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import tempfile
+import warnings
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg_pool import AsyncConnectionPool
+
+from jobfence import db
+from jobfence.schema import migrate
+from support import with_dbname
+
+_counter = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def server_url() -> Iterator[str]:
+    url = os.environ.get("JOBFENCE_DATABASE_URL", "").strip()
+    if url:
+        try:
+            psycopg.connect(url, connect_timeout=5).close()
+        except psycopg.OperationalError as exc:
+            pytest.exit(f"JOBFENCE_DATABASE_URL is set but unreachable: {exc}", returncode=3)
+        yield url
+        return
+    from pgserver import get_server
+
+    data_dir = Path(tempfile.mkdtemp(prefix="jobfence-test-pg-"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        server = get_server(str(data_dir), cleanup_mode="stop")
+    yield str(server.get_uri())
+    server.cleanup()
+
+
+@pytest.fixture(scope="session")
+def template_dbname(server_url: str) -> Iterator[str]:
+    name = f"jobfence_tpl_{os.getpid()}"
+    with psycopg.connect(server_url, autocommit=True) as admin:
+        admin.execute(f'DROP DATABASE IF EXISTS "{name}"')
+        admin.execute(f'CREATE DATABASE "{name}"')
+
+    async def _migrate() -> None:
+        async with await psycopg.AsyncConnection.connect(
+            with_dbname(server_url, name), autocommit=True
+        ) as conn:
+            await migrate(conn)
+
+    asyncio.run(_migrate())
+    yield name
+    with psycopg.connect(server_url, autocommit=True) as admin:
+        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def create_database(server_url: str, *, template: str | None) -> str:
+    name = f"jobfence_t_{os.getpid()}_{next(_counter)}"
+    with psycopg.connect(server_url, autocommit=True) as admin:
+        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        if template:
+            admin.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template}"')
+        else:
+            admin.execute(f'CREATE DATABASE "{name}"')
+    return name
+
+
+def drop_database(server_url: str, name: str) -> None:
+    with psycopg.connect(server_url, autocommit=True) as admin:
+        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def database_url(server_url: str, template_dbname: str) -> Iterator[str]:
+    """A fresh, migrated database for this test alone."""
+    name = create_database(server_url, template=template_dbname)
+    yield with_dbname(server_url, name)
+    drop_database(server_url, name)
+
+
+@pytest.fixture
+def empty_database_url(server_url: str) -> Iterator[str]:
+    """A fresh database with no jobfence schema (for migration tests)."""
+    name = create_database(server_url, template=None)
+    yield with_dbname(server_url, name)
+    drop_database(server_url, name)
+
+
+@pytest.fixture
+async def pool(database_url: str) -> AsyncIterator[AsyncConnectionPool[Any]]:
+    p = await db.open_pool(database_url, min_size=1, max_size=12)
+    yield p
+    await p.close()
+
+
+@pytest.fixture
+async def conn(database_url: str) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+    c = await psycopg.AsyncConnection.connect(database_url, autocommit=True)
+    yield c
+    await c.close()

@@ -1,0 +1,40 @@
+"""Helpers shared by the tests: polling with deadlines, one-value queries, database names."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import psycopg
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+
+def with_dbname(url: str, dbname: str) -> str:
+    params = conninfo_to_dict(url)
+    params["dbname"] = dbname
+    return make_conninfo("", **params)
+
+
+async def wait_until(
+    predicate: Callable[[], Awaitable[bool]],
+    *,
+    timeout: float = 10.0,
+    interval: float = 0.02,
+    message: str = "condition",
+) -> None:
+    """Poll ``predicate`` until it is true; fail the test after ``timeout`` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        if await predicate():
+            return
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {message}")
+        await asyncio.sleep(interval)
+
+
+async def scalar(conn: psycopg.AsyncConnection[Any], query: Any, params: Any = None) -> Any:
+    cur = await conn.execute(query, params)
+    row = await cur.fetchone()
+    return None if row is None else row[0]
