@@ -40,6 +40,7 @@ MAX_ERROR_CHARS = 4000
 MAX_TRACEBACK_FRAMES = 15
 # Serialization failures and deadlocks are retried at once, without counting an attempt (D7).
 CONFLICT_RETRIES = 3
+UNKNOWN_CONSUMER_LABEL = "<unknown>"
 
 
 class Outcome(enum.StrEnum):
@@ -227,7 +228,9 @@ class Harness:
     async def _poison(self, delivery: Delivery, exc: PoisonMessage) -> Outcome:
         message = delivery.message
         await self._write_dead_letter(delivery, exc.error_class, f"{exc.error_class}: {exc.reason}")
-        self._metrics.job_outcome(message.queue, message.consumer, Outcome.POISON)
+        # Metric labels stay bounded: a message may name any consumer, registered or not.
+        label = message.consumer if self._app.get(message.consumer) else UNKNOWN_CONSUMER_LABEL
+        self._metrics.job_outcome(message.queue, label, Outcome.POISON)
         log.warning(
             "job %s for %s is poison, dead-lettered without retry: %s",
             message.job_id,

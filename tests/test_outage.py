@@ -1,0 +1,56 @@
+"""D7: when the database connection is lost, the worker pauses, reconnects and gives back the
+jobs it held, without burning their retries or losing them."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import psycopg
+from psycopg_pool import AsyncConnectionPool
+
+import pointsapp
+from jobfence import PgQueue, PrometheusMetrics, Worker
+from support import scalar, wait_until
+
+JOBS = 40
+
+
+async def test_database_connections_killed_mid_run_lose_no_job_and_burn_no_retry(
+    database_url: str, pool: AsyncConnectionPool[Any], conn: psycopg.AsyncConnection[Any]
+) -> None:
+    await conn.execute(pointsapp.SCHEMA_SQL)
+    app = pointsapp.build_app()
+    async with conn.transaction():
+        for i in range(JOBS):
+            await app.enqueue(
+                conn, "award_points", {"account_id": 1, "points": 1, "mode": "slow"}, job_id=f"j{i}"
+            )
+    metrics = PrometheusMetrics()
+    queue = PgQueue(pool, poll_interval_seconds=0.1)
+    worker = Worker(app, pool, queue, concurrency=3, poll_seconds=0.1, metrics=metrics)
+    run = asyncio.create_task(worker.run(until="empty"))
+
+    async def some_done() -> bool:
+        return metrics.count("succeeded") >= 5
+
+    await wait_until(some_done, message="the first jobs to succeed")
+    # Cut every connection the worker holds (handlers mid-transaction, fetcher, listener).
+    killed = await scalar(
+        conn,
+        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+        " WHERE datname = current_database() AND pid <> pg_backend_pid()",
+    )
+    assert killed >= 1
+    stats = await asyncio.wait_for(run, timeout=60)
+    await queue.close()
+    # The jobs cut off mid-transaction were given back without counting the delivery.
+    assert stats.released >= 1
+
+    assert await scalar(conn, "SELECT count(*) FROM awards") == JOBS
+    assert await scalar(conn, "SELECT count(DISTINCT job_id) FROM awards") == JOBS
+    assert await scalar(conn, "SELECT points FROM accounts WHERE id = 1") == JOBS
+    assert await scalar(conn, "SELECT count(*) FROM core.processed_jobs") == JOBS
+    assert await scalar(conn, "SELECT count(*) FROM core.dead_letters") == 0
+    assert metrics.count("retried") == 0
+    assert metrics.count("dead_lettered") == 0
