@@ -25,6 +25,9 @@ from jobfence import db
 from jobfence.schema import migrate
 from support import with_dbname
 
+# The shared queue conformance suite is a helper module: have pytest rewrite its asserts too.
+pytest.register_assert_rewrite("queue_conformance")
+
 _counter = itertools.count()
 
 

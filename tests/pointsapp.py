@@ -11,7 +11,8 @@ from jobfence import App, HardFailure, JobMeta, RetryPolicy
 
 QUEUE = "loyalty"
 SCHEMA_SQL = """
-CREATE TABLE IF NOT EXISTS public.accounts (id integer PRIMARY KEY, points bigint NOT NULL DEFAULT 0);
+CREATE TABLE IF NOT EXISTS public.accounts (
+    id integer PRIMARY KEY, points bigint NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS public.awards (
     job_id text NOT NULL, account_id integer NOT NULL, points integer NOT NULL);
 INSERT INTO public.accounts (id) SELECT generate_series(1, 10) ON CONFLICT DO NOTHING;

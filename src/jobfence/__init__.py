@@ -3,6 +3,7 @@
 The public API is what ``__all__`` lists; everything else is private.
 """
 
+from jobfence.adapters.memory import MemoryQueue
 from jobfence.adapters.pg_queue import PgQueue
 from jobfence.adapters.prometheus import PrometheusMetrics
 from jobfence.app import App, Consumer
@@ -46,6 +47,7 @@ __all__ = [
     "HardFailure",
     "JobMeta",
     "JobfenceError",
+    "MemoryQueue",
     "Message",
     "MetricsSink",
     "Outcome",

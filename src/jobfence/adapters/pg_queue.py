@@ -225,6 +225,9 @@ class PgQueue:
                 ) as conn:
                     await conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
                     backoff = 0.5
+                    # A publish committed before LISTEN notified nobody: waiting receivers look
+                    # again now instead of at the next poll.
+                    self._wakeup.set()
                     async for _ in conn.notifies():
                         self._wakeup.set()
             except asyncio.CancelledError:

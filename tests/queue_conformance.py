@@ -1,0 +1,403 @@
+"""The contract every queue adapter passes (STYLE habit 3), as a base class to inherit.
+
+An adapter's test module subclasses :class:`QueueConformance`, sets ``expected_capabilities``
+and provides an ``env`` fixture returning a :class:`QueueEnv`: the queue under test, a
+:class:`FakeClock` when the adapter accepts one (then leases and delays pass without waiting),
+and for transactional adapters an autocommit connection to the work database. An adapter on
+real time gets short leases and delays, and the tests poll with deadlines instead of sleeping.
+
+A capability an adapter lacks is declared, never skipped: the capability-gated tests check the
+behaviour where it is declared and the refusal (``ConfigError``) where it is not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any, ClassVar, cast
+
+import psycopg
+import pytest
+
+from jobfence import ConfigError, Delivery, Message, QueueCapabilities, QueuePort, QueueSize
+from support import wait_until
+
+QUEUE = "conformance.main"
+OTHER_QUEUE = "conformance.other"
+
+# Handed to a non-transactional adapter's publish/ack when the env has no database at all:
+# the adapter must refuse any tx before touching it.
+_STAND_IN_TX = cast("psycopg.AsyncConnection[Any]", object())
+
+
+class FakeClock:
+    """A :class:`jobfence.Clock` that moves only when told to."""
+
+    def __init__(self, start: datetime | None = None) -> None:
+        self._now = start if start is not None else datetime.now(UTC)
+
+    def now(self) -> datetime:
+        return self._now
+
+    def advance(self, seconds: float) -> None:
+        self._now += timedelta(seconds=seconds)
+
+
+async def _yield_to_the_loop() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+@dataclass
+class QueueEnv:
+    """One adapter under test, and what the suite needs to drive it."""
+
+    queue: QueuePort
+    # None: the adapter runs on real time, so leases and delays are short and the tests poll.
+    clock: FakeClock | None = None
+    # Transactional adapters: an autocommit connection to the work database for the caller's tx.
+    work_conn: psycopg.AsyncConnection[Any] | None = None
+    # Returns once a receiver started in a task is really waiting (e.g. its listener is up).
+    until_receiver_waits: Callable[[], Awaitable[None]] = _yield_to_the_loop
+    lease_seconds: float = 0.0  # 0: the default for the clock (30 s fake, 0.5 s real)
+    delay_seconds: float = 0.0  # 0: the default for the clock (60 s fake, 0.5 s real)
+
+    def __post_init__(self) -> None:
+        fake = self.clock is not None
+        self.lease_seconds = self.lease_seconds or (30.0 if fake else 0.5)
+        self.delay_seconds = self.delay_seconds or (60.0 if fake else 0.5)
+
+    async def elapse(self, seconds: float) -> None:
+        """Let ``seconds`` pass: at once on a fake clock; on real time, the tests poll."""
+        if self.clock is not None:
+            self.clock.advance(seconds)
+
+    async def receive(
+        self, queues: Sequence[str] = (QUEUE,), *, max_messages: int = 10
+    ) -> list[Delivery]:
+        return await self.queue.receive(
+            queues, max_messages=max_messages, lease_seconds=self.lease_seconds
+        )
+
+    async def receive_soon(
+        self, queues: Sequence[str] = (QUEUE,), *, max_messages: int = 10
+    ) -> list[Delivery]:
+        """Receive what is due now (fake clock) or falls due within a few seconds (real time)."""
+        got: list[Delivery] = []
+
+        async def some() -> bool:
+            got.extend(await self.receive(queues, max_messages=max_messages))
+            return bool(got)
+
+        timeout = 0.0 if self.clock is not None else 10.0
+        await wait_until(some, timeout=timeout, message="a due message")
+        return got
+
+
+def message(
+    job_id: str,
+    *,
+    queue: str = QUEUE,
+    body: bytes | None = None,
+    tenant_id: str | None = None,
+    correlation_id: str | None = None,
+) -> Message:
+    return Message(
+        queue=queue,
+        consumer="conformance_consumer",
+        job_id=job_id,
+        body=body if body is not None else b'{"n": 1}',
+        tenant_id=tenant_id,
+        correlation_id=correlation_id,
+    )
+
+
+def job_ids(deliveries: Sequence[Delivery]) -> list[str]:
+    return [d.message.job_id for d in deliveries]
+
+
+class QueueConformance:
+    """Inherit this in ``TestXxxConformance`` and provide the ``env`` fixture."""
+
+    expected_capabilities: ClassVar[QueueCapabilities]
+
+    @pytest.fixture
+    def env(self) -> QueueEnv:
+        raise NotImplementedError("a conformance subclass provides the env fixture")
+
+    async def test_declares_its_capabilities(self, env: QueueEnv) -> None:
+        assert env.queue.capabilities == self.expected_capabilities
+
+    async def test_a_published_message_is_received_with_every_field_and_attempt_1(
+        self, env: QueueEnv
+    ) -> None:
+        full = message(
+            "job-full",
+            body=b'{"a": 1}\x00\xff\xfe\xc3\x28 not UTF-8',
+            tenant_id="tenant-7",
+            correlation_id="corr-42",
+        )
+        bare = message("job-bare", body=b"")
+        await env.queue.publish(full)
+        await env.queue.publish(bare)
+
+        got = await env.receive()
+
+        assert sorted((d.message for d in got), key=lambda m: m.job_id) == [bare, full]
+        for delivery in got:
+            assert type(delivery.message.body) is bytes
+            assert delivery.attempt == 1
+
+    async def test_receive_takes_at_most_max_messages_from_the_named_queues_only(
+        self, env: QueueEnv
+    ) -> None:
+        for i in range(5):
+            await env.queue.publish(message(f"main-{i}"))
+        for i in range(2):
+            await env.queue.publish(message(f"other-{i}", queue=OTHER_QUEUE))
+
+        first = await env.receive([QUEUE], max_messages=3)
+        assert set(job_ids(first)) == {"main-0", "main-1", "main-2"}
+        assert set(job_ids(await env.receive([OTHER_QUEUE], max_messages=10))) == {
+            "other-0",
+            "other-1",
+        }
+        assert set(job_ids(await env.receive([QUEUE, OTHER_QUEUE], max_messages=10))) == {
+            "main-3",
+            "main-4",
+        }
+        assert await env.receive(["conformance.nobody"], max_messages=10) == []
+
+    async def test_a_leased_message_is_not_received_again_before_its_lease_ends(
+        self, env: QueueEnv
+    ) -> None:
+        await env.queue.publish(message("leased"))
+        assert job_ids(await env.receive()) == ["leased"]
+
+        assert await env.receive() == []
+        await env.elapse(env.lease_seconds * 0.5)
+        assert await env.receive() == []
+        assert await env.queue.size([QUEUE]) == QueueSize(due=0, total=1)
+
+    async def test_a_message_whose_lease_ends_is_received_again_with_the_next_attempt(
+        self, env: QueueEnv
+    ) -> None:
+        await env.queue.publish(message("abandoned"))
+        first = await env.receive()
+        assert [(d.message.job_id, d.attempt) for d in first] == [("abandoned", 1)]
+
+        await env.elapse(env.lease_seconds + 1)
+        second = await env.receive_soon()
+        assert [(d.message, d.attempt) for d in second] == [(first[0].message, 2)]
+
+        await env.elapse(env.lease_seconds + 1)
+        third = await env.receive_soon()
+        assert [d.attempt for d in third] == [3]
+
+    async def test_ack_removes_the_message_for_good(self, env: QueueEnv) -> None:
+        await env.queue.publish(message("done"))
+        await env.queue.publish(message("kept"))
+        got = await env.receive(max_messages=1)
+        assert job_ids(got) == ["done"]
+
+        await env.queue.ack(got[0])
+        await env.queue.ack(got[0])  # a second ack is a no-op
+
+        assert await env.queue.size([QUEUE]) == QueueSize(due=1, total=1)
+        await env.elapse(env.lease_seconds + 1)
+        assert job_ids(await env.receive()) == ["kept"]
+
+    async def test_a_stale_delivery_cannot_ack_retry_or_release_the_new_holders_message(
+        self, env: QueueEnv
+    ) -> None:
+        await env.queue.publish(message("contended"))
+        (stale,) = await env.receive()
+        await env.elapse(env.lease_seconds + 1)
+        (current,) = await env.receive_soon()
+        assert current.attempt == 2
+
+        await env.queue.ack(stale)
+        await env.queue.retry(stale, delay_seconds=0.0, error="stale worker")
+        await env.queue.release(stale)
+
+        held = await env.queue.size([QUEUE])
+        assert held == QueueSize(due=0, total=1), "the new holder's lease must be untouched"
+        assert await env.receive() == []
+        await env.queue.ack(current)
+        assert await env.queue.size([QUEUE]) == QueueSize(due=0, total=0)
+
+    async def test_retry_makes_the_message_due_only_after_the_delay_and_counts_the_attempt(
+        self, env: QueueEnv
+    ) -> None:
+        await env.queue.publish(message("flaky"))
+        (first,) = await env.receive()
+        assert first.attempt == 1
+
+        await env.queue.retry(first, delay_seconds=env.delay_seconds, error="Flaky: timeout")
+        assert await env.queue.size([QUEUE]) == QueueSize(due=0, total=1)
+        assert await env.receive() == []
+        await env.elapse(env.delay_seconds * 0.5)
+        assert await env.receive() == []
+
+        await env.elapse(env.delay_seconds * 0.6)
+        (second,) = await env.receive_soon()
+        assert (second.message, second.attempt) == (first.message, 2)
+
+        await env.queue.retry(second, delay_seconds=0.0, error="Flaky: again")
+        (third,) = await env.receive_soon()
+        assert third.attempt == 3
+
+    async def test_release_makes_the_message_due_at_once_without_counting_the_delivery(
+        self, env: QueueEnv
+    ) -> None:
+        await env.queue.publish(message("given-back"))
+        (first,) = await env.receive()
+
+        await env.queue.release(first)
+        assert await env.queue.size([QUEUE]) == QueueSize(due=1, total=1)
+        (second,) = await env.receive()
+        assert (second.message, second.attempt) == (first.message, 1)
+
+        await env.queue.release(second)
+        (third,) = await env.receive()
+        assert third.attempt == 1
+
+        await env.elapse(env.lease_seconds + 1)
+        (fourth,) = await env.receive_soon()
+        assert fourth.attempt == 2, "a lease that ran out still counts"
+
+    async def test_a_delayed_publish_is_received_only_after_the_delay(self, env: QueueEnv) -> None:
+        if not env.queue.capabilities.delayed_publish:
+            with pytest.raises(ConfigError):
+                await env.queue.publish(message("delayed"), delay_seconds=env.delay_seconds)
+            return
+        await env.queue.publish(message("delayed"), delay_seconds=env.delay_seconds)
+
+        assert await env.queue.size([QUEUE]) == QueueSize(due=0, total=1)
+        assert await env.receive() == []
+        await env.elapse(env.delay_seconds * 0.5)
+        assert await env.receive() == []
+
+        await env.elapse(env.delay_seconds * 0.6)
+        got = await env.receive_soon()
+        assert [(d.message.job_id, d.attempt) for d in got] == [("delayed", 1)]
+
+    async def test_size_counts_due_and_total_messages_per_queue(self, env: QueueEnv) -> None:
+        assert await env.queue.size([QUEUE]) == QueueSize(due=0, total=0)
+        for name in ("leased", "due-1", "due-2"):
+            await env.queue.publish(message(name))
+        await env.queue.publish(message("scheduled"), delay_seconds=env.delay_seconds)
+        await env.queue.publish(message("elsewhere", queue=OTHER_QUEUE))
+        assert job_ids(await env.receive(max_messages=1)) == ["leased"]
+
+        assert await env.queue.size([QUEUE]) == QueueSize(due=2, total=4)
+        assert await env.queue.size([QUEUE, OTHER_QUEUE]) == QueueSize(due=3, total=5)
+        assert await env.queue.size(["conformance.nobody"]) == QueueSize(due=0, total=0)
+
+    async def test_receive_with_wait_returns_as_soon_as_a_message_is_published(
+        self, env: QueueEnv
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        receiver = asyncio.create_task(
+            env.queue.receive(
+                [QUEUE], max_messages=5, lease_seconds=env.lease_seconds, wait_seconds=10.0
+            )
+        )
+        try:
+            await env.until_receiver_waits()
+            assert not receiver.done()
+            published = loop.time()
+            await env.queue.publish(message("awaited"))
+            got = await asyncio.wait_for(receiver, timeout=5.0)
+        finally:
+            receiver.cancel()
+        assert job_ids(got) == ["awaited"]
+        assert loop.time() - published < 2.0
+
+    async def test_receive_with_wait_returns_empty_when_nothing_arrives(
+        self, env: QueueEnv
+    ) -> None:
+        await env.queue.publish(message("elsewhere", queue=OTHER_QUEUE))
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        got = await env.queue.receive(
+            [QUEUE], max_messages=5, lease_seconds=env.lease_seconds, wait_seconds=0.3
+        )
+        elapsed = loop.time() - started
+        assert got == []
+        assert 0.29 <= elapsed < 3.0
+
+    async def test_messages_are_received_in_order_of_due_time(self, env: QueueEnv) -> None:
+        await env.queue.publish(message("due-last"), delay_seconds=env.delay_seconds)
+        await env.queue.publish(message("due-fourth"), delay_seconds=env.delay_seconds / 2)
+        for name in ("due-first", "due-second", "due-third"):
+            await env.queue.publish(message(name))
+        await env.elapse(env.delay_seconds + 1)
+
+        async def all_due() -> bool:
+            return (await env.queue.size([QUEUE])).due == 5
+
+        await wait_until(all_due, timeout=0.0 if env.clock is not None else 10.0, message="all due")
+        order = [job_ids(await env.receive(max_messages=1)) for _ in range(5)]
+        assert order == [["due-first"], ["due-second"], ["due-third"], ["due-fourth"], ["due-last"]]
+
+    async def test_publish_joins_the_callers_transaction_or_is_refused(self, env: QueueEnv) -> None:
+        if not env.queue.capabilities.transactional:
+            tx = env.work_conn if env.work_conn is not None else _STAND_IN_TX
+            with pytest.raises(ConfigError, match="not transactional"):
+                await env.queue.publish(message("refused"), tx=tx)
+            assert (await env.queue.size([QUEUE])).total == 0
+            return
+        conn = env.work_conn
+        assert conn is not None, "a transactional adapter's env provides work_conn"
+
+        async with conn.transaction():
+            await env.queue.publish(message("rolled-back"), tx=conn)
+            raise psycopg.Rollback()
+        async with conn.transaction():
+            await env.queue.publish(message("committed"), tx=conn)
+            assert await env.receive() == [], "visible before the caller's commit"
+
+        assert job_ids(await env.receive()) == ["committed"]
+        assert (await env.queue.size([QUEUE])).total == 1
+
+    async def test_ack_joins_the_callers_transaction_or_is_refused(self, env: QueueEnv) -> None:
+        await env.queue.publish(message("worked"))
+        (delivery,) = await env.receive()
+        if not env.queue.capabilities.transactional:
+            tx = env.work_conn if env.work_conn is not None else _STAND_IN_TX
+            with pytest.raises(ConfigError, match="not transactional"):
+                await env.queue.ack(delivery, tx=tx)
+            assert (await env.queue.size([QUEUE])).total == 1
+            await env.queue.ack(delivery)
+            assert (await env.queue.size([QUEUE])).total == 0
+            return
+        conn = env.work_conn
+        assert conn is not None, "a transactional adapter's env provides work_conn"
+
+        async with conn.transaction():
+            await env.queue.ack(delivery, tx=conn)
+            raise psycopg.Rollback()
+        assert (await env.queue.size([QUEUE])).total == 1, "a rolled-back ack must not remove"
+
+        async with conn.transaction():
+            await env.queue.ack(delivery, tx=conn)
+        assert (await env.queue.size([QUEUE])).total == 0
+
+    async def test_close_wakes_a_waiting_receiver(self, env: QueueEnv) -> None:
+        receiver = asyncio.create_task(
+            env.queue.receive(
+                [QUEUE], max_messages=5, lease_seconds=env.lease_seconds, wait_seconds=10.0
+            )
+        )
+        try:
+            await env.until_receiver_waits()
+            assert not receiver.done()
+            await env.queue.close()
+            got = await asyncio.wait_for(receiver, timeout=3.0)
+        finally:
+            receiver.cancel()
+        assert got == []
+        await env.queue.close()  # closing twice is harmless

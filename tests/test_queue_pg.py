@@ -1,0 +1,171 @@
+"""PgQueue: the queue contract, plus what only PostgreSQL gives (SKIP LOCKED, LISTEN/NOTIFY)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg_pool import AsyncConnectionPool
+
+from jobfence import PgQueue, QueueCapabilities
+from jobfence.adapters.pg_queue import NOTIFY_CHANNEL, publish_on
+from queue_conformance import QUEUE, FakeClock, QueueConformance, QueueEnv, message
+from support import scalar, wait_until
+
+
+async def listener_is_up(conn: psycopg.AsyncConnection[Any]) -> None:
+    """Return once some session of this database has run LISTEN and sits idle, listening."""
+
+    async def listening() -> bool:
+        count = await scalar(
+            conn,
+            "SELECT count(*) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND state = 'idle' AND query = %s",
+            (f"LISTEN {NOTIFY_CHANNEL}",),
+        )
+        return bool(count)
+
+    await wait_until(listening, timeout=10.0, message="the queue's LISTEN connection")
+
+
+class TestPgQueueConformance(QueueConformance):
+    expected_capabilities = QueueCapabilities(transactional=True, delayed_publish=True)
+
+    @pytest.fixture
+    async def env(
+        self, pool: AsyncConnectionPool[Any], conn: psycopg.AsyncConnection[Any]
+    ) -> AsyncIterator[QueueEnv]:
+        clock = FakeClock()
+        # A long poll interval, so only a NOTIFY can make a waiting receiver return early.
+        queue = PgQueue(pool, clock=clock, poll_interval_seconds=30.0)
+        yield QueueEnv(
+            queue=queue,
+            clock=clock,
+            work_conn=conn,
+            until_receiver_waits=lambda: listener_is_up(conn),
+        )
+        await queue.close()
+
+
+async def test_concurrent_receivers_never_get_the_same_message(
+    pool: AsyncConnectionPool[Any], conn: psycopg.AsyncConnection[Any]
+) -> None:
+    expected = {f"job-{i:03d}" for i in range(200)}
+    async with conn.transaction():
+        for job_id in sorted(expected):
+            await publish_on(conn, message(job_id))
+    queue = PgQueue(pool)
+
+    async def receiver() -> list[str]:
+        got: list[str] = []
+        while batch := await queue.receive([QUEUE], max_messages=5, lease_seconds=300.0):
+            got.extend(d.message.job_id for d in batch)
+        return got
+
+    results = await asyncio.gather(*(receiver() for _ in range(4)))
+    await queue.close()
+
+    received = [job_id for result in results for job_id in result]
+    assert len(received) == len(set(received)), "a message was delivered to two receivers"
+    assert set(received) == expected
+    assert sum(1 for result in results if result) >= 2, "the receivers did not run concurrently"
+
+
+async def test_a_waiting_receiver_wakes_on_notify_despite_a_long_poll_interval(
+    pool: AsyncConnectionPool[Any], conn: psycopg.AsyncConnection[Any]
+) -> None:
+    queue = PgQueue(pool, poll_interval_seconds=30.0)
+    receiver = asyncio.create_task(
+        queue.receive([QUEUE], max_messages=5, lease_seconds=60.0, wait_seconds=10.0)
+    )
+    loop = asyncio.get_running_loop()
+    try:
+        await listener_is_up(conn)
+        assert not receiver.done()
+        async with conn.transaction():  # committed from a connection outside the queue's pool
+            await publish_on(conn, message("notified"))
+        committed = loop.time()
+        got = await asyncio.wait_for(receiver, timeout=5.0)
+        woke_after = loop.time() - committed
+    finally:
+        receiver.cancel()
+        await queue.close()
+    assert [d.message.job_id for d in got] == ["notified"]
+    assert woke_after < 1.0
+
+
+@contextlib.asynccontextmanager
+async def gated_proxy(database_url: str, gate: asyncio.Event) -> AsyncIterator[str]:
+    """A TCP proxy to the database that connects nobody until ``gate`` is set; yields its URL."""
+    params = conninfo_to_dict(database_url)
+    host = str(params.get("host") or "/var/run/postgresql")
+    port = int(params.get("port") or 5432)
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        finally:
+            writer.close()
+
+    async def handle(client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        await gate.wait()
+        if host.startswith("/"):
+            server_r, server_w = await asyncio.open_unix_connection(f"{host}/.s.PGSQL.{port}")
+        else:
+            server_r, server_w = await asyncio.open_connection(host, port)
+        await asyncio.gather(
+            pipe(client_r, server_w), pipe(server_r, client_w), return_exceptions=True
+        )
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    proxy_port = server.sockets[0].getsockname()[1]
+    try:
+        params.pop("hostaddr", None)
+        yield make_conninfo("", **{**params, "host": "127.0.0.1", "port": proxy_port})
+    finally:
+        server.close()
+
+
+async def test_a_publish_committed_before_the_listener_listens_is_not_missed(
+    pool: AsyncConnectionPool[Any], conn: psycopg.AsyncConnection[Any], database_url: str
+) -> None:
+    """The receiver's first look finds nothing; a publish commits before its LISTEN runs, so
+    that NOTIFY reaches nobody. The receiver must look again once it listens, not at the poll."""
+    gate = asyncio.Event()
+
+    async def first_look_done() -> bool:
+        count = await scalar(
+            conn,
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+            "AND state = 'idle' AND query LIKE %s",
+            ("%UPDATE jobfence_queue.messages m%",),
+        )
+        return bool(count)
+
+    loop = asyncio.get_running_loop()
+    async with gated_proxy(database_url, gate) as listen_conninfo:
+        queue = PgQueue(pool, poll_interval_seconds=30.0, listen_conninfo=listen_conninfo)
+        receiver = asyncio.create_task(
+            queue.receive([QUEUE], max_messages=5, lease_seconds=60.0, wait_seconds=10.0)
+        )
+        try:
+            await wait_until(first_look_done, message="the receiver's first look")
+            async with conn.transaction():
+                await publish_on(conn, message("early"))
+            assert not receiver.done()
+            gate.set()
+            opened = loop.time()
+            got = await asyncio.wait_for(receiver, timeout=15.0)
+            woke_after = loop.time() - opened
+        finally:
+            receiver.cancel()
+            await queue.close()
+    assert [d.message.job_id for d in got] == ["early"]
+    assert woke_after < 2.0
