@@ -81,11 +81,8 @@ async def _cmd_worker(args: argparse.Namespace) -> int:
         )
         stats = await worker.run(until=args.until)
         await queue.close()
-        print(
-            "worker stopped: "
-            + ", ".join(f"{k} {v}" for k, v in sorted(stats.outcomes.items()))
-            + f", released {stats.released}"
-        )
+        counts = [f"{k} {v}" for k, v in sorted(stats.outcomes.items())]
+        print("worker stopped: " + ", ".join([*counts, f"released {stats.released}"]))
     finally:
         await pool.close()
     return 0

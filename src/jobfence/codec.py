@@ -45,7 +45,7 @@ def decode_body(body: bytes) -> Any:
         ) from None
     try:
         value = json.loads(text, parse_constant=_reject_constant)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested ~1000 levels deep
         raise PoisonMessage(
             f"payload is not valid JSON: {exc}", error_class="InvalidJson"
         ) from None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -28,11 +29,27 @@ def redact(url: str) -> str:
     return make_conninfo("", **params)
 
 
+# A password as written in a URI (scheme://user:PASSWORD@host) or a keyword string (password=...).
+_PASSWORD = re.compile(
+    r"^[A-Za-z][\w+.-]*://[^/?#@:]*:([^/?#]*)@|password\s*=\s*(?:'((?:[^'\\]|\\.)*)'|(\S+))"
+)
+
+
+def _without_password(text: str, url: str) -> str:
+    """``text`` (libpq quotes the URL, or a piece of it, in its parse errors) minus passwords."""
+    for match in _PASSWORD.finditer(url):
+        for secret in match.groups():
+            if secret:
+                text = text.replace(secret, "***")
+    return text
+
+
 def validate_url(url: str) -> str:
     try:
         conninfo_to_dict(url)
     except psycopg.ProgrammingError as exc:
         first_line = str(exc).splitlines()[0] if str(exc) else "invalid"
+        first_line = _without_password(first_line, url)
         raise ConfigError(
             f"{ENV_DATABASE_URL} is not a valid libpq connection string or URL ({first_line}); "
             "expected e.g. postgresql://user@127.0.0.1:5432/dbname"

@@ -4,7 +4,7 @@ Delays are a pure function of the retry number and an injected random source:
 
     d(n)      = base * 2 ** (n - 1)                  nominal delay before retry n (1-based)
     delay(n)  = min(d(n) * U(1.0, 1.25), cap)        while d(n) < cap
-    delay(n)  = U(0.9, 1.0) * cap                    once d(n) >= cap
+    delay(n)  = max(U(0.9, 1.0) * cap, base)         once d(n) >= cap
 
 So the first retry never waits less than ``base``, no retry waits more than ``cap``, and while
 below the cap each retry waits strictly longer than the one before (d(n+1) = 2 d(n) > 1.25 d(n)).
@@ -78,8 +78,8 @@ class RetryPolicy:
         """Seconds to wait before retry ``retry_number``, jitter included."""
         source = rng if rng is not None else random
         nominal = self.nominal_delay(retry_number)
-        if nominal >= self.cap_seconds:
-            return source.uniform(CAPPED_JITTER_LOW, 1.0) * self.cap_seconds
+        if nominal >= self.cap_seconds:  # max(): with cap < base / 0.9, 0.9 * cap < base
+            return max(source.uniform(CAPPED_JITTER_LOW, 1.0) * self.cap_seconds, self.base_seconds)
         return min(nominal * source.uniform(1.0, JITTER_HIGH), self.cap_seconds)
 
     def upper_bound(self, retry_number: int) -> float:

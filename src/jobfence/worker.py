@@ -117,7 +117,8 @@ class Worker:
         return self.stats
 
     async def _fetch_loop(self, until: RunUntil) -> None:
-        wait = self.poll_seconds if until != "stopped" else 5.0
+        # Waiting is bounded by the poll interval, so stop() is noticed within it.
+        wait = self.poll_seconds
         while not self._stopping.is_set():
             if self._outage.is_set():
                 await self._recover()

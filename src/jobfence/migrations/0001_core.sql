@@ -41,7 +41,7 @@ CREATE TABLE core.dead_letters (
     CONSTRAINT dead_letters_attempts_positive CHECK (attempts >= 1),
     -- D5: a non-blank discard reason exactly when discarded.
     CONSTRAINT dead_letters_discard_reason_iff_discarded
-        CHECK ((status = 'discarded') = (discard_reason IS NOT NULL AND btrim(discard_reason) <> '')),
+        CHECK ((status = 'discarded') = (discard_reason IS NOT NULL AND discard_reason ~ '[^[:space:]]')),
     CONSTRAINT dead_letters_discard_reason_length
         CHECK (discard_reason IS NULL OR char_length(discard_reason) <= 2000),
     CONSTRAINT dead_letters_resolution_iff_resolved

@@ -1,0 +1,99 @@
+"""A worker process for the crash and shutdown tests of ``test_acceptance_harness.py``.
+
+    python tests/crash_worker.py crash|graceful DATABASE_URL WORKDIR
+
+It runs the ``award_points`` consumer of ``pointsapp`` on ``DATABASE_URL``. The first job's
+handler executes its work statement (the awards row), then writes ``WORKDIR/in_handler``
+(``<backend pid> <job_id> <attempt>``, written atomically) so the test knows the uncommitted
+work exists, and then:
+
+* ``crash``: blocks forever; the test SIGKILLs the process before the commit. The lease is
+  1 s and the poll interval long, so the blocked worker does not fetch the job again itself.
+* ``graceful``: waits for SIGTERM, then executes its second statement (the balance) and
+  returns, so the job finishes after the signal. The worker runs one job at a time and has
+  fetched the other queued jobs (batch of 5) without starting them.
+
+Later jobs (graceful mode) run without blocking. The process prints the worker's summary and
+exits 0 after a graceful stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from psycopg import AsyncConnection
+
+import pointsapp
+from jobfence import App, JobMeta, PgQueue, Worker, open_pool
+
+
+async def main(mode: str, url: str, workdir: Path) -> int:
+    marker = workdir / "in_handler"
+    terminated = asyncio.Event()
+    app = App()
+
+    @app.consumer("award_points", queue=pointsapp.QUEUE, schema=pointsapp.Award)
+    async def award(payload: pointsapp.Award, job: JobMeta, tx: AsyncConnection[Any]) -> None:
+        await tx.execute(
+            "INSERT INTO public.awards (job_id, account_id, points) VALUES (%s, %s, %s)",
+            (job.job_id, payload.account_id, payload.points),
+        )
+        if not marker.exists():
+            cur = await tx.execute("SELECT pg_backend_pid()")
+            row = await cur.fetchone()
+            assert row is not None
+            tmp = workdir / "in_handler.tmp"
+            tmp.write_text(f"{row[0]} {job.job_id} {job.attempt}\n")
+            tmp.rename(marker)
+            if mode == "crash":
+                await asyncio.Event().wait()  # until SIGKILL: the commit never comes
+            await terminated.wait()
+        await tx.execute(
+            "UPDATE public.accounts SET points = points + %s WHERE id = %s",
+            (payload.points, payload.account_id),
+        )
+
+    pool = await open_pool(url, min_size=1, max_size=4, name=f"crash-worker-{mode}")
+    queue = PgQueue(pool)
+    if mode == "crash":
+        worker = Worker(
+            app, pool, queue, concurrency=1, batch_size=1, lease_seconds=1.0, poll_seconds=60.0
+        )
+    else:
+        worker = Worker(
+            app,
+            pool,
+            queue,
+            concurrency=1,
+            batch_size=5,
+            lease_seconds=60.0,
+            poll_seconds=0.2,
+            shutdown_grace_seconds=20.0,
+        )
+
+    def on_sigterm() -> None:
+        worker.stop()
+        terminated.set()
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, on_sigterm)
+    try:
+        stats = await worker.run()
+        await queue.close()
+    finally:
+        await pool.close()
+    outcomes = " ".join(f"{k}={v}" for k, v in sorted(stats.outcomes.items()))
+    print(f"stopped {outcomes} released={stats.released}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 4 or sys.argv[1] not in ("crash", "graceful"):
+        print(__doc__, file=sys.stderr)
+        sys.exit(2)
+    os.environ.pop("JOBFENCE_DATABASE_URL", None)  # the URL argument names the database
+    sys.exit(asyncio.run(main(sys.argv[1], sys.argv[2], Path(sys.argv[3]))))
