@@ -19,6 +19,7 @@ from jobfence.errors import ConfigError
 from jobfence.harness import Harness, InfrastructureError
 from jobfence.model import Delivery
 from jobfence.ports import MetricsSink, QueuePort
+from jobfence.schema import ensure_migrated
 
 log = logging.getLogger("jobfence.worker")
 
@@ -106,6 +107,8 @@ class Worker:
 
     async def run(self, *, until: RunUntil = "stopped") -> WorkerStats:
         self.check()
+        async with self._pool.connection() as conn:  # unmigrated: refuse now, not spin on errors
+            await ensure_migrated(conn)
         processors = [
             asyncio.create_task(self._process_loop(), name=f"jobfence-processor-{i}")
             for i in range(self.concurrency)

@@ -1,0 +1,1 @@
+"""Application modules that the CLI tests load with ``jobfence worker MODULE:ATTRIBUTE``."""
