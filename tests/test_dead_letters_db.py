@@ -179,8 +179,8 @@ async def test_d5_trigger_refuses_an_update_of_each_immutable_column(
     before = await _row(conn, dead_letter_id)
 
     for column, new_value in IMMUTABLE_COLUMNS.items():
-        # Alone (the status stays pending_review, which is no transition) ...
-        with pytest.raises(errors.IntegrityConstraintViolation, match="not to pending_review"):
+        # Alone (the status stays pending_review): the error names the immutable column ...
+        with pytest.raises(errors.IntegrityConstraintViolation, match=ONLY_RESOLUTION_MAY_CHANGE):
             await conn.execute(
                 f"UPDATE core.dead_letters SET {column} = {new_value} WHERE id = %s",  # type: ignore[arg-type]
                 (dead_letter_id,),

@@ -4,9 +4,11 @@ jobs it held, without burning their retries or losing them."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import psycopg
+import pytest
 from psycopg_pool import AsyncConnectionPool
 
 import pointsapp
@@ -54,3 +56,50 @@ async def test_database_connections_killed_mid_run_lose_no_job_and_burn_no_retry
     assert await scalar(conn, "SELECT count(*) FROM core.dead_letters") == 0
     assert metrics.count("retried") == 0
     assert metrics.count("dead_lettered") == 0
+
+
+async def test_a_lasting_fetch_error_backs_off_instead_of_spinning_and_recovers(
+    pool: AsyncConnectionPool[Any],
+    conn: psycopg.AsyncConnection[Any],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    await conn.execute(pointsapp.SCHEMA_SQL)
+    app = pointsapp.build_app()
+    metrics = PrometheusMetrics()
+    queue = PgQueue(pool, poll_interval_seconds=0.05)
+    worker = Worker(app, pool, queue, concurrency=1, poll_seconds=0.05, metrics=metrics)
+    caplog.set_level(logging.WARNING, logger="jobfence.worker")
+    run = asyncio.create_task(worker.run())
+    try:
+        # Break fetching for good: the queue table disappears under the running worker.
+        await conn.execute("ALTER TABLE jobfence_queue.messages RENAME TO messages_gone")
+
+        def failures() -> int:
+            return sum("cannot fetch jobs" in r.getMessage() for r in caplog.records)
+
+        async def failing() -> bool:
+            return failures() >= 1
+
+        await wait_until(failing, message="the first fetch failure")
+        started = asyncio.get_running_loop().time()
+
+        async def backed_off_3_times() -> bool:
+            return failures() >= 4
+
+        await wait_until(backed_off_3_times, timeout=15, message="four fetch failures")
+        # 0.5 + 1 + 2 s of backoff lie between the first and the fourth failure: no spinning.
+        assert asyncio.get_running_loop().time() - started >= 3.0
+        assert "UndefinedTable" in caplog.text
+
+        await conn.execute("ALTER TABLE jobfence_queue.messages_gone RENAME TO messages")
+        await app.enqueue(conn, "award_points", {"account_id": 2, "points": 3}, job_id="after")
+
+        async def processed() -> bool:
+            return metrics.count("succeeded") == 1
+
+        await wait_until(processed, timeout=20, message="the worker to resume")
+    finally:
+        worker.stop()
+        await asyncio.wait_for(run, timeout=10)
+        await queue.close()
+    assert await scalar(conn, "SELECT points FROM accounts WHERE id = 2") == 3

@@ -8,6 +8,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import psycopg
 from psycopg import AsyncConnection
 
 from jobfence.harness import SQL
@@ -51,20 +52,38 @@ async def cleanup_expired(
 
 
 async def cleanup_every(
-    conn: AsyncConnection[Any],
+    conninfo: str,
     *,
     interval_seconds: float,
     stop: asyncio.Event,
     batch_size: int = DEFAULT_BATCH_SIZE,
 ) -> int:
-    """Run :func:`cleanup_expired` every ``interval_seconds`` until ``stop`` is set."""
+    """Run :func:`cleanup_expired` every ``interval_seconds`` until ``stop`` is set.
+
+    Each round uses a fresh connection, so a database restart or a lost connection costs one
+    round (logged), not the scheduler.
+    """
+    if interval_seconds <= 0:
+        raise ValueError("interval_seconds must be > 0")
     total = 0
     while not stop.is_set():
-        result = await cleanup_expired(conn, batch_size=batch_size)
-        total += result.deleted
-        log.info(
-            "cleanup removed %d expired fence rows in %d batch(es)", result.deleted, result.batches
-        )
+        try:
+            async with await psycopg.AsyncConnection.connect(conninfo, autocommit=True) as conn:
+                result = await cleanup_expired(conn, batch_size=batch_size)
+        except psycopg.Error as exc:
+            log.warning(
+                "cleanup round failed (%s: %s); next try in %gs",
+                type(exc).__name__,
+                " ".join(str(exc).split())[:300],
+                interval_seconds,
+            )
+        else:
+            total += result.deleted
+            log.info(
+                "cleanup removed %d expired fence rows in %d batch(es)",
+                result.deleted,
+                result.batches,
+            )
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), interval_seconds)
     return total

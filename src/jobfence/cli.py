@@ -99,14 +99,14 @@ async def _cmd_cleanup(args: argparse.Namespace) -> int:
             result = await cleanup_expired(conn, batch_size=args.batch_size)
             print(f"removed {result.deleted} expired fence rows in {result.batches} batch(es)")
             return 0
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        total = await cleanup_every(
-            conn, interval_seconds=args.every, stop=stop, batch_size=args.batch_size
-        )
-        print(f"removed {total} expired fence rows")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    total = await cleanup_every(
+        url, interval_seconds=args.every, stop=stop, batch_size=args.batch_size
+    )
+    print(f"removed {total} expired fence rows")
     return 0
 
 
@@ -114,6 +114,13 @@ async def _cmd_demo(args: argparse.Namespace) -> int:
     from jobfence.demo import run_demo
 
     return await run_demo(jobs=args.jobs, duplicates=args.duplicates)
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
 
 
 def _positive_int(text: str) -> int:
@@ -160,7 +167,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("cleanup", help="delete expired fence rows in bounded batches")
     p.add_argument("--batch-size", type=_positive_int, default=5000, help="rows per batch (5000)")
     p.add_argument(
-        "--every", type=float, default=None, metavar="SECONDS", help="repeat until SIGTERM"
+        "--every",
+        type=_positive_float,
+        default=None,
+        metavar="SECONDS",
+        help="repeat every SECONDS until SIGTERM (a failed round is logged and retried)",
     )
     p.set_defaults(func=_cmd_cleanup)
 
@@ -175,17 +186,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # jobfence's own start-up and progress lines (the database in use, retry-policy overrides
+    # with their rationale) are INFO; other libraries stay at WARNING unless -v.
+    logging.getLogger("jobfence").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     if args.verbose:
-        logging.getLogger("jobfence").setLevel(logging.DEBUG)
+        logging.getLogger().setLevel(logging.DEBUG)
     func: Callable[[argparse.Namespace], Coroutine[Any, Any, int]] = args.func
     try:
         return asyncio.run(func(args))
     except JobfenceError as exc:
         print(f"jobfence: error: {exc}", file=sys.stderr)
         return 2
+    except psycopg.Error as exc:
+        # Permission denied, a lost connection...: one line, never the password.
+        reason = " ".join(str(exc).split())
+        print(f"jobfence: error: database error ({type(exc).__name__}): {reason}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

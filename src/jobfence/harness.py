@@ -73,11 +73,23 @@ def describe_error(exc: BaseException) -> str:
     return text
 
 
-def _is_connection_loss(exc: BaseException, conn: AsyncConnection[Any] | None) -> bool:
+# SQLSTATEs that mean "the server or the connection went away", not "this statement failed":
+# class 08 (connection exception) and the operator-intervention shutdowns.
+_CONNECTION_SQLSTATES = frozenset({"57P01", "57P02", "57P03"})
+
+
+def is_connection_loss(exc: BaseException, conn: AsyncConnection[Any] | None) -> bool:
+    """True when ``exc`` means the database is unreachable rather than that the job failed."""
     if isinstance(exc, PoolTimeout):
         return True
     if isinstance(exc, psycopg.OperationalError):
-        return exc.sqlstate is None or (conn is not None and conn.broken)
+        state = exc.sqlstate
+        return (
+            state is None
+            or state.startswith("08")
+            or state in _CONNECTION_SQLSTATES
+            or (conn is not None and conn.broken)
+        )
     return False
 
 
@@ -183,7 +195,7 @@ class Harness:
                 if self._transactional:
                     await self._queue.ack(delivery, tx=conn)
         except Exception as exc:
-            if _is_connection_loss(exc, conn):
+            if is_connection_loss(exc, conn):
                 raise InfrastructureError(str(exc)) from exc
             raise
         if not self._transactional:
@@ -271,6 +283,6 @@ class Harness:
         try:
             await action
         except Exception as exc:
-            if _is_connection_loss(exc, None):
+            if is_connection_loss(exc, None):
                 raise InfrastructureError(str(exc)) from exc
             raise

@@ -66,7 +66,8 @@ def render_sql() -> str:
     so workers recognise the schema; run it in one transaction.
     """
     parts = [
-        "-- jobfence schema, all migrations. Apply in one transaction.",
+        "-- jobfence schema, all migrations, in one transaction under jobfence's advisory lock.",
+        "BEGIN;",
         f"SELECT pg_advisory_xact_lock({MIGRATION_LOCK_KEY});",
         BOOKKEEPING,
     ]
@@ -76,6 +77,7 @@ def render_sql() -> str:
             "INSERT INTO jobfence.schema_migrations (version, name, checksum) VALUES "
             f"({m.version}, {_literal(m.name)}, {_literal(m.checksum)});"
         )
+    parts.append("COMMIT;")
     return "\n".join(parts) + "\n"
 
 
@@ -121,6 +123,13 @@ async def migrate(conn: AsyncConnection[Any]) -> list[Migration]:
 async def ensure_migrated(conn: AsyncConnection[Any]) -> None:
     """Refuse to run on a database that lacks this version's schema."""
     done = await applied_versions(conn)
+    changed = [m for m in migrations() if m.version in done and done[m.version] != m.checksum]
+    if changed:
+        names = ", ".join(f"{m.version:04d}_{m.name}" for m in changed)
+        raise ConfigError(
+            f"the database's migration {names} differs from this jobfence version's "
+            "(checksum mismatch): the schema and the code disagree"
+        )
     missing = [m for m in migrations() if m.version not in done]
     if missing:
         names = ", ".join(f"{m.version:04d}_{m.name}" for m in missing)

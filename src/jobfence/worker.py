@@ -16,7 +16,7 @@ from psycopg_pool import AsyncConnectionPool
 from jobfence.adapters.prometheus import PrometheusMetrics
 from jobfence.app import App
 from jobfence.errors import ConfigError
-from jobfence.harness import Harness, InfrastructureError
+from jobfence.harness import Harness, InfrastructureError, is_connection_loss
 from jobfence.model import Delivery
 from jobfence.ports import MetricsSink, QueuePort
 from jobfence.schema import ensure_migrated
@@ -86,6 +86,7 @@ class Worker:
         self._busy = 0
         self._unreleased: list[Delivery] = []
         self._outage = asyncio.Event()
+        self._fetch_failures = 0
 
     def stop(self) -> None:
         """Ask the worker to finish in-flight jobs, give back the rest and return."""
@@ -140,9 +141,22 @@ class Worker:
                     wait_seconds=0.0 if self._busy or self._buffer.qsize() else wait,
                 )
             except Exception as exc:
-                log.warning("cannot fetch jobs (%s): pausing", type(exc).__name__)
-                self._outage.set()
+                # Back off on every failure, so a lasting error (a permission revoked, a table
+                # dropped) slows the worker down instead of spinning; a lost connection also
+                # goes through recovery, which gives back what this worker held.
+                self._fetch_failures += 1
+                delay = min(0.5 * 2 ** (self._fetch_failures - 1), 30.0)
+                log.warning(
+                    "cannot fetch jobs (%s: %s); retrying in %.1fs",
+                    type(exc).__name__,
+                    str(exc).strip().splitlines()[0] if str(exc).strip() else "",
+                    delay,
+                )
+                if is_connection_loss(exc, None):
+                    self._outage.set()
+                await self._wait_or_stop(asyncio.sleep(delay), None)
                 continue
+            self._fetch_failures = 0
             for delivery in deliveries:
                 self._buffer.put_nowait(delivery)
             if deliveries:

@@ -42,7 +42,7 @@ class PrometheusMetrics:
         )
         self.duration = Histogram(
             "jobfence_handler_duration_seconds",
-            "Time spent in handlers (work transaction included), in seconds.",
+            "Time spent in the handler call (not the fence insert or the commit), in seconds.",
             ("queue", "consumer"),
             buckets=DURATION_BUCKETS,
             registry=self.registry,

@@ -44,8 +44,10 @@ CREATE TABLE core.dead_letters (
         CHECK ((status = 'discarded') = (discard_reason IS NOT NULL AND discard_reason ~ '[^[:space:]]')),
     CONSTRAINT dead_letters_discard_reason_length
         CHECK (discard_reason IS NULL OR char_length(discard_reason) <= 2000),
+    -- Who and when are recorded exactly when a dead letter leaves pending_review.
     CONSTRAINT dead_letters_resolution_iff_resolved
-        CHECK ((status = 'pending_review') = (resolved_at IS NULL))
+        CHECK ((status = 'pending_review') = (resolved_at IS NULL)
+               AND (status = 'pending_review') = (resolved_by IS NULL))
 );
 
 -- D5: a redelivered failure cannot create a second pending dead letter.
@@ -66,16 +68,7 @@ BEGIN
         RAISE EXCEPTION 'core.dead_letters is append-only: % is not allowed', TG_OP
             USING ERRCODE = 'integrity_constraint_violation';
     END IF;
-    -- TG_OP = 'UPDATE'
-    IF OLD.status <> 'pending_review' THEN
-        RAISE EXCEPTION 'dead letter % is already % and cannot change', OLD.id, OLD.status
-            USING ERRCODE = 'integrity_constraint_violation';
-    END IF;
-    IF NEW.status NOT IN ('replayed', 'discarded') THEN
-        RAISE EXCEPTION 'dead letter % may only move from pending_review to replayed or discarded, not to %',
-            OLD.id, NEW.status
-            USING ERRCODE = 'integrity_constraint_violation';
-    END IF;
+    -- TG_OP = 'UPDATE'. Immutable columns first, so the error names the real problem.
     IF (NEW.id, NEW.job_id, NEW.queue, NEW.consumer, NEW.tenant_id, NEW.payload,
         NEW.payload_encoding, NEW.attempts, NEW.last_error, NEW.error_class, NEW.correlation_id,
         NEW.created_at)
@@ -85,6 +78,15 @@ BEGIN
         OLD.created_at) THEN
         RAISE EXCEPTION 'dead letter %: only status, discard_reason, resolved_at and resolved_by may change',
             OLD.id
+            USING ERRCODE = 'integrity_constraint_violation';
+    END IF;
+    IF OLD.status <> 'pending_review' THEN
+        RAISE EXCEPTION 'dead letter % is already % and cannot change', OLD.id, OLD.status
+            USING ERRCODE = 'integrity_constraint_violation';
+    END IF;
+    IF NEW.status NOT IN ('replayed', 'discarded') THEN
+        RAISE EXCEPTION 'dead letter % may only move from pending_review to replayed or discarded, not to %',
+            OLD.id, NEW.status
             USING ERRCODE = 'integrity_constraint_violation';
     END IF;
     RETURN NEW;
