@@ -68,7 +68,9 @@ async def cleanup_every(
     total = 0
     while not stop.is_set():
         try:
-            async with await psycopg.AsyncConnection.connect(conninfo, autocommit=True) as conn:
+            async with await psycopg.AsyncConnection.connect(
+                conninfo, autocommit=True, connect_timeout=10
+            ) as conn:
                 result = await cleanup_expired(conn, batch_size=batch_size)
         except psycopg.Error as exc:
             log.warning(

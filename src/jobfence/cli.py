@@ -117,9 +117,19 @@ async def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive, finite number, got {text}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
 
 
@@ -152,9 +162,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--queue", action="append", help="only these queues (repeatable)")
     p.add_argument("--concurrency", type=_positive_int, default=4, help="jobs at once (4)")
     p.add_argument("--batch-size", type=_positive_int, default=None, help="messages per fetch")
-    p.add_argument("--lease-seconds", type=float, default=300.0, help="lease per delivery (300)")
     p.add_argument(
-        "--grace-seconds", type=float, default=30.0, help="on SIGTERM, time to finish jobs (30)"
+        "--lease-seconds", type=_positive_float, default=300.0, help="lease per delivery (300)"
+    )
+    p.add_argument(
+        "--grace-seconds",
+        type=_positive_float,
+        default=30.0,
+        help="on SIGTERM, time to finish jobs (30)",
     )
     p.add_argument(
         "--until",
@@ -177,7 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="run the points-awarding demo workload")
     p.add_argument("--jobs", type=_positive_int, default=200, help="distinct award jobs (200)")
-    p.add_argument("--duplicates", type=int, default=50, help="duplicate deliveries (50)")
+    p.add_argument(
+        "--duplicates", type=_non_negative_int, default=50, help="duplicate deliveries (50)"
+    )
     p.set_defaults(func=_cmd_demo)
     return parser
 

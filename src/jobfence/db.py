@@ -60,7 +60,10 @@ def validate_url(url: str) -> str:
 def start_embedded(data_dir: Path) -> str:
     """Start (or find running) an embedded PostgreSQL in ``data_dir`` and return its URL."""
     try:
-        from pgserver import get_server  # type: ignore[attr-defined]
+        with warnings.catch_warnings():
+            # platformdirs warns at import when XDG_RUNTIME_DIR is unset (containers, CI).
+            warnings.simplefilter("ignore")
+            from pgserver import get_server  # type: ignore[attr-defined]
     except ImportError:  # pragma: no cover - pgserver is a dependency
         raise ConfigError(
             f"{ENV_DATABASE_URL} is not set and the embedded PostgreSQL (pgserver) is not installed"

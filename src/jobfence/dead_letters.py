@@ -19,6 +19,11 @@ from jobfence.ports import QueuePort
 MAX_DISCARD_REASON = 2000
 
 
+def _check_actor(resolved_by: str) -> None:
+    if not resolved_by or not resolved_by.strip():
+        raise ValueError("resolved_by must name who resolves the dead letter")
+
+
 @dataclass(frozen=True, slots=True)
 class DeadLetter:
     id: int
@@ -69,6 +74,7 @@ async def replay_dead_letter(
     the same database transaction: a publish that fails leaves the row ``pending_review``; a
     crash between the two may publish twice, which the fence absorbs.
     """
+    _check_actor(resolved_by)
     async with pool.connection() as conn, conn.transaction():
         async with conn.cursor(row_factory=dict_row) as cur:
             await cur.execute(SQL["dead_letter_lock_pending"], {"id": dead_letter_id})
@@ -108,6 +114,7 @@ async def discard_dead_letter(
         raise ValueError("discarding a dead letter requires a non-blank reason")
     if len(reason) > MAX_DISCARD_REASON:
         raise ValueError(f"a discard reason is at most {MAX_DISCARD_REASON} characters")
+    _check_actor(resolved_by)
     async with pool.connection() as conn, conn.transaction():
         async with conn.cursor(row_factory=dict_row) as cur:
             await cur.execute(SQL["dead_letter_lock_pending"], {"id": dead_letter_id})

@@ -64,6 +64,15 @@ class Worker:
     ) -> None:
         if concurrency < 1:
             raise ConfigError(f"concurrency must be >= 1, got {concurrency}")
+        if batch_size is not None and batch_size < 1:
+            raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
+        for label, value in (
+            ("lease_seconds", lease_seconds),
+            ("poll_seconds", poll_seconds),
+            ("shutdown_grace_seconds", shutdown_grace_seconds),
+        ):
+            if not (0 < value < float("inf")):
+                raise ConfigError(f"{label} must be a positive number of seconds, got {value}")
         self.app = app
         self.queue = queue
         self.queues = list(queues) if queues else app.queues
@@ -141,20 +150,7 @@ class Worker:
                     wait_seconds=0.0 if self._busy or self._buffer.qsize() else wait,
                 )
             except Exception as exc:
-                # Back off on every failure, so a lasting error (a permission revoked, a table
-                # dropped) slows the worker down instead of spinning; a lost connection also
-                # goes through recovery, which gives back what this worker held.
-                self._fetch_failures += 1
-                delay = min(0.5 * 2 ** (self._fetch_failures - 1), 30.0)
-                log.warning(
-                    "cannot fetch jobs (%s: %s); retrying in %.1fs",
-                    type(exc).__name__,
-                    str(exc).strip().splitlines()[0] if str(exc).strip() else "",
-                    delay,
-                )
-                if is_connection_loss(exc, None):
-                    self._outage.set()
-                await self._wait_or_stop(asyncio.sleep(delay), None)
+                await self._queue_failed("fetch jobs", exc)
                 continue
             self._fetch_failures = 0
             for delivery in deliveries:
@@ -171,12 +167,31 @@ class Worker:
             return False
         try:
             size = await self.queue.size(self.queues)
-        except Exception:
-            self._outage.set()
+        except Exception as exc:
+            await self._queue_failed("count queued jobs", exc)
             return False
+        self._fetch_failures = 0
         if self._busy or self._buffer.qsize():
             return False
         return size.due == 0 if until == "idle" else size.total == 0
+
+    async def _queue_failed(self, doing: str, exc: Exception) -> None:
+        """Back off on every queue failure, so a lasting error (a permission revoked, a table
+        dropped) slows the worker down instead of spinning; a lost connection also goes through
+        recovery, which gives back what this worker held."""
+        self._fetch_failures += 1
+        delay = min(0.5 * 2 ** (self._fetch_failures - 1), 30.0)
+        text = str(exc).strip()
+        log.warning(
+            "cannot %s (%s: %s); retrying in %.1fs",
+            doing,
+            type(exc).__name__,
+            text.splitlines()[0] if text else "",
+            delay,
+        )
+        if is_connection_loss(exc, None):
+            self._outage.set()
+        await self._wait_or_stop(asyncio.sleep(delay), None)
 
     async def _wait_or_stop(self, aw: Any, max_seconds: float | None) -> None:
         stop = asyncio.ensure_future(self._stopping.wait())
@@ -237,6 +252,8 @@ class Worker:
                 backoff = min(backoff * 2, 30.0)
                 continue
             break
+        if self._stopping.is_set():
+            return  # shutdown releases what is held, as far as the database lets it
         await self._release_held()
         self._outage.clear()
         log.info("database reachable again: resuming")
@@ -264,8 +281,11 @@ class Worker:
                 )
 
     async def _shutdown(self, processors: list[asyncio.Task[None]]) -> None:
-        """Give back what has not started, let running jobs finish within the grace period."""
+        """Give back at once what has not started, so other workers can take it; let running
+        jobs finish within the grace period; give back whatever was cut off."""
         self._drain_buffer_to_unreleased()
+        if not self._outage.is_set():
+            await self._release_held()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.shutdown_grace_seconds
         while self._busy and (remaining := deadline - loop.time()) > 0:

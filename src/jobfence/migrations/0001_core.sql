@@ -47,7 +47,8 @@ CREATE TABLE core.dead_letters (
     -- Who and when are recorded exactly when a dead letter leaves pending_review.
     CONSTRAINT dead_letters_resolution_iff_resolved
         CHECK ((status = 'pending_review') = (resolved_at IS NULL)
-               AND (status = 'pending_review') = (resolved_by IS NULL))
+               AND (status = 'pending_review') = (resolved_by IS NULL)
+               AND (resolved_by IS NULL OR resolved_by ~ '[^[:space:]]'))
 );
 
 -- D5: a redelivered failure cannot create a second pending dead letter.
