@@ -544,7 +544,11 @@ async def test_acceptance_5_replay_of_job_already_fenced_by_redelivery_has_no_se
         assert await awards(points, "r2") == 1
         assert await fences(points, "r2") == 1
 
-        await replay_dead_letter(pool, queue, dl_id, resolved_by="ops")
+        result = await replay_dead_letter(pool, queue, dl_id, resolved_by="ops")
+        # The fence shows the effect is applied: nothing is republished.
+        assert result.already_processed
+        assert not result.published
+        assert await queued(points) == 0
         await drain()
     finally:
         await queue.close()
@@ -553,7 +557,7 @@ async def test_acceptance_5_replay_of_job_already_fenced_by_redelivery_has_no_se
     assert await balance(points, 5) == 17
     assert await queued(points) == 0
     assert metrics.count("succeeded") == 1
-    assert metrics.count("duplicate") == 1
+    assert metrics.count("duplicate") == 0
     assert (await get_dead_letter(points, dl_id)).status == "replayed"
 
 

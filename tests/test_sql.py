@@ -19,7 +19,11 @@ import pytest
 from jobfence._sql import load_queries
 from support import with_dbname
 
-QUERY_FILES = [("jobfence.sql", "core.sql"), ("jobfence.adapters", "pg_queue.sql")]
+QUERY_FILES = [
+    ("jobfence.sql", "core.sql"),
+    ("jobfence.sql", "ops.sql"),
+    ("jobfence.adapters", "pg_queue.sql"),
+]
 PLACEHOLDER = re.compile(r"%\((\w+)\)s")
 
 

@@ -46,8 +46,17 @@ class DeadLetter:
 
 @dataclass(frozen=True, slots=True)
 class ReplayResult:
+    """What a replay did. ``published`` is False when the job's fence row already existed
+    (``already_processed``): the dead letter moved to replayed without republishing, because
+    the fence would skip the job anyway. ``message`` is what was (or would have been) sent."""
+
     dead_letter_id: int
     message: Message
+    published: bool = True
+
+    @property
+    def already_processed(self) -> bool:
+        return not self.published
 
 
 async def get_dead_letter(conn: AsyncConnection[Any], dead_letter_id: int) -> DeadLetter:
@@ -68,6 +77,9 @@ async def replay_dead_letter(
 ) -> ReplayResult:
     """D8: republish the original payload with the same job_id and correlation_id, to the
     consumer that failed only, and move the dead letter to ``replayed``.
+
+    A dead letter whose job already has its fence row (it succeeded on a later delivery) is
+    moved to replayed without republishing: the fence would skip the job anyway.
 
     With a transactional queue (the PostgreSQL one) the publish and the transition commit
     together. With an external broker the publish happens first and the transition after, in
@@ -91,14 +103,17 @@ async def replay_dead_letter(
             tenant_id=row["tenant_id"],
             correlation_id=row["correlation_id"],
         )
-        if queue.capabilities.transactional:
+        published = not row["fenced"]
+        if not published:
+            pass
+        elif queue.capabilities.transactional:
             await queue.publish(message, tx=conn)
         else:
             await queue.publish(message)
         await conn.execute(
             SQL["dead_letter_mark_replayed"], {"id": dead_letter_id, "resolved_by": resolved_by}
         )
-    return ReplayResult(dead_letter_id=dead_letter_id, message=message)
+    return ReplayResult(dead_letter_id=dead_letter_id, message=message, published=published)
 
 
 async def discard_dead_letter(

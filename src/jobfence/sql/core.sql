@@ -36,11 +36,13 @@ WHERE id = %(id)s;
 
 -- name: dead_letter_lock_pending
 -- Locks one dead letter for a status change; payload as text keeps its exact jsonb rendering.
-SELECT id, job_id, queue, consumer, tenant_id, payload::text AS payload_text, payload_encoding,
-       correlation_id, status
-FROM core.dead_letters
-WHERE id = %(id)s
-FOR UPDATE;
+SELECT d.id, d.job_id, d.queue, d.consumer, d.tenant_id, d.payload::text AS payload_text,
+       d.payload_encoding, d.correlation_id, d.status,
+       EXISTS (SELECT 1 FROM core.processed_jobs p
+               WHERE p.job_id = d.job_id AND p.consumer = d.consumer) AS fenced
+FROM core.dead_letters d
+WHERE d.id = %(id)s
+FOR UPDATE OF d;
 
 -- name: dead_letter_mark_replayed
 UPDATE core.dead_letters

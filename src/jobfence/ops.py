@@ -1,0 +1,450 @@
+"""Ops management of dead letters: one service layer behind the HTTP API and the CLI.
+
+Both edges only parse, call these functions and format; neither holds logic of its own.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from typing import Any
+
+from psycopg import AsyncConnection, sql
+from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
+from psycopg_pool import AsyncConnectionPool
+
+from jobfence._sql import Queries
+from jobfence.codec import original_body
+from jobfence.dead_letters import (
+    DeadLetter,
+    ReplayResult,
+    discard_dead_letter,
+    get_dead_letter,
+    replay_dead_letter,
+)
+from jobfence.errors import JobfenceError
+from jobfence.model import Message
+from jobfence.ports import QueuePort
+
+SQL = Queries("jobfence.sql", "ops.sql")
+
+STATUSES = ("pending_review", "replayed", "discarded")
+DEFAULT_PAGE = 50
+MAX_PAGE = 500
+# A list item carries payloads up to this size whole; larger ones are summarised (and say so).
+PAYLOAD_INLINE_LIMIT = 4096
+PAYLOAD_SUMMARY_CHARS = 512
+DEFAULT_BULK_MAX = 10_000
+BULK_CHUNK = 500
+
+__all__ = [
+    "BulkItem",
+    "BulkReplay",
+    "BulkTooLarge",
+    "DeadLetterDetail",
+    "DeadLetterFilter",
+    "DeadLetterItem",
+    "DeadLetterPage",
+    "InvalidRequest",
+    "count_dead_letters",
+    "discard",
+    "get_bulk_replay",
+    "list_bulk_items",
+    "list_dead_letters",
+    "replay",
+    "run_bulk_replay",
+    "show_dead_letter",
+    "start_bulk_replay",
+]
+
+
+class InvalidRequest(JobfenceError):
+    """A request that cannot be served as asked (bad cursor, bad filter value)."""
+
+    __module__ = "jobfence"
+
+
+class BulkTooLarge(JobfenceError):
+    """More dead letters match than the bulk replay's ``max_items`` allows."""
+
+    __module__ = "jobfence"
+
+    def __init__(self, matching: int, max_items: int) -> None:
+        super().__init__(
+            f"{matching} pending dead letters match, more than max_items={max_items}: "
+            "narrow the filter or raise max_items"
+        )
+        self.matching = matching
+        self.max_items = max_items
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetterFilter:
+    """Which dead letters: every field set must match (``created_*`` bound a half-open range)."""
+
+    status: str | None = None
+    queue: str | None = None
+    consumer: str | None = None
+    tenant_id: str | None = None
+    error_class: str | None = None
+    job_id: str | None = None
+    correlation_id: str | None = None
+    created_from: datetime | None = None  # inclusive
+    created_to: datetime | None = None  # exclusive
+
+    def __post_init__(self) -> None:
+        if self.status is not None and self.status not in STATUSES:
+            raise InvalidRequest(
+                f"status must be one of {', '.join(STATUSES)}, not {self.status!r}"
+            )
+        if self.created_from and self.created_to and self.created_from >= self.created_to:
+            raise InvalidRequest("created_from must be before created_to")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            k: (v.isoformat() if isinstance(v, datetime) else v)
+            for k, v in asdict(self).items()
+            if v is not None
+        }
+
+    def where(
+        self, *, extra: sql.Composable | None = None
+    ) -> tuple[sql.Composable, dict[str, Any]]:
+        """A ``WHERE`` clause (possibly empty) and its parameters."""
+        parts: list[sql.Composable] = []
+        params: dict[str, Any] = {}
+        for column in (
+            "status",
+            "queue",
+            "consumer",
+            "tenant_id",
+            "error_class",
+            "job_id",
+            "correlation_id",
+        ):
+            value = getattr(self, column)
+            if value is not None:
+                parts.append(
+                    sql.SQL("{} = {}").format(
+                        sql.Identifier(column), sql.Placeholder(f"f_{column}")
+                    )
+                )
+                params[f"f_{column}"] = value
+        if self.created_from is not None:
+            parts.append(sql.SQL("created_at >= %(f_created_from)s"))
+            params["f_created_from"] = self.created_from
+        if self.created_to is not None:
+            parts.append(sql.SQL("created_at < %(f_created_to)s"))
+            params["f_created_to"] = self.created_to
+        if extra is not None:
+            parts.append(extra)
+        if not parts:
+            return sql.SQL(""), params
+        return sql.SQL(" WHERE ") + sql.SQL(" AND ").join(parts), params
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetterItem:
+    """A dead letter as listed: everything the table holds; a payload over
+    ``PAYLOAD_INLINE_LIMIT`` bytes is replaced by ``payload_summary`` (its first characters as
+    JSON text) with ``payload_truncated = True``; ``payload_size`` is its size in bytes."""
+
+    id: int
+    job_id: str
+    queue: str
+    consumer: str
+    tenant_id: str | None
+    payload: Any
+    payload_encoding: str
+    payload_truncated: bool
+    payload_summary: str | None
+    payload_size: int
+    attempts: int
+    last_error: str
+    error_class: str
+    correlation_id: str | None
+    status: str
+    discard_reason: str | None
+    created_at: datetime
+    resolved_at: datetime | None
+    resolved_by: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetterPage:
+    items: list[DeadLetterItem]
+    next_cursor: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetterDetail:
+    dead_letter: DeadLetter
+    fence_exists: bool
+
+
+def encode_cursor(created_at: datetime, dead_letter_id: int) -> str:
+    raw = json.dumps([created_at.isoformat(), dead_letter_id]).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str) -> tuple[datetime, int]:
+    try:
+        padded = cursor + "=" * (-len(cursor) % 4)
+        created, dead_letter_id = json.loads(base64.urlsafe_b64decode(padded.encode()))
+        return datetime.fromisoformat(created), int(dead_letter_id)
+    except (ValueError, TypeError, binascii.Error):
+        raise InvalidRequest("cursor is not one this API returned") from None
+
+
+async def list_dead_letters(
+    conn: AsyncConnection[Any],
+    flt: DeadLetterFilter,
+    *,
+    limit: int = DEFAULT_PAGE,
+    cursor: str | None = None,
+) -> DeadLetterPage:
+    """One page, newest first, keyset-paginated on ``(created_at, id)``: a page boundary never
+    moves when rows are inserted meanwhile (new rows sort before the first page)."""
+    if not 1 <= limit <= MAX_PAGE:
+        raise InvalidRequest(f"limit must be between 1 and {MAX_PAGE}")
+    extra = None
+    params: dict[str, Any] = {}
+    if cursor:
+        created_at, dead_letter_id = decode_cursor(cursor)
+        extra = sql.SQL("(created_at, id) < (%(c_created_at)s, %(c_id)s)")
+        params = {"c_created_at": created_at, "c_id": dead_letter_id}
+    where, filter_params = flt.where(extra=extra)
+    query = SQL["list_base"] + where + sql.SQL(" ORDER BY created_at DESC, id DESC LIMIT %(limit)s")
+    params |= filter_params | {
+        "limit": limit + 1,
+        "payload_limit": PAYLOAD_INLINE_LIMIT,
+        "summary_chars": PAYLOAD_SUMMARY_CHARS,
+    }
+    async with conn.cursor(row_factory=dict_row) as cur:
+        await cur.execute(query, params)
+        rows = await cur.fetchall()
+    more = len(rows) > limit
+    rows = rows[:limit]
+    items = [
+        DeadLetterItem(payload_truncated=row["payload_summary"] is not None, **row) for row in rows
+    ]
+    next_cursor = encode_cursor(rows[-1]["created_at"], rows[-1]["id"]) if more else None
+    return DeadLetterPage(items=items, next_cursor=next_cursor)
+
+
+async def count_dead_letters(conn: AsyncConnection[Any], flt: DeadLetterFilter) -> int:
+    where, params = flt.where()
+    cur = await conn.execute(SQL["count_base"] + where, params)
+    row = await cur.fetchone()
+    return int(row[0]) if row else 0
+
+
+async def show_dead_letter(conn: AsyncConnection[Any], dead_letter_id: int) -> DeadLetterDetail:
+    """One dead letter whole, and whether a fence row exists for its (job_id, consumer)."""
+    letter = await get_dead_letter(conn, dead_letter_id)
+    cur = await conn.execute(
+        SQL["fence_exists_for"], {"job_id": letter.job_id, "consumer": letter.consumer}
+    )
+    row = await cur.fetchone()
+    return DeadLetterDetail(dead_letter=letter, fence_exists=bool(row and row[0]))
+
+
+async def replay(
+    pool: AsyncConnectionPool[Any], queue: QueuePort, dead_letter_id: int, *, actor: str
+) -> ReplayResult:
+    return await replay_dead_letter(pool, queue, dead_letter_id, resolved_by=actor)
+
+
+async def discard(
+    pool: AsyncConnectionPool[Any], dead_letter_id: int, *, reason: str, actor: str
+) -> DeadLetter:
+    return await discard_dead_letter(pool, dead_letter_id, reason=reason, resolved_by=actor)
+
+
+@dataclass(frozen=True, slots=True)
+class BulkReplay:
+    """A bulk replay and its progress: ``counts`` has replayed, already_processed, not_pending,
+    failed and pending (not processed yet)."""
+
+    id: int
+    filter: dict[str, Any]
+    requested_by: str
+    max_items: int
+    total: int
+    status: str
+    created_at: datetime
+    updated_at: datetime
+    finished_at: datetime | None
+    counts: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class BulkItem:
+    dead_letter_id: int
+    result: str | None
+    detail: str | None
+    processed_at: datetime | None
+
+
+def _pending_filter(flt: DeadLetterFilter) -> DeadLetterFilter:
+    if flt.status not in (None, "pending_review"):
+        raise InvalidRequest("bulk replay takes pending_review dead letters only")
+    return DeadLetterFilter(**{**asdict(flt), "status": "pending_review"})
+
+
+async def start_bulk_replay(
+    pool: AsyncConnectionPool[Any],
+    flt: DeadLetterFilter,
+    *,
+    max_items: int = DEFAULT_BULK_MAX,
+    requested_by: str,
+    dry_run: bool = False,
+) -> BulkReplay | int:
+    """Fix the snapshot: the pending dead letters matching ``flt`` now, and only those.
+
+    ``dry_run`` returns how many match and changes nothing. More matches than ``max_items``
+    raise :class:`BulkTooLarge` (nothing is taken). Otherwise the run is recorded with its items
+    and returned; process it with :func:`run_bulk_replay`.
+    """
+    if max_items < 1:
+        raise InvalidRequest("max_items must be >= 1")
+    if not requested_by.strip():
+        raise InvalidRequest("requested_by must name who asks")
+    flt = _pending_filter(flt)
+    async with pool.connection() as conn:
+        if dry_run:
+            return await count_dead_letters(conn, flt)
+        async with conn.transaction():
+            # Count and snapshot see the same rows: one REPEATABLE READ snapshot.
+            await conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+            matching = await count_dead_letters(conn, flt)
+            if matching > max_items:
+                raise BulkTooLarge(matching, max_items)
+            cur = await conn.execute(
+                SQL["bulk_create"],
+                {
+                    "filter": Jsonb(flt.to_json()),
+                    "requested_by": requested_by,
+                    "max_items": max_items,
+                },
+            )
+            row = await cur.fetchone()
+            assert row is not None
+            bulk_id = int(row[0])
+            where, params = flt.where()
+            cur = await conn.execute(
+                SQL["bulk_snapshot_base"] + where, params | {"bulk_id": bulk_id}
+            )
+            await conn.execute(SQL["bulk_set_total"], {"id": bulk_id, "total": cur.rowcount})
+        return await get_bulk_replay(conn, bulk_id)
+
+
+async def get_bulk_replay(conn: AsyncConnection[Any], bulk_id: int) -> BulkReplay:
+    async with conn.cursor(row_factory=dict_row) as cur:
+        await cur.execute(SQL["bulk_get"], {"id": bulk_id})
+        row = await cur.fetchone()
+        if row is None:
+            raise InvalidRequest(f"no bulk replay with id {bulk_id}")
+        await cur.execute(SQL["bulk_counts"], {"id": bulk_id})
+        counts = {r["result"]: int(r["n"]) for r in await cur.fetchall()}
+    for key in ("replayed", "already_processed", "not_pending", "failed", "pending"):
+        counts.setdefault(key, 0)
+    return BulkReplay(counts=counts, **row)
+
+
+async def list_bulk_items(
+    conn: AsyncConnection[Any],
+    bulk_id: int,
+    *,
+    result: str | None = None,
+    after: int = 0,
+    limit: int = 100,
+) -> list[BulkItem]:
+    async with conn.cursor(row_factory=dict_row) as cur:
+        await cur.execute(
+            SQL["bulk_items"], {"id": bulk_id, "result": result, "after": after, "limit": limit}
+        )
+        return [BulkItem(**r) for r in await cur.fetchall()]
+
+
+async def run_bulk_replay(
+    pool: AsyncConnectionPool[Any],
+    queue: QueuePort,
+    bulk_id: int,
+    *,
+    actor: str,
+    chunk_size: int = BULK_CHUNK,
+    on_progress: Callable[[BulkReplay], None] | None = None,
+) -> BulkReplay:
+    """Process a run's remaining items, a chunk per transaction (resumable after a crash).
+
+    Per item: a dead letter no longer pending is ``not_pending`` (left as it is); one whose
+    fence row exists is ``already_processed``: moved to replayed without republishing, since the
+    fence would skip the job anyway; any other is republished with the same job_id (D8) and
+    ``replayed``. With the PostgreSQL queue the publishes and the transitions of a chunk commit
+    together. With an external broker each item is published first; a publish that fails makes
+    the item ``failed`` and leaves its dead letter ``pending_review``.
+    """
+    transactional = queue.capabilities.transactional
+    while True:
+        async with pool.connection() as conn, conn.transaction():
+            async with conn.cursor(row_factory=dict_row) as cur:
+                await cur.execute(SQL["bulk_take_chunk"], {"id": bulk_id, "limit": chunk_size})
+                rows = await cur.fetchall()
+            if not rows:
+                await conn.execute(SQL["bulk_finish"], {"id": bulk_id})
+                break
+            ids: list[int] = []
+            results: list[str] = []
+            details: list[str | None] = []
+            to_mark: list[int] = []
+            for row in rows:
+                ids.append(row["dead_letter_id"])
+                if row["status"] != "pending_review":
+                    results.append("not_pending")
+                    details.append(f"status is {row['status']}")
+                    continue
+                if row["fenced"]:
+                    results.append("already_processed")
+                    details.append("fence row exists: not republished")
+                    to_mark.append(row["dead_letter_id"])
+                    continue
+                message = Message(
+                    queue=row["queue"],
+                    consumer=row["consumer"],
+                    job_id=row["job_id"],
+                    body=original_body(row["payload_text"], row["payload_encoding"]),
+                    tenant_id=row["tenant_id"],
+                    correlation_id=row["correlation_id"],
+                )
+                if transactional:
+                    await queue.publish(message, tx=conn)
+                else:
+                    try:
+                        await queue.publish(message)
+                    except Exception as exc:
+                        results.append("failed")
+                        details.append(f"publish failed: {type(exc).__name__}: {exc}"[:500])
+                        continue
+                results.append("replayed")
+                details.append(None)
+                to_mark.append(row["dead_letter_id"])
+            if to_mark:
+                await conn.execute(
+                    SQL["bulk_mark_replayed"], {"ids": to_mark, "resolved_by": actor}
+                )
+            await conn.execute(
+                SQL["bulk_record_results"],
+                {"bulk_id": bulk_id, "ids": ids, "results": results, "details": details},
+            )
+            await conn.execute(SQL["bulk_touch"], {"id": bulk_id})
+        if on_progress is not None:
+            async with pool.connection() as conn:
+                on_progress(await get_bulk_replay(conn, bulk_id))
+    async with pool.connection() as conn:
+        return await get_bulk_replay(conn, bulk_id)

@@ -1,0 +1,84 @@
+-- Named queries of the Ops management of dead letters (jobfence.ops). The list and count
+-- queries take a WHERE clause composed in Python from a fixed set of column filters.
+
+-- name: list_base
+SELECT id, job_id, queue, consumer, tenant_id, payload_encoding, attempts, last_error,
+       error_class, correlation_id, status, discard_reason, created_at, resolved_at, resolved_by,
+       octet_length(payload::text) AS payload_size,
+       CASE WHEN octet_length(payload::text) <= %(payload_limit)s THEN payload END AS payload,
+       CASE WHEN octet_length(payload::text) > %(payload_limit)s
+            THEN left(payload::text, %(summary_chars)s) END AS payload_summary
+FROM core.dead_letters
+
+-- name: count_base
+SELECT count(*) FROM core.dead_letters
+
+-- name: fence_exists_for
+SELECT EXISTS (
+    SELECT 1 FROM core.processed_jobs WHERE job_id = %(job_id)s AND consumer = %(consumer)s
+);
+
+-- name: bulk_create
+INSERT INTO jobfence.bulk_replays (filter, requested_by, max_items, total)
+VALUES (%(filter)s, %(requested_by)s, %(max_items)s, 0)
+RETURNING id;
+
+-- name: bulk_set_total
+UPDATE jobfence.bulk_replays SET total = %(total)s WHERE id = %(id)s;
+
+-- name: bulk_get
+SELECT id, filter, requested_by, max_items, total, status, created_at, updated_at, finished_at
+FROM jobfence.bulk_replays WHERE id = %(id)s;
+
+-- name: bulk_counts
+SELECT coalesce(result, 'pending') AS result, count(*) AS n
+FROM jobfence.bulk_replay_items WHERE bulk_replay_id = %(id)s
+GROUP BY 1;
+
+-- name: bulk_take_chunk
+-- The next unprocessed items of a run with their dead letters, locked. SKIP LOCKED lets two
+-- processes resume the same run without waiting on each other or doing an item twice.
+SELECT i.dead_letter_id, d.job_id, d.queue, d.consumer, d.tenant_id,
+       d.payload::text AS payload_text, d.payload_encoding, d.correlation_id, d.status,
+       EXISTS (SELECT 1 FROM core.processed_jobs p
+               WHERE p.job_id = d.job_id AND p.consumer = d.consumer) AS fenced
+FROM jobfence.bulk_replay_items i
+JOIN core.dead_letters d ON d.id = i.dead_letter_id
+WHERE i.bulk_replay_id = %(id)s AND i.result IS NULL
+ORDER BY i.dead_letter_id
+LIMIT %(limit)s
+FOR UPDATE OF i, d SKIP LOCKED;
+
+-- name: bulk_mark_replayed
+UPDATE core.dead_letters
+SET status = 'replayed', resolved_at = now(), resolved_by = %(resolved_by)s
+WHERE id = ANY(%(ids)s::bigint[]) AND status = 'pending_review';
+
+-- name: bulk_record_results
+UPDATE jobfence.bulk_replay_items i
+SET result = r.result, detail = r.detail, processed_at = now()
+FROM unnest(%(ids)s::bigint[], %(results)s::text[], %(details)s::text[]) AS r(id, result, detail)
+WHERE i.bulk_replay_id = %(bulk_id)s AND i.dead_letter_id = r.id;
+
+-- name: bulk_touch
+UPDATE jobfence.bulk_replays SET updated_at = now() WHERE id = %(id)s;
+
+-- name: bulk_finish
+UPDATE jobfence.bulk_replays
+SET status = 'finished', finished_at = now(), updated_at = now()
+WHERE id = %(id)s AND status = 'running'
+  AND NOT EXISTS (SELECT 1 FROM jobfence.bulk_replay_items
+                  WHERE bulk_replay_id = %(id)s AND result IS NULL);
+
+-- name: bulk_items
+SELECT dead_letter_id, result, detail, processed_at
+FROM jobfence.bulk_replay_items
+WHERE bulk_replay_id = %(id)s
+  AND (%(result)s::text IS NULL OR coalesce(result, 'pending') = %(result)s::text)
+  AND dead_letter_id > %(after)s
+ORDER BY dead_letter_id
+LIMIT %(limit)s;
+
+-- name: bulk_snapshot_base
+INSERT INTO jobfence.bulk_replay_items (bulk_replay_id, dead_letter_id)
+SELECT %(bulk_id)s, id FROM core.dead_letters
