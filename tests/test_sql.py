@@ -22,6 +22,7 @@ from support import with_dbname
 QUERY_FILES = [
     ("jobfence.sql", "core.sql"),
     ("jobfence.sql", "ops.sql"),
+    ("jobfence.sql", "alerts.sql"),
     ("jobfence.adapters", "pg_queue.sql"),
 ]
 PLACEHOLDER = re.compile(r"%\((\w+)\)s")

@@ -12,6 +12,7 @@ import psycopg
 from psycopg import AsyncConnection
 
 from jobfence.harness import SQL
+from jobfence.ports import CleanupMetricsSink
 
 log = logging.getLogger("jobfence.cleanup")
 
@@ -29,12 +30,14 @@ async def cleanup_expired(
     *,
     batch_size: int = DEFAULT_BATCH_SIZE,
     max_batches: int | None = None,
+    metrics: CleanupMetricsSink | None = None,
 ) -> CleanupResult:
     """Delete fence rows with ``expires_at < now()`` (database clock), one short transaction
     per batch of at most ``batch_size`` rows, until a batch comes back short.
 
     ``conn`` must be in autocommit mode so each batch commits on its own: no long lock, no table
-    rewrite, and concurrent workers never wait long behind it.
+    rewrite, and concurrent workers never wait long behind it. ``metrics`` hears the rows of
+    each committed batch and, when the round ends without error, a success.
     """
     if batch_size < 1:
         raise ValueError("batch_size must be >= 1")
@@ -46,8 +49,12 @@ async def cleanup_expired(
         cur = await conn.execute(SQL["cleanup_expired_batch"], {"batch_size": batch_size})
         batches += 1
         deleted += max(cur.rowcount, 0)
+        if metrics is not None:
+            metrics.cleanup_rows_removed(max(cur.rowcount, 0))
         if cur.rowcount < batch_size:
             break
+    if metrics is not None:
+        metrics.cleanup_succeeded()
     return CleanupResult(deleted=deleted, batches=batches)
 
 
@@ -57,6 +64,7 @@ async def cleanup_every(
     interval_seconds: float,
     stop: asyncio.Event,
     batch_size: int = DEFAULT_BATCH_SIZE,
+    metrics: CleanupMetricsSink | None = None,
 ) -> int:
     """Run :func:`cleanup_expired` every ``interval_seconds`` until ``stop`` is set.
 
@@ -71,7 +79,7 @@ async def cleanup_every(
             async with await psycopg.AsyncConnection.connect(
                 conninfo, autocommit=True, connect_timeout=10
             ) as conn:
-                result = await cleanup_expired(conn, batch_size=batch_size)
+                result = await cleanup_expired(conn, batch_size=batch_size, metrics=metrics)
         except psycopg.Error as exc:
             log.warning(
                 "cleanup round failed (%s: %s); next try in %gs",

@@ -10,13 +10,20 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 
-from jobfence import db, schema
+from jobfence import cli_dead_letters, db, schema
 from jobfence.app import App
 from jobfence.errors import JobfenceError
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+    from jobfence.adapters.betterstack import HeartbeatOnSuccess
+    from jobfence.observability import MetricsServer
+    from jobfence.ports import CleanupMetricsSink
 
 
 def _load_app(spec: str) -> App:
@@ -51,18 +58,48 @@ async def _cmd_migrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _start_metrics_server(
+    args: argparse.Namespace, registry: CollectorRegistry, *, database: str | None, app: App | None
+) -> MetricsServer | None:
+    """With ``--metrics-port``: serve ``registry`` (plus the database gauges when ``database``
+    is given) on ``--metrics-host:--metrics-port``."""
+    if args.metrics_port is None:
+        return None
+    from jobfence.observability import metrics_registry, serve_metrics
+
+    metrics_registry(database, app=app, registry=registry)
+    server = serve_metrics(registry, port=args.metrics_port, host=args.metrics_host)
+    logging.getLogger("jobfence").info("metrics served at %s", server.url)
+    return server
+
+
+def _add_metrics_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--metrics-port",
+        type=_port,
+        default=None,
+        metavar="PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port)",
+    )
+    p.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST", help="(127.0.0.1)")
+
+
 async def _cmd_worker(args: argparse.Namespace) -> int:
     from jobfence.adapters.pg_queue import PgQueue
+    from jobfence.adapters.prometheus import PrometheusMetrics
     from jobfence.worker import Worker
 
     app = _load_app(args.app)
     app.check_fence_ttls()
     url = db.resolve_database_url()
     pool = await db.open_pool(url, max_size=args.concurrency + 2, name="jobfence-worker")
+    server: MetricsServer | None = None
     try:
         async with pool.connection() as conn:
             await schema.ensure_migrated(conn)
         queue = PgQueue(pool)
+        metrics = PrometheusMetrics()
+        server = _start_metrics_server(args, metrics.registry, database=url, app=app)
         worker = Worker(
             app,
             pool,
@@ -72,6 +109,7 @@ async def _cmd_worker(args: argparse.Namespace) -> int:
             batch_size=args.batch_size,
             lease_seconds=args.lease_seconds,
             shutdown_grace_seconds=args.grace_seconds,
+            metrics=metrics,
         )
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -84,30 +122,123 @@ async def _cmd_worker(args: argparse.Namespace) -> int:
         counts = [f"{k} {v}" for k, v in sorted(stats.outcomes.items())]
         print("worker stopped: " + ", ".join([*counts, f"released {stats.released}"]))
     finally:
+        if server is not None:
+            server.close()
         await pool.close()
     return 0
 
 
 async def _cmd_cleanup(args: argparse.Namespace) -> int:
+    from jobfence.adapters.prometheus import PrometheusCleanupMetrics
     from jobfence.cleanup import cleanup_every, cleanup_expired
 
     url = db.resolve_database_url()
     await db.check_connection(url)
-    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
-        await schema.ensure_migrated(conn)
-        if args.every is None:
-            result = await cleanup_expired(conn, batch_size=args.batch_size)
-            print(f"removed {result.deleted} expired fence rows in {result.batches} batch(es)")
-            return 0
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    total = await cleanup_every(
-        url, interval_seconds=args.every, stop=stop, batch_size=args.batch_size
-    )
-    print(f"removed {total} expired fence rows")
+    metrics = PrometheusCleanupMetrics()
+    server = _start_metrics_server(args, metrics.registry, database=None, app=None)
+    sink = _cleanup_heartbeat(metrics)  # + the Better Stack heartbeat after each success
+    try:
+        async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+            await schema.ensure_migrated(conn)
+            if args.every is None:
+                result = await cleanup_expired(conn, batch_size=args.batch_size, metrics=sink)
+                print(f"removed {result.deleted} expired fence rows in {result.batches} batch(es)")
+                return 0
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        total = await cleanup_every(
+            url, interval_seconds=args.every, stop=stop, batch_size=args.batch_size, metrics=sink
+        )
+        print(f"removed {total} expired fence rows")
+        return 0
+    finally:
+        await sink.aclose()
+        if server is not None:
+            server.close()
+
+
+def _cleanup_heartbeat(metrics: CleanupMetricsSink) -> HeartbeatOnSuccess:
+    from jobfence.adapters.betterstack import BetterStackHeartbeat, HeartbeatOnSuccess
+    from jobfence.config import cleanup_heartbeat_url_from_env
+
+    url = cleanup_heartbeat_url_from_env()
+    return HeartbeatOnSuccess(metrics, BetterStackHeartbeat(url, name="cleanup") if url else None)
+
+
+async def _cmd_alert_relay(args: argparse.Namespace) -> int:
+    from jobfence.adapters.prometheus import PrometheusAlertMetrics
+    from jobfence.alerts import AlertRelay, retry_failed_alerts
+    from jobfence.config import alert_config_from_env
+
+    config = alert_config_from_env()
+    url = db.resolve_database_url()
+    if args.retry_failed:
+        await db.check_connection(url)
+        async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+            await schema.ensure_migrated(conn)
+            print(f"{await retry_failed_alerts(conn)} failed alert(s) queued for delivery again")
+        return 0
+    metrics = PrometheusAlertMetrics()
+    relay = AlertRelay.from_config(url, config, poll_seconds=args.poll_seconds, metrics=metrics)
+    server = None
+    try:
+        await db.check_connection(url)
+        server = _start_metrics_server(args, metrics.registry, database=None, app=None)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, relay.stop)
+        stats = await relay.run()
+    finally:
+        await relay.aclose()
+        if server is not None:
+            server.close()
+    print(f"alert relay stopped: {stats.summary()}")
     return 0
+
+
+async def _cmd_api(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from jobfence.adapters.pg_queue import PgQueue
+    from jobfence.api import ApiSettings, create_app
+
+    # The verifying key first: without one the API refuses to start, before any database work.
+    settings = ApiSettings.from_env(bulk_chunk_size=args.bulk_chunk_size)
+    url = db.resolve_database_url()
+    pool = await db.open_pool(url, max_size=args.pool_size, name="jobfence-api")
+    queue = PgQueue(pool)
+    try:
+        async with pool.connection() as conn:
+            await schema.ensure_migrated(conn)
+        app = create_app(pool=pool, queue=queue, settings=settings)
+        # log_config=None: uvicorn's lines go through the handlers configured in main().
+        config = uvicorn.Config(
+            app, host=args.host, port=args.port, log_config=None, log_level="info"
+        )
+        # uvicorn stops gracefully on SIGTERM/SIGINT, then raises the signal again for the
+        # handler it found: make that one harmless, so the stop ends with status 0.
+        stopped = {sig: signal.signal(sig, lambda *_: None) for sig in _STOP_SIGNALS}
+        try:
+            await uvicorn.Server(config).serve()
+        finally:
+            for sig, handler in stopped.items():
+                signal.signal(sig, handler)
+    finally:
+        await queue.close()
+        await pool.close()
+    return 0
+
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 65535, got {value}")
+    return value
 
 
 async def _cmd_demo(args: argparse.Namespace) -> int:
@@ -147,6 +278,12 @@ def build_parser() -> argparse.ArgumentParser:
         "JOBFENCE_DATABASE_URL, or an embedded PostgreSQL in ./.jobfence/pgdata when unset.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
+    parser.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default=None,
+        help="log lines as text or one JSON object each (default: JOBFENCE_LOG_FORMAT, or text)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("migrate", help="apply the schema migrations (idempotent, locked)")
@@ -177,6 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="stopped",
         help="stop when nothing is due (idle), when the queues are empty, or on SIGTERM",
     )
+    _add_metrics_options(p)
     p.set_defaults(func=_cmd_worker)
 
     p = sub.add_parser("cleanup", help="delete expired fence rows in bounded batches")
@@ -188,6 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="repeat every SECONDS until SIGTERM (a failed round is logged and retried)",
     )
+    _add_metrics_options(p)
     p.set_defaults(func=_cmd_cleanup)
 
     p = sub.add_parser("demo", help="run the points-awarding demo workload")
@@ -196,20 +335,63 @@ def build_parser() -> argparse.ArgumentParser:
         "--duplicates", type=_non_negative_int, default=50, help="duplicate deliveries (50)"
     )
     p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser(
+        "api",
+        help="serve the Ops management HTTP API (needs JOBFENCE_JWT_SECRET or "
+        "JOBFENCE_JWT_PUBLIC_KEY)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
+    p.add_argument("--port", type=_port, default=8080, help="port to listen on; 0: any (8080)")
+    p.add_argument(
+        "--pool-size", type=_positive_int, default=10, help="database connections at most (10)"
+    )
+    p.add_argument(
+        "--bulk-chunk-size",
+        type=_positive_int,
+        default=500,
+        help="dead letters per transaction in a bulk replay (500)",
+    )
+    p.set_defaults(func=_cmd_api)
+
+    p = sub.add_parser(
+        "alert-relay",
+        help="deliver dead-letter alerts to Better Stack (needs JOBFENCE_BETTERSTACK_TOKEN)",
+    )
+    p.add_argument(
+        "--poll-seconds", type=_positive_float, default=1.0, help="idle wait between rounds (1)"
+    )
+    p.add_argument(
+        "--retry-failed",
+        action="store_true",
+        help="queue the alerts Better Stack refused (401, 422...) for delivery again, and exit",
+    )
+    _add_metrics_options(p)
+    p.set_defaults(func=_cmd_alert_relay)
+
+    cli_dead_letters.add_parser(sub)  # jobfence dead-letters ...: its commands set func
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    from jobfence.config import log_format_from_env
+    from jobfence.observability import configure_logging
+
+    try:
+        log_format = args.log_format or log_format_from_env()
+    except JobfenceError as exc:
+        print(f"jobfence: error: {exc}", file=sys.stderr)
+        return 2
     # jobfence's own start-up and progress lines (the database in use, retry-policy overrides
-    # with their rationale) are INFO; other libraries stay at WARNING unless -v.
-    logging.getLogger("jobfence").setLevel(logging.DEBUG if args.verbose else logging.INFO)
-    if args.verbose:
-        logging.getLogger().setLevel(logging.DEBUG)
+    # with their rationale) are INFO; other libraries stay at WARNING unless -v. Configured
+    # secrets (tokens, the database password) are redacted from every line.
+    configure_logging(
+        log_format,
+        logging.DEBUG if args.verbose else logging.INFO,
+        other_level=logging.DEBUG if args.verbose else logging.WARNING,
+    )
     func: Callable[[argparse.Namespace], Coroutine[Any, Any, int]] = args.func
     try:
         return asyncio.run(func(args))

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from jobfence.errors import ConfigError
 
 ENV_DATABASE_URL = "JOBFENCE_DATABASE_URL"
 ENV_EMBEDDED_DIR = "JOBFENCE_EMBEDDED_DIR"
@@ -22,3 +26,215 @@ def embedded_dir_from_env(environ: Mapping[str, str] | None = None) -> Path:
     env = os.environ if environ is None else environ
     value = env.get(ENV_EMBEDDED_DIR, "").strip()
     return Path(value) if value else DEFAULT_EMBEDDED_DIR
+
+
+# The Ops management API (``jobfence api``): how bearer tokens are verified (D9).
+ENV_JWT_SECRET = "JOBFENCE_JWT_SECRET"
+ENV_JWT_PUBLIC_KEY = "JOBFENCE_JWT_PUBLIC_KEY"
+ENV_JWT_ISSUER = "JOBFENCE_JWT_ISSUER"
+ENV_JWT_AUDIENCE = "JOBFENCE_JWT_AUDIENCE"
+
+
+def _optional(env: Mapping[str, str], name: str) -> str | None:
+    value = env.get(name, "").strip()
+    return value or None
+
+
+def jwt_secret_from_env(environ: Mapping[str, str] | None = None) -> str | None:
+    """The HS256 shared secret that verifies API tokens, or None. Never logged or echoed."""
+    env = os.environ if environ is None else environ
+    # Taken as written (not stripped): whitespace may be part of a secret.
+    return env.get(ENV_JWT_SECRET) or None
+
+
+def jwt_public_key_from_env(environ: Mapping[str, str] | None = None) -> str | None:
+    """The PEM public key (RS256 or ES256) that verifies API tokens, or None.
+
+    The value is the PEM text itself (its line breaks may be written ``\\n``, as on one line of
+    a ``.env`` file), or the path of a file holding it.
+    """
+    env = os.environ if environ is None else environ
+    value = _optional(env, ENV_JWT_PUBLIC_KEY)
+    if value is None:
+        return None
+    if value.startswith("-----BEGIN"):
+        return value if "\n" in value else value.replace("\\n", "\n")
+    try:
+        return Path(value).read_text()
+    except OSError as exc:
+        raise ConfigError(
+            f"{ENV_JWT_PUBLIC_KEY} is neither PEM text nor a readable file "
+            f"({type(exc).__name__}: {exc.strerror or exc})"
+        ) from None
+
+
+def jwt_issuer_from_env(environ: Mapping[str, str] | None = None) -> str | None:
+    """The ``iss`` every API token must carry, or None to accept any issuer."""
+    return _optional(os.environ if environ is None else environ, ENV_JWT_ISSUER)
+
+
+def jwt_audience_from_env(environ: Mapping[str, str] | None = None) -> str | None:
+    """The ``aud`` every API token must name, or None not to check the audience."""
+    return _optional(os.environ if environ is None else environ, ENV_JWT_AUDIENCE)
+
+
+# Logs (``jobfence --log-format``): text for people, json for log pipelines.
+ENV_LOG_FORMAT = "JOBFENCE_LOG_FORMAT"
+LOG_FORMATS = ("text", "json")
+
+
+def log_format_from_env(environ: Mapping[str, str] | None = None) -> str:
+    """``text`` (the default) or ``json``."""
+    env = os.environ if environ is None else environ
+    value = env.get(ENV_LOG_FORMAT, "").strip().lower() or "text"
+    if value not in LOG_FORMATS:
+        raise ConfigError(
+            f"{ENV_LOG_FORMAT} must be one of {', '.join(LOG_FORMATS)}, got {value!r}"
+        )
+    return value
+
+
+def secrets_from_env(environ: Mapping[str, str] | None = None) -> list[str]:
+    """Values that must never appear in a log line: every ``JOBFENCE_*`` variable whose name
+    says TOKEN, SECRET or PASSWORD (``JOBFENCE_BETTERSTACK_TOKEN``, ``JOBFENCE_JWT_SECRET``...),
+    ``PGPASSWORD``, and the password in ``JOBFENCE_DATABASE_URL`` as written and decoded."""
+    from jobfence.db import url_passwords  # db imports this module
+
+    env = os.environ if environ is None else environ
+    found = [
+        value
+        for name, value in env.items()
+        if value
+        and (
+            name == "PGPASSWORD"
+            or (
+                name.startswith("JOBFENCE_")
+                and any(word in name for word in ("TOKEN", "SECRET", "PASSWORD"))
+            )
+        )
+    ]
+    url = database_url_from_env(env)
+    if url is not None:
+        found.extend(url_passwords(url))
+    return found
+
+
+# Better Stack alerting (``jobfence alert-relay``) and the heartbeats of the relay and cleanup.
+ENV_BETTERSTACK_API_URL = "JOBFENCE_BETTERSTACK_API_URL"
+ENV_BETTERSTACK_TOKEN = "JOBFENCE_BETTERSTACK_TOKEN"
+ENV_BETTERSTACK_REQUESTER_EMAIL = "JOBFENCE_BETTERSTACK_REQUESTER_EMAIL"
+ENV_BETTERSTACK_TEAM_NAME = "JOBFENCE_BETTERSTACK_TEAM_NAME"
+ENV_BETTERSTACK_POLICY_ID = "JOBFENCE_BETTERSTACK_POLICY_ID"
+ENV_BETTERSTACK_TEAM_WAIT = "JOBFENCE_BETTERSTACK_TEAM_WAIT"
+ENV_BETTERSTACK_NOTIFY = "JOBFENCE_BETTERSTACK_NOTIFY"
+ENV_BETTERSTACK_TIMEOUT = "JOBFENCE_BETTERSTACK_TIMEOUT"
+ENV_RELAY_HEARTBEAT_URL = "JOBFENCE_BETTERSTACK_RELAY_HEARTBEAT_URL"
+ENV_CLEANUP_HEARTBEAT_URL = "JOBFENCE_BETTERSTACK_CLEANUP_HEARTBEAT_URL"
+ENV_ALERT_GROUP_WINDOW = "JOBFENCE_ALERT_GROUP_WINDOW"
+ENV_ALERT_ESCALATE_AFTER = "JOBFENCE_ALERT_ESCALATE_AFTER"
+DEFAULT_BETTERSTACK_API_URL = "https://uptime.betterstack.com"
+NOTIFY_CHANNELS = ("call", "sms", "email", "push")
+DEFAULT_NOTIFY = frozenset({"email", "push"})
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)\s*([smhd]?)$")
+_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+@dataclass(frozen=True, slots=True)
+class AlertConfig:
+    """Better Stack alerting as configured in the environment. Secrets (the token, the
+    heartbeat URLs, which hold a token of their own) are left out of ``repr``."""
+
+    api_url: str
+    token: str | None = field(repr=False)
+    requester_email: str | None
+    team_name: str | None
+    policy_id: str | None
+    team_wait: int | None
+    notify: frozenset[str]
+    timeout_seconds: float
+    group_window_seconds: float
+    escalate_after_seconds: float | None
+    relay_heartbeat_url: str | None = field(repr=False)
+    cleanup_heartbeat_url: str | None = field(repr=False)
+
+
+def parse_duration(text: str, *, name: str) -> float:
+    """Seconds from ``90``, ``90s``, ``15m``, ``72h`` or ``3d``; must be positive."""
+    match = _DURATION.match(text.strip().lower())
+    if not match or float(match.group(1)) <= 0:
+        raise ConfigError(
+            f"{name} must be a positive duration such as 90, 90s, 15m, 72h or 3d, got {text!r}"
+        )
+    return float(match.group(1)) * _UNITS[match.group(2)]
+
+
+def cleanup_heartbeat_url_from_env(environ: Mapping[str, str] | None = None) -> str | None:
+    """The cleanup's Better Stack heartbeat URL, or None (it holds a secret: never logged)."""
+    return _optional(os.environ if environ is None else environ, ENV_CLEANUP_HEARTBEAT_URL)
+
+
+def alert_config_from_env(environ: Mapping[str, str] | None = None) -> AlertConfig:
+    """Read the Better Stack settings (all optional here; the relay requires the token).
+
+    ``JOBFENCE_BETTERSTACK_NOTIFY`` lists the channels among call, sms, email, push (default
+    ``email,push``; ``none`` for none). ``JOBFENCE_ALERT_GROUP_WINDOW`` defaults to 60s,
+    ``JOBFENCE_ALERT_ESCALATE_AFTER`` to 72h (``off`` disables escalation, D4).
+    """
+    env = os.environ if environ is None else environ
+    api_url = _optional(env, ENV_BETTERSTACK_API_URL) or DEFAULT_BETTERSTACK_API_URL
+    if not re.match(r"^https?://[^/?#\s]+", api_url):
+        raise ConfigError(
+            f"{ENV_BETTERSTACK_API_URL} must be an http(s) URL such as "
+            f"{DEFAULT_BETTERSTACK_API_URL}"
+        )
+    notify_text = (_optional(env, ENV_BETTERSTACK_NOTIFY) or "").lower()
+    if not notify_text:
+        notify = DEFAULT_NOTIFY
+    elif notify_text == "none":
+        notify = frozenset()
+    else:
+        notify = frozenset(part.strip() for part in notify_text.split(",") if part.strip())
+        unknown = sorted(notify - set(NOTIFY_CHANNELS))
+        if unknown:
+            raise ConfigError(
+                f"{ENV_BETTERSTACK_NOTIFY} lists unknown channel(s) {', '.join(unknown)}; "
+                f"use a comma-separated subset of {', '.join(NOTIFY_CHANNELS)}, or none"
+            )
+    team_wait_text = _optional(env, ENV_BETTERSTACK_TEAM_WAIT)
+    team_wait = None
+    if team_wait_text is not None:
+        if not team_wait_text.isdigit():
+            raise ConfigError(
+                f"{ENV_BETTERSTACK_TEAM_WAIT} must be a whole number of seconds, "
+                f"got {team_wait_text!r}"
+            )
+        team_wait = int(team_wait_text)
+    timeout_text = _optional(env, ENV_BETTERSTACK_TIMEOUT)
+    window_text = _optional(env, ENV_ALERT_GROUP_WINDOW)
+    escalate_text = _optional(env, ENV_ALERT_ESCALATE_AFTER)
+    escalate_after: float | None = 72 * 3600.0
+    if escalate_text is not None:
+        escalate_after = (
+            None
+            if escalate_text.lower() in ("off", "never", "none")
+            else parse_duration(escalate_text, name=ENV_ALERT_ESCALATE_AFTER)
+        )
+    return AlertConfig(
+        api_url=api_url,
+        # Taken as written (not stripped), like the JWT secret.
+        token=env.get(ENV_BETTERSTACK_TOKEN) or None,
+        requester_email=_optional(env, ENV_BETTERSTACK_REQUESTER_EMAIL),
+        team_name=_optional(env, ENV_BETTERSTACK_TEAM_NAME),
+        policy_id=_optional(env, ENV_BETTERSTACK_POLICY_ID),
+        team_wait=team_wait,
+        notify=notify,
+        timeout_seconds=(
+            parse_duration(timeout_text, name=ENV_BETTERSTACK_TIMEOUT) if timeout_text else 10.0
+        ),
+        group_window_seconds=(
+            parse_duration(window_text, name=ENV_ALERT_GROUP_WINDOW) if window_text else 60.0
+        ),
+        escalate_after_seconds=escalate_after,
+        relay_heartbeat_url=_optional(env, ENV_RELAY_HEARTBEAT_URL),
+        cleanup_heartbeat_url=cleanup_heartbeat_url_from_env(env),
+    )

@@ -44,6 +44,19 @@ def _without_password(text: str, url: str) -> str:
     return text
 
 
+def url_passwords(url: str) -> list[str]:
+    """The password of ``url`` in every form it may be logged in: as written (maybe
+    percent-encoded or quoted) and as libpq decodes it. Empty when there is none."""
+    found = [s for match in _PASSWORD.finditer(url) for s in match.groups() if s]
+    try:
+        decoded = conninfo_to_dict(url).get("password")
+    except psycopg.ProgrammingError:
+        decoded = None
+    if decoded:
+        found.append(str(decoded))
+    return found
+
+
 def validate_url(url: str) -> str:
     try:
         conninfo_to_dict(url)

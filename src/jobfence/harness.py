@@ -25,6 +25,7 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 from pydantic import BaseModel, ValidationError
 
 from jobfence._sql import Queries
+from jobfence.alerts.outbox import record_dead_letter_alerts
 from jobfence.app import App, Consumer
 from jobfence.codec import decode_body, stored_payload
 from jobfence.errors import HardFailure, PoisonMessage
@@ -53,6 +54,24 @@ class Outcome(enum.StrEnum):
 
 class InfrastructureError(Exception):
     """The database went away mid-job: the worker releases the job and reconnects (D7)."""
+
+
+def log_fields(delivery: Delivery, outcome: str | None = None, **more: object) -> dict[str, object]:
+    """The structured fields of a job event's log line (pass as ``extra=``): job_id, consumer,
+    queue, tenant_id, correlation_id, attempt, and the outcome when there is one."""
+    message = delivery.message
+    fields: dict[str, object] = {
+        "job_id": message.job_id,
+        "consumer": message.consumer,
+        "queue": message.queue,
+        "tenant_id": message.tenant_id,
+        "correlation_id": message.correlation_id,
+        "attempt": delivery.attempt,
+    }
+    if outcome is not None:
+        fields["outcome"] = str(outcome)
+    fields.update(more)
+    return fields
 
 
 def error_class_of(exc: BaseException) -> str:
@@ -158,7 +177,12 @@ class Harness:
             except (errors.SerializationFailure, errors.DeadlockDetected) as exc:
                 failure = exc
                 if conflict_try < CONFLICT_RETRIES:
-                    log.info("job %s: %s, retrying at once", meta.job_id, type(exc).__name__)
+                    log.info(
+                        "job %s: %s, retrying at once",
+                        meta.job_id,
+                        type(exc).__name__,
+                        extra=log_fields(delivery, error_class=type(exc).__name__),
+                    )
                     continue
             except InfrastructureError:
                 raise
@@ -202,8 +226,14 @@ class Harness:
             await self._queue.ack(delivery)
         outcome = Outcome.SUCCEEDED if fresh else Outcome.DUPLICATE
         self._metrics.job_outcome(meta.queue, meta.consumer, outcome)
-        if not fresh:
-            log.debug("job %s for %s already processed: skipped", meta.job_id, meta.consumer)
+        # A duplicate is normal operation (spec behaviour 2): DEBUG, like a success.
+        log.debug(
+            "job %s for %s %s",
+            meta.job_id,
+            meta.consumer,
+            "succeeded" if fresh else "already processed: skipped",
+            extra=log_fields(delivery, outcome),
+        )
         return outcome
 
     async def _fail(
@@ -224,6 +254,12 @@ class Harness:
                 policy.max_deliveries,
                 delay,
                 error_class_of(exc),
+                extra=log_fields(
+                    delivery,
+                    Outcome.RETRIED,
+                    error_class=error_class_of(exc),
+                    retry_in_seconds=round(delay, 3),
+                ),
             )
             return Outcome.RETRIED
         await self._write_dead_letter(delivery, error_class_of(exc), text)
@@ -234,6 +270,7 @@ class Harness:
             message.consumer,
             delivery.attempt,
             error_class_of(exc),
+            extra=log_fields(delivery, Outcome.DEAD_LETTERED, error_class=error_class_of(exc)),
         )
         return Outcome.DEAD_LETTERED
 
@@ -248,6 +285,7 @@ class Harness:
             message.job_id,
             message.consumer,
             exc.reason[:300],
+            extra=log_fields(delivery, Outcome.POISON, error_class=exc.error_class),
         )
         return Outcome.POISON
 
@@ -269,7 +307,11 @@ class Harness:
 
         async def write() -> None:
             async with self._pool.connection() as conn, conn.transaction():
-                await conn.execute(SQL["dead_letter_insert"], params)
+                cur = await conn.execute(SQL["dead_letter_insert"], params)
+                inserted = await cur.fetchone()
+                if inserted is not None:  # not a redelivered failure already pending (D5)
+                    # Behaviour 4: the alert is recorded with the dead letter, same commit.
+                    await record_dead_letter_alerts(conn, [inserted[0]])
                 if self._transactional:
                     await self._queue.ack(delivery, tx=conn)
             if not self._transactional:

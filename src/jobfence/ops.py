@@ -8,8 +8,8 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
@@ -40,20 +40,24 @@ MAX_PAGE = 500
 PAYLOAD_INLINE_LIMIT = 4096
 PAYLOAD_SUMMARY_CHARS = 512
 DEFAULT_BULK_MAX = 10_000
+GROUP_KEYS = ("queue", "consumer", "error_class")
 BULK_CHUNK = 500
 
 __all__ = [
     "BulkItem",
     "BulkReplay",
+    "BulkReplayNotFound",
     "BulkTooLarge",
     "DeadLetterDetail",
     "DeadLetterFilter",
+    "DeadLetterGroup",
     "DeadLetterItem",
     "DeadLetterPage",
     "InvalidRequest",
     "count_dead_letters",
     "discard",
     "get_bulk_replay",
+    "group_pending",
     "list_bulk_items",
     "list_dead_letters",
     "replay",
@@ -65,6 +69,12 @@ __all__ = [
 
 class InvalidRequest(JobfenceError):
     """A request that cannot be served as asked (bad cursor, bad filter value)."""
+
+    __module__ = "jobfence"
+
+
+class BulkReplayNotFound(InvalidRequest):
+    """No bulk replay has that id."""
 
     __module__ = "jobfence"
 
@@ -197,7 +207,7 @@ def decode_cursor(cursor: str) -> tuple[datetime, int]:
         padded = cursor + "=" * (-len(cursor) % 4)
         created, dead_letter_id = json.loads(base64.urlsafe_b64decode(padded.encode()))
         return datetime.fromisoformat(created), int(dead_letter_id)
-    except (ValueError, TypeError, binascii.Error):
+    except (ValueError, TypeError, OverflowError, binascii.Error):
         raise InvalidRequest("cursor is not one this API returned") from None
 
 
@@ -242,6 +252,53 @@ async def count_dead_letters(conn: AsyncConnection[Any], flt: DeadLetterFilter) 
     cur = await conn.execute(SQL["count_base"] + where, params)
     row = await cur.fetchone()
     return int(row[0]) if row else 0
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetterGroup:
+    """Pending dead letters that share the grouped columns; a column not grouped by is None."""
+
+    queue: str | None
+    consumer: str | None
+    error_class: str | None
+    pending: int
+    oldest: datetime
+    newest: datetime
+
+
+async def group_pending(
+    conn: AsyncConnection[Any],
+    flt: DeadLetterFilter,
+    *,
+    by: Sequence[str],
+    limit: int = DEFAULT_PAGE,
+) -> list[DeadLetterGroup]:
+    """How many pending dead letters match ``flt``, per group of ``by`` (some of
+    ``GROUP_KEYS``): the largest groups first (then the oldest), at most ``limit`` of them."""
+    keys = set(by)
+    if not keys or not keys <= set(GROUP_KEYS):
+        raise InvalidRequest(f"group by one or more of {', '.join(GROUP_KEYS)}, not {list(by)}")
+    if not 1 <= limit <= MAX_PAGE:
+        raise InvalidRequest(f"limit must be between 1 and {MAX_PAGE}")
+    if flt.status not in (None, "pending_review"):
+        raise InvalidRequest("groups count pending_review dead letters only")
+    where, params = replace(flt, status="pending_review").where()
+    query = (
+        sql.SQL(
+            "SELECT queue, consumer, error_class, count(*) AS pending,"
+            " min(created_at) AS oldest, max(created_at) AS newest FROM ("
+        )
+        + SQL["group_base"]
+        + where
+        + sql.SQL(
+            ") AS matching GROUP BY queue, consumer, error_class"
+            " ORDER BY pending DESC, oldest, queue, consumer, error_class LIMIT %(limit)s"
+        )
+    )
+    params |= {f"by_{key}": key in keys for key in GROUP_KEYS} | {"limit": limit}
+    async with conn.cursor(row_factory=dict_row) as cur:
+        await cur.execute(query, params)
+        return [DeadLetterGroup(**row) for row in await cur.fetchall()]
 
 
 async def show_dead_letter(conn: AsyncConnection[Any], dead_letter_id: int) -> DeadLetterDetail:
@@ -349,7 +406,7 @@ async def get_bulk_replay(conn: AsyncConnection[Any], bulk_id: int) -> BulkRepla
         await cur.execute(SQL["bulk_get"], {"id": bulk_id})
         row = await cur.fetchone()
         if row is None:
-            raise InvalidRequest(f"no bulk replay with id {bulk_id}")
+            raise BulkReplayNotFound(f"no bulk replay with id {bulk_id}")
         await cur.execute(SQL["bulk_counts"], {"id": bulk_id})
         counts = {r["result"]: int(r["n"]) for r in await cur.fetchall()}
     for key in ("replayed", "already_processed", "not_pending", "failed", "pending"):

@@ -16,7 +16,7 @@ from psycopg_pool import AsyncConnectionPool
 from jobfence.adapters.prometheus import PrometheusMetrics
 from jobfence.app import App
 from jobfence.errors import ConfigError
-from jobfence.harness import Harness, InfrastructureError, is_connection_loss
+from jobfence.harness import Harness, InfrastructureError, is_connection_loss, log_fields
 from jobfence.model import Delivery
 from jobfence.ports import MetricsSink, QueuePort
 from jobfence.schema import ensure_migrated
@@ -215,7 +215,10 @@ class Worker:
                 self.stats.outcomes[outcome] += 1
             except InfrastructureError as exc:
                 log.warning(
-                    "database unreachable while handling job %s: %s", delivery.message.job_id, exc
+                    "database unreachable while handling job %s: %s",
+                    delivery.message.job_id,
+                    exc,
+                    extra=log_fields(delivery),
                 )
                 self._unreleased.append(delivery)
                 self._outage.set()
@@ -228,6 +231,7 @@ class Worker:
                     "internal error handling job %s; it stays leased and comes back when its "
                     "lease runs out",
                     delivery.message.job_id,
+                    extra=log_fields(delivery),
                 )
             finally:
                 self._busy -= 1
@@ -278,6 +282,7 @@ class Worker:
                     "could not release job %s (%s); it returns when its lease runs out",
                     delivery.message.job_id,
                     type(exc).__name__,
+                    extra=log_fields(delivery),
                 )
 
     async def _shutdown(self, processors: list[asyncio.Task[None]]) -> None:

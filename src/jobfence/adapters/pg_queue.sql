@@ -59,3 +59,14 @@ SELECT count(*) FILTER (WHERE run_at <= coalesce(%(now)s::timestamptz, now())) A
        count(*) AS total
 FROM jobfence_queue.messages
 WHERE queue = ANY(%(queues)s::text[]);
+
+-- name: depth
+-- For /metrics: messages per queue by state, by the database clock. due: receivable now (new,
+-- a retry whose time came, or a lease that ran out); scheduled: waiting for its time, held by
+-- nobody; leased: held by a worker.
+SELECT queue,
+       count(*) FILTER (WHERE run_at <= now()) AS due,
+       count(*) FILTER (WHERE run_at > now() AND lease_token IS NULL) AS scheduled,
+       count(*) FILTER (WHERE run_at > now() AND lease_token IS NOT NULL) AS leased
+FROM jobfence_queue.messages
+GROUP BY queue;

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 OUTCOMES = ("succeeded", "duplicate", "retried", "dead_lettered", "poison")
 
@@ -29,7 +29,9 @@ class PrometheusMetrics:
 
     ``jobfence_jobs_total{queue, consumer, outcome}`` counts every delivery's outcome
     (succeeded, duplicate, retried, dead_lettered, poison); ``jobfence_handler_duration_seconds
-    {queue, consumer}`` times handlers that ran. Successes are metrics, never rows (D10).
+    {queue, consumer}`` times handlers that ran; ``jobfence_retries_scheduled_total{queue,
+    consumer}`` counts retries put on the queue (one per ``retried`` outcome). Successes are
+    metrics, never rows (D10).
     """
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
@@ -47,9 +49,17 @@ class PrometheusMetrics:
             buckets=DURATION_BUCKETS,
             registry=self.registry,
         )
+        self.retries = Counter(
+            "jobfence_retries_scheduled",
+            "Retries scheduled after a transient failure (the next delivery is on the queue).",
+            ("queue", "consumer"),
+            registry=self.registry,
+        )
 
     def job_outcome(self, queue: str, consumer: str, outcome: str) -> None:
         self.jobs.labels(queue, consumer, outcome).inc()
+        if outcome == "retried":
+            self.retries.labels(queue, consumer).inc()
 
     def handler_duration(self, queue: str, consumer: str, seconds: float) -> None:
         self.duration.labels(queue, consumer).observe(seconds)
@@ -67,3 +77,74 @@ class PrometheusMetrics:
                     continue
                 total += sample.value
         return total
+
+
+class PrometheusCleanupMetrics:
+    """The fence cleanup's metrics (a :class:`~jobfence.ports.CleanupMetricsSink`).
+
+    ``jobfence_cleanup_rows_removed_total`` counts expired fence rows deleted (per committed
+    batch); ``jobfence_cleanup_last_success_timestamp_seconds`` is the Unix time the last
+    cleanup round finished without error (0 until one has): alert when it is too old.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.rows_removed = Counter(
+            "jobfence_cleanup_rows_removed",
+            "Expired fence rows deleted by the TTL cleanup.",
+            registry=self.registry,
+        )
+        self.last_success = Gauge(
+            "jobfence_cleanup_last_success_timestamp_seconds",
+            "Unix time at which the last cleanup round finished without error (0: never).",
+            registry=self.registry,
+        )
+
+    def cleanup_rows_removed(self, count: int) -> None:
+        self.rows_removed.inc(count)
+
+    def cleanup_succeeded(self) -> None:
+        self.last_success.set_to_current_time()
+
+
+ALERT_KINDS = ("dead_letters", "escalation")
+ALERT_FAILURE_REASONS = ("network", "rate_limited", "server_error", "rejected")
+
+
+class PrometheusAlertMetrics:
+    """The Better Stack relay's metrics (a :class:`~jobfence.ports.AlertMetricsSink`).
+
+    ``jobfence_alerts_sent_total{kind}`` counts incidents opened (kind: dead_letters or
+    escalation); ``jobfence_alerts_failed_total{kind, reason}`` counts failed delivery attempts
+    (reason: network, rate_limited, server_error, or rejected for a 4xx that is not retried);
+    ``jobfence_alerts_pending`` is how many alerts wait to be delivered, as the relay last saw.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.sent = Counter(
+            "jobfence_alerts_sent",
+            "Alerts delivered to Better Stack (incidents opened), by kind.",
+            ("kind",),
+            registry=self.registry,
+        )
+        self.failed = Counter(
+            "jobfence_alerts_failed",
+            "Failed attempts to deliver an alert, by kind and reason.",
+            ("kind", "reason"),
+            registry=self.registry,
+        )
+        self.pending = Gauge(
+            "jobfence_alerts_pending",
+            "Alerts waiting to be delivered to Better Stack.",
+            registry=self.registry,
+        )
+
+    def alert_sent(self, kind: str) -> None:
+        self.sent.labels(kind).inc()
+
+    def alert_failed(self, kind: str, reason: str) -> None:
+        self.failed.labels(kind, reason).inc()
+
+    def alerts_pending(self, count: int) -> None:
+        self.pending.set(count)

@@ -72,3 +72,12 @@ WITH doomed AS (
 DELETE FROM core.processed_jobs p
 USING doomed
 WHERE p.job_id = doomed.job_id AND p.consumer = doomed.consumer AND p.expires_at < now();
+
+-- name: dead_letters_pending_summary
+-- For /metrics (read at scrape time): dead letters pending review per (queue, consumer) and
+-- the age of the oldest in each, by the database clock. Only pending rows are read.
+SELECT queue, consumer, count(*) AS pending,
+       extract(epoch FROM now() - min(created_at))::float8 AS oldest_age_seconds
+FROM core.dead_letters
+WHERE status = 'pending_review'
+GROUP BY queue, consumer;

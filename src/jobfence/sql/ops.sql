@@ -82,3 +82,12 @@ LIMIT %(limit)s;
 -- name: bulk_snapshot_base
 INSERT INTO jobfence.bulk_replay_items (bulk_replay_id, dead_letter_id)
 SELECT %(bulk_id)s, id FROM core.dead_letters
+
+-- name: group_base
+-- Each dead letter's grouped columns (NULL for a column not grouped by); jobfence.ops appends
+-- the filter's WHERE clause and counts the groups over this.
+SELECT CASE WHEN %(by_queue)s::boolean THEN queue END AS queue,
+       CASE WHEN %(by_consumer)s::boolean THEN consumer END AS consumer,
+       CASE WHEN %(by_error_class)s::boolean THEN error_class END AS error_class,
+       created_at
+FROM core.dead_letters

@@ -1,0 +1,495 @@
+"""Jobs per second, side by side in one run on one database (issue 2, "Benchmark").
+
+Three systems do the same work per job, ``UPDATE bench_accounts SET points = points + %s WHERE
+id = %s``:
+
+(a) ceiling        a bare loop of transactions: BEGIN; the work statement; the fence insert
+                   (``INSERT INTO core.processed_jobs ... ON CONFLICT DO NOTHING``); COMMIT.
+(b) jobfence       end to end over its PostgreSQL queue: jobs pre-enqueued, then
+                   ``Worker(...).run(until="idle")``.
+(c) procrastinate  Procrastinate 3.x with a task running the same statement on its own
+                   connection: jobs pre-deferred, ``run_worker_async(wait=False)``.
+
+"1 worker" and "4 workers" are 1 and 4 OS processes (multiprocessing, spawn), each handling one
+job at a time, so the three systems are comparable. An extra line runs jobfence in one process
+with ``concurrency=4``. Rounds alternate the systems (and rotate their order) so that drift on a
+shared machine hits all of them alike; the table gives medians and ratios of medians, and the
+ratio lines use the per-round ratios' median.
+
+Timing: the worker processes connect and get ready first; the clock starts when the main process
+releases them all at once and stops when the last job's work statement has run in any process.
+Each run then checks that every job's effect was applied exactly once.
+
+    .venv/bin/python benchmarks/throughput.py             # defaults: 5,000 jobs, 3 rounds
+    .venv/bin/python benchmarks/throughput.py --jobs 20000 --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import multiprocessing as mp
+import os
+import shlex
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from multiprocessing.connection import Connection
+from multiprocessing.synchronize import Event
+from typing import Any
+
+import procrastinate
+import psycopg
+from common import (
+    CEILING_CONSUMER,
+    CONSUMER,
+    FENCE_SQL,
+    QUEUE,
+    WORK_SQL,
+    Tracker,
+    admin_url_from_env,
+    build_jobfence_app,
+    build_procrastinate_app,
+    create_database,
+    drop_database,
+    enqueue_jobfence,
+    expected_points,
+    job_work,
+    machine_notes,
+    scalar,
+    server_notes,
+    versions,
+)
+
+from jobfence import PgQueue, Worker, open_pool
+from jobfence.schema import migrate
+
+CEILING = "ceiling"
+CEILING_SYNC = "ceiling-sync"
+JOBFENCE = "jobfence"
+PROCRASTINATE = "procrastinate"
+LABELS = {
+    CEILING: "(a) ceiling",
+    JOBFENCE: "(b) jobfence",
+    PROCRASTINATE: "(c) procrastinate",
+    CEILING_SYNC: "(a') ceiling, sync",
+}
+SYSTEMS = (CEILING, JOBFENCE, PROCRASTINATE, CEILING_SYNC)
+PROCRASTINATE_TABLES = (
+    "procrastinate_jobs, procrastinate_events, procrastinate_workers, procrastinate_periodic_defers"
+)
+
+
+@dataclass(frozen=True)
+class Config:
+    system: str
+    procs: int
+    concurrency: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.system}:{self.procs}x{self.concurrency}"
+
+    @property
+    def column(self) -> str:
+        if self.concurrency > 1:
+            return f"1 proc x {self.concurrency}"
+        return f"{self.procs} worker{'s' if self.procs > 1 else ''}"
+
+
+@dataclass
+class Measurement:
+    config: Config
+    round: int
+    jobs: int
+    seconds: float
+    ok: bool
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def rate(self) -> float:
+        return self.jobs / self.seconds if self.seconds > 0 else 0.0
+
+
+# --------------------------------------------------------------------------------------------
+# Worker processes. They live for the whole run and take one command per measurement.
+
+
+async def _released(go: Event) -> None:
+    await asyncio.to_thread(go.wait)
+
+
+async def _child_ceiling(cmd: dict[str, Any], pipe: Connection, go: Event) -> Tracker:
+    tracker = Tracker()
+    n, procs, index, prefix = cmd["jobs"], cmd["procs"], cmd["index"], cmd["prefix"]
+    async with await psycopg.AsyncConnection.connect(cmd["url"], autocommit=True) as conn:
+        pipe.send("ready")
+        await _released(go)
+        for i in range(index, n, procs):
+            async with conn.transaction():
+                await conn.execute(WORK_SQL, job_work(i))
+                await conn.execute(FENCE_SQL, (f"{prefix}{i}", CEILING_CONSUMER))
+            tracker.done()
+    return tracker
+
+
+async def _child_ceiling_sync(cmd: dict[str, Any], pipe: Connection, go: Event) -> Tracker:
+    """(a) with psycopg's blocking API: no event loop between the round trips."""
+    tracker = Tracker()
+    n, procs, index, prefix = cmd["jobs"], cmd["procs"], cmd["index"], cmd["prefix"]
+    with psycopg.connect(cmd["url"], autocommit=True) as conn:
+        pipe.send("ready")
+        go.wait()  # blocking is fine: this process does nothing else meanwhile
+        for i in range(index, n, procs):
+            with conn.transaction():
+                conn.execute(WORK_SQL, job_work(i))
+                conn.execute(FENCE_SQL, (f"{prefix}{i}", CEILING_CONSUMER))
+            tracker.done()
+    return tracker
+
+
+async def _child_jobfence(cmd: dict[str, Any], pipe: Connection, go: Event) -> Tracker:
+    tracker = Tracker()
+    concurrency = cmd["concurrency"]
+    # Like `jobfence worker` (max_size = concurrency + 2), with the connections opened up front.
+    pool = await open_pool(
+        cmd["url"], min_size=concurrency + 1, max_size=concurrency + 2, name="bench"
+    )
+    try:
+        queue = PgQueue(pool, poll_interval_seconds=0.05)
+        worker = Worker(
+            build_jobfence_app(tracker), pool, queue, concurrency=concurrency, poll_seconds=0.05
+        )
+        # Open the LISTEN connection now rather than inside the timed part.
+        await queue.receive(["bench-warmup"], max_messages=1, lease_seconds=1, wait_seconds=0.01)
+        pipe.send("ready")
+        await _released(go)
+        stats = await worker.run(until="idle")
+        await queue.close()
+    finally:
+        await pool.close()
+    if stats.outcomes["succeeded"] != tracker.count:
+        raise RuntimeError(f"jobfence outcomes {dict(stats.outcomes)} != {tracker.count} handled")
+    return tracker
+
+
+async def _child_procrastinate(cmd: dict[str, Any], pipe: Connection, go: Event) -> Tracker:
+    tracker = Tracker()
+    async with await psycopg.AsyncConnection.connect(cmd["url"], autocommit=True) as work_conn:
+
+        async def work(points: int, account_id: int) -> None:
+            await work_conn.execute(WORK_SQL, (points, account_id))
+            tracker.done()
+
+        app = build_procrastinate_app(cmd["url"], work)
+        async with app.open_async():
+            pipe.send("ready")
+            await _released(go)
+            await app.run_worker_async(
+                queues=[QUEUE],
+                concurrency=cmd["concurrency"],
+                wait=False,
+                install_signal_handlers=False,
+                name=f"bench-{cmd['index']}",
+            )
+    return tracker
+
+
+CHILDREN = {
+    CEILING: _child_ceiling,
+    CEILING_SYNC: _child_ceiling_sync,
+    JOBFENCE: _child_jobfence,
+    PROCRASTINATE: _child_procrastinate,
+}
+
+
+def child_main(pipe: Connection, go: Event) -> None:
+    logging.basicConfig(level=logging.WARNING)
+    while True:
+        cmd = pipe.recv()
+        if cmd is None:
+            return
+        try:
+            tracker = asyncio.run(CHILDREN[cmd["system"]](cmd, pipe, go))
+            pipe.send({"count": tracker.count, "first": tracker.first, "last": tracker.last})
+        except BaseException:
+            pipe.send({"error": traceback.format_exc()})
+
+
+# --------------------------------------------------------------------------------------------
+# The main process: prepares each run, releases the workers, checks the outcome.
+
+
+async def reset(conn: psycopg.AsyncConnection[Any]) -> None:
+    await conn.execute(
+        f"TRUNCATE core.processed_jobs, jobfence_queue.messages, {PROCRASTINATE_TABLES} CASCADE"
+    )
+
+
+async def prepare(
+    conn: psycopg.AsyncConnection[Any],
+    papp: procrastinate.App,
+    config: Config,
+    jobs: int,
+    prefix: str,
+) -> None:
+    await migrate(conn)  # no-op, unless the working tree gained a migration during the run
+    await reset(conn)
+    if config.system == JOBFENCE:
+        await enqueue_jobfence(conn, prefix, 0, jobs)
+    elif config.system == PROCRASTINATE:
+        task = papp.tasks[CONSUMER]
+        for start in range(0, jobs, 2000):
+            kwargs = []
+            for i in range(start, min(start + 2000, jobs)):
+                points, account_id = job_work(i)
+                kwargs.append({"account_id": account_id, "points": points})
+            await task.batch_defer_async(*kwargs)
+    # The same starting line for everyone: fresh statistics, no dead rows, no checkpoint due.
+    await conn.execute(
+        "VACUUM (ANALYZE) bench_accounts, core.processed_jobs, jobfence_queue.messages,"
+        " procrastinate_jobs"
+    )
+    await conn.execute("CHECKPOINT")
+
+
+async def verify(
+    conn: psycopg.AsyncConnection[Any], config: Config, jobs: int, points_delta: int
+) -> list[str]:
+    problems = []
+    if points_delta != expected_points(jobs):
+        problems.append(f"points added {points_delta}, expected {expected_points(jobs)}")
+    if config.system in (CEILING, CEILING_SYNC):
+        fences = await scalar(conn, "SELECT count(*) FROM core.processed_jobs")
+        if fences != jobs:
+            problems.append(f"{fences} fence rows, expected {jobs}")
+    elif config.system == JOBFENCE:
+        fences = await scalar(conn, "SELECT count(*) FROM core.processed_jobs")
+        left = await scalar(conn, "SELECT count(*) FROM jobfence_queue.messages")
+        if fences != jobs or left:
+            problems.append(f"{fences} fence rows (expected {jobs}), {left} messages left")
+    else:
+        done = await scalar(
+            conn, "SELECT count(*) FROM procrastinate_jobs WHERE status = 'succeeded'"
+        )
+        if done != jobs:
+            problems.append(f"{done} procrastinate jobs succeeded, expected {jobs}")
+    return problems
+
+
+@dataclass
+class Bench:
+    """The database, the Procrastinate app used to defer, and the worker processes."""
+
+    url: str
+    papp: procrastinate.App
+    pipes: list[Connection]
+    go: Event
+
+
+async def measure(bench: Bench, config: Config, jobs: int, round_no: int) -> Measurement:
+    url, papp, pipes, go = bench.url, bench.papp, bench.pipes, bench.go
+    prefix = f"r{round_no}-{config.system}-{config.procs}x{config.concurrency}:"
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        await prepare(conn, papp, config, jobs, prefix)
+        points_before = await scalar(conn, "SELECT sum(points) FROM bench_accounts")
+        go.clear()
+        used = pipes[: config.procs]
+        for index, pipe in enumerate(used):
+            pipe.send(
+                {
+                    "system": config.system,
+                    "url": url,
+                    "jobs": jobs,
+                    "procs": config.procs,
+                    "index": index,
+                    "concurrency": config.concurrency,
+                    "prefix": prefix,
+                }
+            )
+        errors = []
+        for pipe in used:
+            reply = await asyncio.to_thread(pipe.recv)
+            if reply != "ready":
+                errors.append(reply.get("error", repr(reply)))
+        started = time.monotonic()
+        go.set()
+        results = [await asyncio.to_thread(pipe.recv) for pipe in used if not errors]
+        errors += [r["error"] for r in results if "error" in r]
+        if errors:
+            raise RuntimeError(f"{config.key} failed in a worker process:\n" + "\n".join(errors))
+        finished = max(r["last"] for r in results)
+        handled = sum(r["count"] for r in results)
+        points_after = await scalar(conn, "SELECT sum(points) FROM bench_accounts")
+        problems = await verify(conn, config, jobs, points_after - points_before)
+        if handled != jobs:
+            problems.append(f"{handled} jobs handled, expected {jobs}")
+    return Measurement(config, round_no, jobs, finished - started, not problems, problems)
+
+
+def _fmt_rate(values: list[float]) -> str:
+    if not values:
+        return "-"
+    med = statistics.median(values)
+    if len(values) == 1:
+        return f"{med:,.0f}"
+    return f"{med:,.0f} ({min(values):,.0f}-{max(values):,.0f})"
+
+
+def report(
+    results: list[Measurement], configs: list[Config], args: argparse.Namespace, command: str
+) -> dict[str, Any]:
+    by_key: dict[str, list[Measurement]] = {}
+    for m in results:
+        by_key.setdefault(m.config.key, []).append(m)
+    columns = sorted({c.column for c in configs}, key=lambda c: (c.startswith("1 proc"), c))
+    width = 26
+    print()
+    print(f"jobs/s, median of {args.rounds} rounds (min-max), {args.jobs:,} jobs per run")
+    print(f"{'':<20}" + "".join(f"{col:>{width}}" for col in columns))
+    for system in SYSTEMS:
+        row = f"{LABELS[system]:<20}"
+        for col in columns:
+            cfg = next((c for c in configs if c.system == system and c.column == col), None)
+            rates = [m.rate for m in by_key.get(cfg.key, [])] if cfg else []
+            row += f"{_fmt_rate(rates):>{width}}"
+        print(row)
+
+    ratios: dict[str, dict[str, Any]] = {}
+    print()
+    print("ratios: median of the per-round ratios (min-max); targets (b)/(a) >= 0.60, (b)/(c) >= 4")
+    for procs in (1, 4):
+        col = Config(JOBFENCE, procs, 1).column
+        for other, target, label in (
+            (CEILING, 0.60, "(b)/(a)"),
+            (PROCRASTINATE, 4.0, "(b)/(c)"),
+            (CEILING_SYNC, None, "(b)/(a')"),
+        ):
+            per_round = []
+            for r in range(args.rounds):
+                b = [m for m in by_key.get(Config(JOBFENCE, procs, 1).key, []) if m.round == r]
+                o = [m for m in by_key.get(Config(other, procs, 1).key, []) if m.round == r]
+                if b and o and o[0].rate:
+                    per_round.append(b[0].rate / o[0].rate)
+            if not per_round:
+                continue
+            med = statistics.median(per_round)
+            spread = f"({min(per_round):.2f}-{max(per_round):.2f})"
+            if target is None:
+                verdict = "for information: the blocking-API ceiling"
+            else:
+                verdict = f"target >= {target:g}: " + ("met" if med >= target else "NOT met")
+            print(f"  {label:<8} at {col:<10} {med:6.2f} {spread:<14} {verdict}")
+            ratios[f"{label} {col}"] = {"median": med, "per_round": per_round, "target": target}
+    failed = [m for m in results if not m.ok]
+    for m in failed:
+        print(f"CHECK FAILED: round {m.round + 1} {m.config.key}: {'; '.join(m.problems)}")
+    print()
+    print(f"machine at the end: {machine_notes()}")
+    print(f"command: {command}")
+    return {
+        "command": command,
+        "jobs": args.jobs,
+        "rounds": args.rounds,
+        "runs": [
+            {**asdict(m.config), "round": m.round, "seconds": m.seconds, "rate": m.rate, "ok": m.ok}
+            for m in results
+        ],
+        "ratios": ratios,
+        "all_checks_passed": not failed,
+    }
+
+
+async def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
+    admin_url = args.admin_url or admin_url_from_env()
+    print(f"machine: {machine_notes()}")
+    print("versions: " + ", ".join(f"{k} {v}" for k, v in versions().items()))
+    url = await create_database(admin_url, args.db)
+    print("server: " + ", ".join(f"{k} {v}" for k, v in (await server_notes(url)).items()))
+    papp = build_procrastinate_app(url)
+    async with papp.open_async():
+        await papp.schema_manager.apply_schema_async()
+
+        systems = [s for s in SYSTEMS if s in args.systems]
+        configs = [Config(s, p, 1) for p in (1, 4) for s in systems]
+        if JOBFENCE in systems and not args.no_extra:
+            configs.append(Config(JOBFENCE, 1, 4))
+        ctx = mp.get_context("spawn")
+        go = ctx.Event()
+        pipes, procs = [], []
+        for _ in range(max(c.procs for c in configs)):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=child_main, args=(child, go), daemon=True)
+            proc.start()
+            pipes.append(parent)
+            procs.append(proc)
+        bench = Bench(url, papp, pipes, go)
+        results: list[Measurement] = []
+        try:
+            for r in range(args.rounds):
+                groups = [[c for c in configs if c.procs == 1 and c.concurrency == 1]]
+                groups.append([c for c in configs if c not in groups[0]])
+                for group in groups:
+                    shift = r % len(group)
+                    for config in group[shift:] + group[:shift]:
+                        m = await measure(bench, config, args.jobs, r)
+                        results.append(m)
+                        status = "ok" if m.ok else "CHECK FAILED: " + "; ".join(m.problems)
+                        print(
+                            f"round {r + 1}/{args.rounds}  {LABELS[config.system]:<18} "
+                            f"{config.column:<11} {m.seconds:7.2f} s {m.rate:9,.0f} jobs/s  "
+                            + status,
+                            flush=True,
+                        )
+        finally:
+            for pipe in pipes:
+                pipe.send(None)
+            for proc in procs:
+                proc.join(timeout=10)
+    summary = report(results, configs, args, command)
+    summary["machine"] = machine_notes()
+    summary["versions"] = versions()
+    if not args.keep_db:
+        await drop_database(admin_url, args.db)
+    return summary
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--jobs", type=int, default=5000, help="jobs per run (5000)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of every system (3)")
+    parser.add_argument(
+        "--admin-url",
+        default=None,
+        help="server to create the benchmark database on "
+        "(default $JOBFENCE_DATABASE_URL or postgresql://postgres@127.0.0.1:5432/postgres)",
+    )
+    parser.add_argument("--db", default="jobfence_bench", help="benchmark database (recreated)")
+    parser.add_argument("--keep-db", action="store_true", help="do not drop it at the end")
+    parser.add_argument("--no-extra", action="store_true", help="skip the jobfence 1 proc x 4 line")
+    parser.add_argument(
+        "--systems",
+        default=",".join(SYSTEMS),
+        type=lambda text: [part.strip() for part in text.split(",") if part.strip()],
+        help=f"comma-separated subset of {','.join(SYSTEMS)} (all)",
+    )
+    parser.add_argument("--json", default=None, help="also write the results to this file")
+    args = parser.parse_args()
+    unknown = set(args.systems) - set(LABELS)
+    if unknown:
+        parser.error(f"unknown system(s): {', '.join(sorted(unknown))}")
+    command = shlex.join([os.path.relpath(sys.executable), *sys.argv])
+    summary = asyncio.run(run(args, command))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(summary, fh, indent=2)
+        print(f"results written to {args.json}")
+    return 0 if summary["all_checks_passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

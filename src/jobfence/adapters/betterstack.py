@@ -1,0 +1,390 @@
+"""Better Stack Uptime: incidents (API v3) and heartbeats, over httpx.
+
+* ``POST {api_url}/api/v3/incidents`` opens an incident. The body carries ``summary``, ``name``,
+  ``description``, the notification channels (``call``, ``sms``, ``email``, ``push``), the
+  optional ``requester_email``, ``team_name``, ``policy_id`` and ``team_wait``, and a
+  ``metadata`` object whose values are lists of ``{"type": "String", "value": ...}``; the alert's
+  dedup key is one of them (``jobfence_dedup_key``).
+* ``GET {api_url}/api/v3/incidents?metadata[jobfence_dedup_key][][value]=KEY`` finds the incident
+  a previous attempt may have opened (resolved ones included); the answer is checked again
+  here, and ``pagination.next`` is followed only on the same origin.
+* A heartbeat is a ``GET`` on its own URL (``https://uptime.betterstack.com/api/v1/heartbeat/...``).
+
+Requests carry ``Authorization: Bearer <token>``; the client is the same whatever ``api_url`` is
+(tests point it at a local server). Neither the token nor a heartbeat URL (which holds a
+secret) ever appears in an error message or a log line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import json
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+
+from jobfence.alerts.model import DEDUP_METADATA_KEY, DeliveryError, IncidentRequest
+from jobfence.errors import ConfigError
+from jobfence.ports import CleanupMetricsSink
+
+log = logging.getLogger("jobfence.alerts")
+
+DEFAULT_API_URL = "https://uptime.betterstack.com"
+INCIDENTS_PATH = "api/v3/incidents"
+MAX_LOOKUP_PAGES = 20
+MAX_ERROR_BODY_CHARS = 300
+USER_AGENT = "jobfence-alert-relay"
+
+
+@dataclass(frozen=True, slots=True)
+class BetterStackSettings:
+    """How incidents are opened. ``token`` is a Better Stack Uptime API token (never shown).
+
+    ``team_name`` is required by Better Stack with a global API token; ``policy_id`` routes the
+    incident through an escalation policy; ``team_wait`` (seconds) escalates to the whole team
+    when nobody acknowledges. ``call``/``sms``/``email``/``push`` choose how the on-call person
+    is alerted. ``timeout_seconds`` bounds each request (connect, read, write and pool).
+    """
+
+    token: str = field(repr=False)
+    api_url: str = DEFAULT_API_URL
+    requester_email: str | None = None
+    team_name: str | None = None
+    policy_id: str | None = None
+    team_wait: int | None = None
+    call: bool = False
+    sms: bool = False
+    email: bool = True
+    push: bool = True
+    timeout_seconds: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not self.token.strip():
+            raise ConfigError("the Better Stack token is empty")
+        parts = urlsplit(self.api_url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ConfigError(
+                "the Better Stack API URL must be http(s)://host[:port], "
+                f"got {_origin(self.api_url)!r}"
+            )
+        if not 0 < self.timeout_seconds < float("inf"):
+            raise ConfigError("timeout_seconds must be a positive number")
+        if self.team_wait is not None and self.team_wait < 0:
+            raise ConfigError("team_wait must be >= 0 seconds")
+
+
+def _origin(url: str) -> str:
+    """scheme://host[:port] of ``url``, without credentials, path or query (safe to log)."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    port = f":{parts.port}" if parts.port else ""
+    return f"{parts.scheme}://{host}{port}" if parts.scheme else "<invalid URL>"
+
+
+def parse_retry_after(value: str | None, *, now: float | None = None) -> float | None:
+    """Seconds to wait from a ``Retry-After`` header (delta-seconds or an HTTP date)."""
+    if value is None or not value.strip():
+        return None
+    text = value.strip()
+    try:
+        return max(float(text), 0.0)
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(text)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    current = time.time() if now is None else now
+    return max(when.timestamp() - current, 0.0)
+
+
+def _error_detail(response: httpx.Response) -> str:
+    """Better Stack's error text, trimmed to one short line."""
+    try:
+        body: Any = response.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        text = response.text
+    else:
+        errors = body.get("errors", body) if isinstance(body, dict) else body
+        text = json.dumps(errors, ensure_ascii=False) if not isinstance(errors, str) else errors
+    text = " ".join(text.split())
+    if len(text) > MAX_ERROR_BODY_CHARS:
+        text = text[: MAX_ERROR_BODY_CHARS - 3] + "..."
+    return text or "(empty body)"
+
+
+def _failure(what: str, response: httpx.Response) -> DeliveryError:
+    status = response.status_code
+    detail = _error_detail(response)
+    retryable = status in {408, 429} or status >= 500
+    retry_after = parse_retry_after(response.headers.get("Retry-After")) if retryable else None
+    return DeliveryError(
+        f"{what}: HTTP {status}: {detail}",
+        retryable=retryable,
+        status=status,
+        retry_after=retry_after,
+    )
+
+
+def _transport_failure(what: str, exc: httpx.HTTPError) -> DeliveryError:
+    reason = " ".join(str(exc).split()) or "no detail"
+    return DeliveryError(f"{what}: {type(exc).__name__}: {reason[:200]}", retryable=True)
+
+
+def _metadata_values(raw: Any) -> list[str]:
+    """The string values of one metadata entry, whichever shape Better Stack returns."""
+    if isinstance(raw, str):
+        return [raw]
+    if isinstance(raw, list):
+        found = []
+        for item in raw:
+            if isinstance(item, str):
+                found.append(item)
+            elif isinstance(item, dict) and isinstance(item.get("value"), str):
+                found.append(item["value"])
+        return found
+    return []
+
+
+class BetterStackIncidents:
+    """The :class:`~jobfence.alerts.model.IncidentSink` for Better Stack Uptime."""
+
+    def __init__(
+        self,
+        settings: BetterStackSettings,
+        *,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.settings = settings
+        self._origin = _origin(settings.api_url)
+        base = settings.api_url if settings.api_url.endswith("/") else settings.api_url + "/"
+        self._client = httpx.AsyncClient(
+            base_url=base,
+            timeout=httpx.Timeout(settings.timeout_seconds),
+            headers={"Accept": "application/json", "User-Agent": USER_AGENT},
+            follow_redirects=False,
+            transport=transport,
+        )
+
+    def __repr__(self) -> str:
+        return f"BetterStackIncidents({self._origin})"
+
+    @property
+    def origin(self) -> str:
+        return self._origin
+
+    def _auth(self) -> dict[str, str]:
+        # Per request, not a client default: the header goes to the API and nowhere else.
+        return {"Authorization": f"Bearer {self.settings.token}"}
+
+    def body(self, request: IncidentRequest) -> dict[str, Any]:
+        """The JSON body of ``POST /api/v3/incidents`` for ``request``."""
+        s = self.settings
+        metadata = {
+            key: [{"type": "String", "value": value}] for key, value in request.metadata.items()
+        }
+        metadata[DEDUP_METADATA_KEY] = [{"type": "String", "value": request.dedup_key}]
+        body: dict[str, Any] = {
+            "name": request.name,
+            "summary": request.summary,
+            "description": request.description,
+            "call": s.call,
+            "sms": s.sms,
+            "email": s.email,
+            "push": s.push,
+            "metadata": metadata,
+        }
+        if s.requester_email:
+            body["requester_email"] = s.requester_email
+        if s.team_name:
+            body["team_name"] = s.team_name
+        if s.policy_id:
+            body["policy_id"] = s.policy_id
+        if s.team_wait is not None:
+            body["team_wait"] = s.team_wait
+        return body
+
+    async def create_incident(self, request: IncidentRequest) -> str:
+        what = "Better Stack create incident"
+        try:
+            response = await self._client.post(
+                INCIDENTS_PATH, json=self.body(request), headers=self._auth()
+            )
+        except httpx.HTTPError as exc:
+            raise _transport_failure(what, exc) from None
+        if response.status_code == 409:
+            # "Already exists": it must be ours from an earlier attempt; find it.
+            found = await self.find_incident(request.dedup_key)
+            if found is not None:
+                return found
+            raise DeliveryError(
+                f"{what}: HTTP 409 ({_error_detail(response)}) and no incident carries the "
+                "dedup key",
+                retryable=False,
+                status=409,
+            )
+        if not response.is_success:
+            raise _failure(what, response)
+        incident_id = self._incident_id(response)
+        if incident_id is None:
+            # Created (2xx) but unreadable: the next attempt looks the dedup key up first.
+            raise DeliveryError(
+                f"{what}: HTTP {response.status_code} without an incident id",
+                retryable=True,
+                status=response.status_code,
+            )
+        return incident_id
+
+    @staticmethod
+    def _incident_id(response: httpx.Response) -> str | None:
+        try:
+            data = response.json().get("data")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+            return None
+        if isinstance(data, dict) and data.get("id") not in (None, ""):
+            return str(data["id"])
+        return None
+
+    async def find_incident(self, dedup_key: str) -> str | None:
+        what = "Better Stack list incidents"
+        url: str = INCIDENTS_PATH
+        params: Mapping[str, str] | None = {f"metadata[{DEDUP_METADATA_KEY}][][value]": dedup_key}
+        for _ in range(MAX_LOOKUP_PAGES):
+            try:
+                response = await self._client.get(url, params=params, headers=self._auth())
+            except httpx.HTTPError as exc:
+                raise _transport_failure(what, exc) from None
+            if not response.is_success:
+                raise _failure(what, response)
+            try:
+                page = response.json()
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise DeliveryError(f"{what}: answer is not JSON", retryable=True) from None
+            for incident in page.get("data") or []:
+                attributes = incident.get("attributes") or {}
+                metadata = attributes.get("metadata") or {}
+                if dedup_key in _metadata_values(metadata.get(DEDUP_METADATA_KEY)):
+                    return str(incident["id"])
+            following = (page.get("pagination") or {}).get("next")
+            if not following:
+                return None
+            if _origin(following) != self._origin:
+                log.warning("Better Stack pagination points to another host; not followed")
+                return None
+            url, params = following, None
+        raise DeliveryError(f"{what}: more than {MAX_LOOKUP_PAGES} pages", retryable=False)
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+
+class _RedactHeartbeatUrls(logging.Filter):
+    """httpx logs every request's URL at INFO ("HTTP Request: GET https://..."); a heartbeat
+    URL holds a secret, so its path is masked in the records of the ``httpx`` logger."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.urls: dict[str, str] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.urls and isinstance(record.args, tuple):
+            record.args = tuple(self._clean(arg) for arg in record.args)
+        return True
+
+    def _clean(self, value: object) -> object:
+        if isinstance(value, (str, httpx.URL)):
+            text = str(value)
+            for url, masked in self.urls.items():
+                text = text.replace(url, masked)
+            return text
+        return value
+
+
+_HEARTBEAT_REDACTION = _RedactHeartbeatUrls()
+
+
+def _mask_in_httpx_logs(url: str) -> None:
+    masked = f"{_origin(url)}/***"
+    _HEARTBEAT_REDACTION.urls[url] = masked
+    _HEARTBEAT_REDACTION.urls[str(httpx.URL(url))] = masked  # as httpx prints it
+    httpx_log = logging.getLogger("httpx")
+    if _HEARTBEAT_REDACTION not in httpx_log.filters:
+        httpx_log.addFilter(_HEARTBEAT_REDACTION)
+
+
+class BetterStackHeartbeat:
+    """A Better Stack heartbeat: a ``GET`` on its URL. The URL holds a secret and is never
+    logged; failures are logged by ``name`` and never raised."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        name: str,
+        timeout_seconds: float = 10.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ConfigError(f"the {name} heartbeat URL must be an http(s) URL")
+        self._url = url
+        self.name = name
+        _mask_in_httpx_logs(url)
+        self._client = httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout_seconds),
+            headers={"User-Agent": USER_AGENT},
+            transport=transport,
+        )
+
+    def __repr__(self) -> str:
+        return f"BetterStackHeartbeat({self.name}, {_origin(self._url)})"
+
+    async def beat(self) -> bool:
+        try:
+            response = await self._client.get(self._url)
+        except httpx.HTTPError as exc:
+            log.warning("%s heartbeat failed (%s)", self.name, type(exc).__name__)
+            return False
+        if not response.is_success:
+            log.warning("%s heartbeat refused: HTTP %d", self.name, response.status_code)
+            return False
+        return True
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+
+class HeartbeatOnSuccess:
+    """A :class:`~jobfence.ports.CleanupMetricsSink` that forwards to ``inner`` and sends the
+    cleanup's Better Stack heartbeat after each successful round (``cleanup_succeeded``), so a
+    cleanup that stopped running is noticed. :meth:`aclose` waits for the last heartbeat."""
+
+    def __init__(self, inner: CleanupMetricsSink, heartbeat: BetterStackHeartbeat | None) -> None:
+        self._inner = inner
+        self._heartbeat = heartbeat
+        self._pending: set[asyncio.Task[bool]] = set()
+
+    def cleanup_rows_removed(self, count: int) -> None:
+        self._inner.cleanup_rows_removed(count)
+
+    def cleanup_succeeded(self) -> None:
+        self._inner.cleanup_succeeded()
+        if self._heartbeat is not None:
+            task = asyncio.get_running_loop().create_task(self._heartbeat.beat())
+            self._pending.add(task)
+            task.add_done_callback(self._pending.discard)
+
+    async def aclose(self) -> None:
+        if self._pending:
+            await asyncio.gather(*self._pending)
+        if self._heartbeat is not None:
+            await self._heartbeat.aclose()

@@ -1,0 +1,607 @@
+"""The alert relay: from the outbox to one incident per group, after commit, exactly once.
+
+Each round, on its own database connection, under a session advisory lock (one active relay
+per database; another one stands by):
+
+1. **group**: outbox rows join their key's open group while they fall inside its window
+   (``(queue, consumer, error_class)``, window starting at the first one's ``created_at``); a
+   group whose window is over is closed, its members counted, and its alert row created with
+   a fresh dedup key;
+2. **escalate** (D4): a closed group whose window ended ``escalate_after`` ago gets one
+   escalation alert if some of its dead letters are still ``pending_review`` (never otherwise);
+3. **deliver**: each due alert's attempt is counted and committed *before* the request goes
+   out. A first attempt creates the incident; a later one (an earlier request may have reached
+   Better Stack before a crash or a timeout) first looks the dedup key up and records the
+   incident it finds instead of opening a second one. Network errors, timeouts, 429 (honouring
+   ``Retry-After``) and 5xx are retried with backoff, pausing all deliveries meanwhile; other
+   4xx are logged, counted and the alert is marked failed.
+
+The relay never touches the queue or the workers: when Better Stack is down, dead letters keep
+being recorded in the outbox and go out once it is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+from psycopg import AsyncConnection
+from psycopg.rows import dict_row
+
+from jobfence.alerts.model import DeliveryError, Heartbeat, IncidentRequest, IncidentSink
+from jobfence.alerts.outbox import SQL, alert_counts
+from jobfence.errors import ConfigError
+from jobfence.ports import AlertMetricsSink, Clock
+from jobfence.schema import ensure_migrated
+
+if TYPE_CHECKING:
+    from jobfence.config import AlertConfig
+
+log = logging.getLogger("jobfence.alerts")
+
+# Session advisory lock of the active relay ("jfalerts"); distinct from the migration lock.
+RELAY_LOCK_KEY = 0x6A66616C65727473
+MAX_GROUPING_PASSES = 100
+SAMPLE_DEAD_LETTERS = 5
+MAX_NAME_CHARS = 200
+MAX_SUMMARY_CHARS = 300
+DEFAULT_POLL_SECONDS = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class RelaySettings:
+    """How the relay groups, escalates, retries and paces itself (seconds throughout).
+
+    ``escalate_after_seconds=None`` turns escalation off. A retryable failure waits
+    ``Retry-After`` when the service sent one (at most ``retry_after_cap_seconds``), otherwise
+    ``min(retry_base * 2^(attempt-1), retry_cap) * U(0.5, 1)``. Heartbeats go out after a
+    successful round, at most once per ``heartbeat_interval_seconds``.
+    """
+
+    group_window_seconds: float = 60.0
+    escalate_after_seconds: float | None = 72 * 3600.0
+    poll_seconds: float = DEFAULT_POLL_SECONDS
+    retry_base_seconds: float = 2.0
+    retry_cap_seconds: float = 300.0
+    retry_after_cap_seconds: float = 3600.0
+    heartbeat_interval_seconds: float = 30.0
+    batch_size: int = 100
+    reconnect_cap_seconds: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name in (
+            "group_window_seconds",
+            "poll_seconds",
+            "retry_base_seconds",
+            "retry_cap_seconds",
+            "retry_after_cap_seconds",
+            "reconnect_cap_seconds",
+        ):
+            value = getattr(self, name)
+            if not 0 < value < float("inf"):
+                raise ConfigError(f"{name} must be a positive number of seconds, got {value}")
+        if self.escalate_after_seconds is not None and not (
+            0 < self.escalate_after_seconds < float("inf")
+        ):
+            raise ConfigError(
+                "escalate_after_seconds must be a positive number of seconds or None (off), "
+                f"got {self.escalate_after_seconds}"
+            )
+        if not 0 <= self.heartbeat_interval_seconds < float("inf"):
+            raise ConfigError("heartbeat_interval_seconds must be >= 0")
+        if self.batch_size < 1:
+            raise ConfigError("batch_size must be >= 1")
+
+
+@dataclass
+class RelayStats:
+    """What this relay did since it started, by alert kind (dead_letters, escalation)."""
+
+    rounds: int = 0
+    sent: Counter[str] = field(default_factory=Counter)
+    failed: Counter[str] = field(default_factory=Counter)
+    retried: Counter[str] = field(default_factory=Counter)
+    cancelled: Counter[str] = field(default_factory=Counter)
+    found_existing: int = 0
+    heartbeats: int = 0
+    heartbeat_failures: int = 0
+
+    def summary(self) -> str:
+        return (
+            f"sent {sum(self.sent.values())}, failed {sum(self.failed.values())}, "
+            f"retries {sum(self.retried.values())}, cancelled {sum(self.cancelled.values())}, "
+            f"found already open {self.found_existing}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _Claimed:
+    id: int
+    group_id: int
+    kind: str
+    dedup_key: str
+    dead_letters: int
+    attempts: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Group:
+    queue: str
+    consumer: str
+    error_class: str
+    window_start: datetime
+    window_end: datetime
+    dead_letters: int
+    still_pending: int
+    first_dead_letter_id: int | None
+    last_dead_letter_id: int | None
+    last_created_at: datetime | None
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def _duration(seconds: float) -> str:
+    if seconds >= 86400 and seconds % 3600 == 0:
+        return f"{seconds / 3600:g}h"
+    for unit, size in (("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{seconds / size:g}{unit}"
+    return f"{seconds:g}s"
+
+
+def _trim(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class AlertRelay:
+    """Delivers recorded alerts to an :class:`IncidentSink`. Run it as ``jobfence alert-relay``
+    or embed it: ``task = asyncio.create_task(relay.run())`` ... ``relay.stop(); await task``.
+
+    ``clock`` (default: the database's clock) decides when windows close and escalations are
+    due; tests inject one. ``conninfo`` is a libpq URL: the relay holds one connection of its
+    own (the lock lives on it) and reconnects with backoff when it is lost.
+    """
+
+    def __init__(
+        self,
+        conninfo: str,
+        sink: IncidentSink,
+        *,
+        settings: RelaySettings | None = None,
+        clock: Clock | None = None,
+        heartbeat: Heartbeat | None = None,
+        metrics: AlertMetricsSink | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._conninfo = conninfo
+        self._sink = sink
+        self.settings = settings if settings is not None else RelaySettings()
+        self._clock = clock
+        self._heartbeat = heartbeat
+        self._metrics = metrics
+        self._rng = rng if rng is not None else random.Random()
+        self._stopping = asyncio.Event()
+        self._pause_until = 0.0
+        self._next_beat = 0.0
+        self._owned: list[Any] = []
+        self.stats = RelayStats()
+        self.active = False
+
+    @classmethod
+    def from_config(
+        cls,
+        conninfo: str,
+        config: AlertConfig,
+        *,
+        poll_seconds: float | None = None,
+        metrics: AlertMetricsSink | None = None,
+    ) -> AlertRelay:
+        """The relay ``jobfence alert-relay`` runs: Better Stack as configured in the
+        environment (see :func:`jobfence.config.alert_config_from_env`). Close it with
+        :meth:`aclose` when done."""
+        from jobfence.adapters.betterstack import (
+            BetterStackHeartbeat,
+            BetterStackIncidents,
+            BetterStackSettings,
+        )
+        from jobfence.config import ENV_BETTERSTACK_TOKEN
+
+        if config.token is None:
+            raise ConfigError(
+                f"{ENV_BETTERSTACK_TOKEN} is not set: the alert relay needs a Better Stack "
+                "Uptime API token"
+            )
+        sink = BetterStackIncidents(
+            BetterStackSettings(
+                token=config.token,
+                api_url=config.api_url,
+                requester_email=config.requester_email,
+                team_name=config.team_name,
+                policy_id=config.policy_id,
+                team_wait=config.team_wait,
+                call="call" in config.notify,
+                sms="sms" in config.notify,
+                email="email" in config.notify,
+                push="push" in config.notify,
+                timeout_seconds=config.timeout_seconds,
+            )
+        )
+        heartbeat = (
+            BetterStackHeartbeat(
+                config.relay_heartbeat_url,
+                name="alert relay",
+                timeout_seconds=config.timeout_seconds,
+            )
+            if config.relay_heartbeat_url
+            else None
+        )
+        settings = RelaySettings(
+            group_window_seconds=config.group_window_seconds,
+            escalate_after_seconds=config.escalate_after_seconds,
+            poll_seconds=poll_seconds if poll_seconds is not None else DEFAULT_POLL_SECONDS,
+        )
+        relay = cls(conninfo, sink, settings=settings, heartbeat=heartbeat, metrics=metrics)
+        relay._owned = [sink, *([heartbeat] if heartbeat else [])]
+        log.info(
+            "alert relay: Better Stack at %s, group window %s, escalation %s",
+            sink.origin,
+            _duration(settings.group_window_seconds),
+            "off"
+            if settings.escalate_after_seconds is None
+            else f"after {_duration(settings.escalate_after_seconds)}",
+        )
+        return relay
+
+    async def aclose(self) -> None:
+        """Close the HTTP clients :meth:`from_config` created (nothing otherwise)."""
+        for resource in self._owned:
+            await resource.aclose()
+        self._owned = []
+
+    def stop(self) -> None:
+        """Finish the current step and return from :meth:`run`."""
+        self._stopping.set()
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    async def run(self) -> RelayStats:
+        """Deliver until :meth:`stop`. A lost database connection is logged and retried with
+        backoff; a database without this version's schema is refused (``ConfigError``)."""
+        backoff = 0.5
+        while not self._stopping.is_set():
+            try:
+                async with await psycopg.AsyncConnection.connect(
+                    self._conninfo, autocommit=True, connect_timeout=10
+                ) as conn:
+                    backoff = 0.5
+                    await self._serve(conn)
+            except psycopg.Error as exc:
+                self.active = False
+                text = " ".join(str(exc).split())
+                log.warning(
+                    "alert relay: database unavailable (%s: %s); retrying in %.1fs",
+                    type(exc).__name__,
+                    text[:200],
+                    backoff,
+                )
+                await self._sleep(backoff)
+                backoff = min(backoff * 2, self.settings.reconnect_cap_seconds)
+        return self.stats
+
+    async def _serve(self, conn: AsyncConnection[Any]) -> None:
+        await ensure_migrated(conn)
+        standby_logged = False
+        while not await self._try_lock(conn):
+            if not standby_logged:
+                log.info("alert relay: another relay is active on this database; standing by")
+                standby_logged = True
+            await self._sleep(self.settings.poll_seconds)
+            if self._stopping.is_set():
+                return
+        self.active = True
+        log.info("alert relay active")
+        try:
+            while not self._stopping.is_set():
+                wait = await self.run_round(conn)
+                if wait > 0:
+                    await self._sleep(wait)
+        finally:
+            self.active = False
+            if not conn.closed and not conn.broken:
+                with contextlib.suppress(psycopg.Error):
+                    await conn.execute(SQL["relay_unlock"], {"key": RELAY_LOCK_KEY})
+
+    async def _try_lock(self, conn: AsyncConnection[Any]) -> bool:
+        cur = await conn.execute(SQL["relay_try_lock"], {"key": RELAY_LOCK_KEY})
+        row = await cur.fetchone()
+        return bool(row and row[0])
+
+    async def _sleep(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), seconds)
+
+    def _now(self) -> datetime | None:
+        return self._clock.now() if self._clock is not None else None
+
+    async def run_round(self, conn: AsyncConnection[Any]) -> float:
+        """One round (group, escalate, deliver, heartbeat) on ``conn``, which must hold the
+        relay lock; returns the seconds until the next round is useful."""
+        await self._group(conn)
+        if self.settings.escalate_after_seconds is not None:
+            await self._schedule_escalations(conn, self.settings.escalate_after_seconds)
+        more = await self._deliver(conn)
+        self.stats.rounds += 1
+        if self._metrics is not None:
+            self._metrics.alerts_pending((await alert_counts(conn)).pending)
+        await self._maybe_heartbeat()
+        return 0.0 if more else await self._until_next(conn)
+
+    async def _until_next(self, conn: AsyncConnection[Any]) -> float:
+        cur = await conn.execute(SQL["relay_next_wake"], {"now": self._now()})
+        row = await cur.fetchone()
+        seconds = row[0] if row else None
+        wait = self.settings.poll_seconds
+        if seconds is not None:
+            wait = min(wait, max(float(seconds), 0.0))
+        paused = self._pause_until - asyncio.get_running_loop().time()
+        if paused > 0:
+            wait = max(wait, min(paused, self.settings.poll_seconds))
+        return wait
+
+    # -- grouping and escalation ------------------------------------------------------------
+
+    async def _group(self, conn: AsyncConnection[Any]) -> None:
+        now = self._now()
+        async with conn.transaction():
+            for _ in range(MAX_GROUPING_PASSES):
+                await conn.execute(SQL["group_attach"])
+                cur = await conn.execute(SQL["group_close_due"], {"now": now})
+                closed = len(await cur.fetchall())
+                if closed:
+                    log.debug("alert relay: %d group(s) closed", closed)
+                cur = await conn.execute(
+                    SQL["group_open_new"], {"window_seconds": self.settings.group_window_seconds}
+                )
+                if not await cur.fetchall():
+                    break
+
+    async def _schedule_escalations(self, conn: AsyncConnection[Any], after: float) -> None:
+        cur = await conn.execute(
+            SQL["escalation_schedule"],
+            {
+                "now": self._now(),
+                "escalate_after_seconds": after,
+                "limit": self.settings.batch_size,
+            },
+        )
+        scheduled = len(await cur.fetchall())
+        if scheduled:
+            log.info("alert relay: %d escalation(s) due (D4)", scheduled)
+
+    # -- delivery ---------------------------------------------------------------------------
+
+    async def _deliver(self, conn: AsyncConnection[Any]) -> bool:
+        """Deliver due alerts; True when the batch was full (more may be due)."""
+        loop = asyncio.get_running_loop()
+        for _ in range(self.settings.batch_size):
+            if loop.time() < self._pause_until or self._stopping.is_set():
+                return False
+            cur = await conn.execute(SQL["alert_claim_next"], {"now": self._now()})
+            row = await cur.fetchone()
+            if row is None:
+                return False
+            await self._deliver_one(conn, _Claimed(*row))
+        return True
+
+    async def _deliver_one(self, conn: AsyncConnection[Any], alert: _Claimed) -> None:
+        group = await self._group_context(conn, alert.group_id)
+        request = await self._request(conn, alert, group)
+        try:
+            incident_id = None
+            if alert.attempts > 1:
+                # An earlier request may have reached Better Stack before a crash or timeout.
+                incident_id = await self._sink.find_incident(alert.dedup_key)
+                if incident_id is not None:
+                    self.stats.found_existing += 1
+                    log.info(
+                        "alert %d: incident %s was opened by an earlier attempt; recording it",
+                        alert.id,
+                        incident_id,
+                    )
+            if incident_id is None:
+                if alert.kind == "escalation" and group.still_pending == 0:
+                    await self._cancel(conn, alert)
+                    return
+                incident_id = await self._sink.create_incident(request)
+        except DeliveryError as exc:
+            await self._delivery_failed(conn, alert, exc)
+            return
+        except Exception as exc:  # a defect in a sink: keep the alert, retry later, loudly
+            log.exception("alert %d: unexpected error from the incident sink", alert.id)
+            await self._delivery_failed(
+                conn, alert, DeliveryError(f"{type(exc).__name__}: {exc}", retryable=True)
+            )
+            return
+        await self._record_sent(conn, alert, incident_id, request)
+
+    async def _cancel(self, conn: AsyncConnection[Any], alert: _Claimed) -> None:
+        """An escalation whose dead letters were all resolved before it went out (D4: never
+        escalate resolved ones)."""
+        await conn.execute(
+            SQL["alert_mark_cancelled"],
+            {
+                "id": alert.id,
+                "now": self._now(),
+                "reason": "every dead letter of the group was resolved before it went out",
+            },
+        )
+        self.stats.cancelled[alert.kind] += 1
+        log.info("escalation %d cancelled: its dead letters were all resolved", alert.id)
+
+    async def _record_sent(
+        self,
+        conn: AsyncConnection[Any],
+        alert: _Claimed,
+        incident_id: str,
+        request: IncidentRequest,
+    ) -> None:
+        await conn.execute(
+            SQL["alert_mark_sent"],
+            {"id": alert.id, "incident_id": incident_id, "now": self._now()},
+        )
+        self.stats.sent[alert.kind] += 1
+        if self._metrics is not None:
+            self._metrics.alert_sent(alert.kind)
+        log.info("Better Stack incident %s: %s", incident_id, request.name)
+
+    async def _delivery_failed(
+        self, conn: AsyncConnection[Any], alert: _Claimed, exc: DeliveryError
+    ) -> None:
+        if exc.retryable:
+            delay = self._retry_delay(alert.attempts, exc.retry_after)
+            await conn.execute(
+                SQL["alert_mark_retry"],
+                {"id": alert.id, "now": self._now(), "delay_seconds": delay, "error": str(exc)},
+            )
+            # The service is down or rate-limiting: every delivery waits, not just this one.
+            self._pause_until = asyncio.get_running_loop().time() + delay
+            self.stats.retried[alert.kind] += 1
+            if self._metrics is not None:
+                self._metrics.alert_failed(alert.kind, exc.reason)
+            log.warning(
+                "alert %d (%s) not delivered on attempt %d: %s; retrying in %.1fs",
+                alert.id,
+                alert.kind,
+                alert.attempts,
+                exc,
+                delay,
+            )
+            return
+        await conn.execute(
+            SQL["alert_mark_failed"], {"id": alert.id, "now": self._now(), "error": str(exc)}
+        )
+        self.stats.failed[alert.kind] += 1
+        if self._metrics is not None:
+            self._metrics.alert_failed(alert.kind, exc.reason)
+        log.error(
+            "alert %d (%s, %s) REFUSED and not retried: %s. Fix the Better Stack settings, then "
+            "run `jobfence alert-relay --retry-failed` to send the failed alerts again",
+            alert.id,
+            alert.kind,
+            _plural(alert.dead_letters, "dead letter"),
+            exc,
+        )
+
+    def _retry_delay(self, attempts: int, retry_after: float | None) -> float:
+        s = self.settings
+        if retry_after is not None and retry_after > 0:
+            return min(retry_after, s.retry_after_cap_seconds)
+        exponent = min(max(attempts - 1, 0), 30)
+        nominal = min(s.retry_base_seconds * float(2**exponent), s.retry_cap_seconds)
+        return nominal * self._rng.uniform(0.5, 1.0)
+
+    async def _maybe_heartbeat(self) -> None:
+        if self._heartbeat is None:
+            return
+        loop = asyncio.get_running_loop()
+        if loop.time() < self._next_beat:
+            return
+        self._next_beat = loop.time() + self.settings.heartbeat_interval_seconds
+        if await self._heartbeat.beat():
+            self.stats.heartbeats += 1
+        else:
+            self.stats.heartbeat_failures += 1
+
+    # -- what an incident says ----------------------------------------------------------------
+
+    async def _group_context(self, conn: AsyncConnection[Any], group_id: int) -> _Group:
+        async with conn.cursor(row_factory=dict_row) as cur:
+            await cur.execute(SQL["alert_group_context"], {"group_id": group_id})
+            row = await cur.fetchone()
+        assert row is not None, f"alert group {group_id} vanished"
+        return _Group(**row)
+
+    async def _request(
+        self, conn: AsyncConnection[Any], alert: _Claimed, group: _Group
+    ) -> IncidentRequest:
+        escalation = alert.kind == "escalation"
+        cur = await conn.execute(
+            SQL["alert_group_samples"],
+            {"group_id": alert.group_id, "pending_only": escalation, "limit": SAMPLE_DEAD_LETTERS},
+        )
+        samples = await cur.fetchall()
+        where = f"{group.queue}/{group.consumer}"
+        if escalation:
+            count = group.still_pending
+            delay = self.settings.escalate_after_seconds  # None: turned off after scheduling
+            after = _duration(delay) if delay else "the escalation delay"
+            dead = _plural(count, "dead letter")
+            name = f"jobfence: {dead} still pending review after {after} on {where}"
+            summary = (
+                f"Escalation: {dead} of queue {group.queue}, consumer {group.consumer} "
+                f"({group.error_class}) still pending review after {after}"
+            )
+            opening = (
+                f"{dead} of {group.dead_letters} in this group (queue {group.queue}, consumer "
+                f"{group.consumer}, error class {group.error_class}) are still pending review "
+                f"more than {after} after they were written. They were alerted once already; "
+                "this is the one escalation (D4)."
+            )
+        else:
+            count = alert.dead_letters
+            dead = _plural(count, "dead letter")
+            name = f"jobfence: {dead} on {where} ({group.error_class})"
+            summary = (
+                f"{dead} on queue {group.queue}, consumer {group.consumer}: {group.error_class}"
+            )
+            opening = (
+                f"{dead} of queue {group.queue}, consumer {group.consumer}, error class "
+                f"{group.error_class}, written between {group.window_start.isoformat()} and "
+                f"{(group.last_created_at or group.window_start).isoformat()} (grouping "
+                f"window {_duration(self.settings.group_window_seconds)})."
+            )
+        lines = [
+            opening,
+            "",
+            "They wait for review: replay or discard them (runbook: dead-letter-replay).",
+            f"Dead letter ids {group.first_dead_letter_id} to {group.last_dead_letter_id}.",
+            "",
+            "First of them:" if samples else "",
+        ]
+        lines += [
+            f"- #{dl_id} job {job_id}, {_plural(attempts, 'attempt')}: {error}"
+            for dl_id, job_id, attempts, error in samples
+        ]
+        metadata = {
+            "jobfence_alert": alert.kind,
+            "queue": group.queue,
+            "consumer": group.consumer,
+            "error_class": group.error_class,
+            "dead_letters": str(count),
+        }
+        return IncidentRequest(
+            dedup_key=alert.dedup_key,
+            name=_trim(name, MAX_NAME_CHARS),
+            summary=_trim(summary, MAX_SUMMARY_CHARS),
+            description="\n".join(lines).strip(),
+            metadata=metadata,
+        )
+
+
+async def retry_failed_alerts(conn: AsyncConnection[Any], *, clock: Clock | None = None) -> int:
+    """Put every failed alert back to pending (after fixing what made Better Stack refuse
+    them); returns how many. Their earlier attempts count: the relay looks for an existing
+    incident before creating one."""
+    cur = await conn.execute(
+        SQL["alerts_retry_failed"], {"now": clock.now() if clock is not None else None}
+    )
+    return len(await cur.fetchall())

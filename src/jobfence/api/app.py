@@ -1,0 +1,497 @@
+"""The Ops management API: a FastAPI application over :mod:`jobfence.ops`.
+
+Each route parses its request, calls one service function and formats the result; the
+problems module turns the service's exceptions into RFC 9457 problems. The pool and the queue
+are injected (``create_app(pool=..., queue=..., settings=...)``) and stay the caller's to close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+from typing import Annotated, Any
+
+import psycopg
+from fastapi import Body, Depends, FastAPI, Path, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
+
+from jobfence import ops
+from jobfence.api import problems
+from jobfence.api.auth import (
+    PERMISSION_DISCARD,
+    PERMISSION_READ,
+    PERMISSION_REPLAY,
+    ApiSettings,
+    Authenticate,
+    Principal,
+    TokenVerifier,
+    require,
+)
+from jobfence.api.payloads import Splicer, raw_jsonb
+from jobfence.api.problems import (
+    PROBLEM_JSON,
+    BulkTooLargeProblem,
+    ConflictProblem,
+    Problem,
+    ProblemError,
+    ValidationProblem,
+)
+from jobfence.api.schemas import (
+    BulkDryRunOut,
+    BulkItemOut,
+    BulkItemsOut,
+    BulkItemsQuery,
+    BulkReplayId,
+    BulkReplayOut,
+    BulkReplayRequest,
+    DeadLetterDetailOut,
+    DeadLetterId,
+    DeadLetterItemOut,
+    DeadLetterPageOut,
+    DeadLetterQuery,
+    DiscardRequest,
+    Health,
+    ReplayOut,
+)
+from jobfence.ports import QueuePort
+
+log = logging.getLogger("jobfence.api")
+
+PREFIX = "/v1/core/dead-letters"
+
+
+class BulkRunner:
+    """Runs bulk replays in background tasks of this process, one task per run at most."""
+
+    def __init__(
+        self, pool: AsyncConnectionPool[Any], queue: QueuePort, *, chunk_size: int
+    ) -> None:
+        self._pool = pool
+        self._queue = queue
+        self._chunk_size = chunk_size
+        self._tasks: dict[int, asyncio.Task[None]] = {}
+
+    def active(self, run_id: int) -> bool:
+        task = self._tasks.get(run_id)
+        return task is not None and not task.done()
+
+    def start(self, run_id: int, *, actor: str) -> None:
+        """Work on ``run_id`` in the background, unless this process already does."""
+        if self.active(run_id):
+            return
+        task = asyncio.create_task(self._run(run_id, actor), name=f"jobfence-bulk-replay-{run_id}")
+        self._tasks[run_id] = task
+
+        def forget(done: asyncio.Task[None]) -> None:
+            if self._tasks.get(run_id) is done:
+                del self._tasks[run_id]
+
+        task.add_done_callback(forget)
+
+    async def _run(self, run_id: int, actor: str) -> None:
+        try:
+            run = await ops.run_bulk_replay(
+                self._pool, self._queue, run_id, actor=actor, chunk_size=self._chunk_size
+            )
+        except asyncio.CancelledError:
+            log.warning("bulk replay %d interrupted; resume it to finish", run_id)
+            raise
+        except Exception:
+            log.exception("bulk replay %d stopped on an error; resume it to finish", run_id)
+            return
+        log.info(
+            "bulk replay %d %s: %s",
+            run_id,
+            run.status,
+            ", ".join(f"{k} {v}" for k, v in sorted(run.counts.items())),
+        )
+
+    async def close(self) -> None:
+        """Stop every run (each stays resumable: a chunk commits whole or not at all)."""
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+@dataclass(frozen=True, slots=True)
+class Services:
+    pool: AsyncConnectionPool[Any]
+    queue: QueuePort
+    settings: ApiSettings
+    verifier: TokenVerifier
+    bulk: BulkRunner
+
+
+def _services(request: Request) -> Services:
+    services: Services = request.app.state.jobfence
+    return services
+
+
+Svc = Annotated[Services, Depends(_services)]
+Reader = Annotated[Principal, Depends(require(PERMISSION_READ))]
+Replayer = Annotated[Principal, Depends(require(PERMISSION_REPLAY))]
+Discarder = Annotated[Principal, Depends(require(PERMISSION_DISCARD))]
+
+_AUTH_ERRORS: dict[int | str, dict[str, Any]] = {
+    401: {
+        "model": Problem,
+        "description": "no token, or a token that is invalid or expired",
+        "headers": {
+            "WWW-Authenticate": {
+                "description": "the bearer challenge (RFC 6750)",
+                "schema": {"type": "string"},
+            }
+        },
+    },
+    403: {"model": Problem, "description": "the token lacks the permission"},
+    422: {"model": ValidationProblem, "description": "the request does not fit the API"},
+    503: {"model": Problem, "description": "the database cannot be reached"},
+}
+_BAD_BODY: dict[int | str, dict[str, Any]] = {
+    400: {"model": Problem, "description": "the body cannot be read (not UTF-8 JSON)"}
+}
+_NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"model": Problem, "description": "no such id"}}
+_NOT_PENDING: dict[int | str, dict[str, Any]] = {
+    409: {"model": ConflictProblem, "description": "no longer pending_review (see current_status)"}
+}
+
+
+async def _single_valued_query(request: Request) -> None:
+    """Every query parameter of this API takes one value: ``?queue=a&queue=b`` is refused
+    rather than read as one of them."""
+    query = request.query_params
+    repeated = sorted({name for name in query if len(query.getlist(name)) > 1})
+    if repeated:
+        raise RequestValidationError(
+            [
+                {"type": "repeated", "loc": ("query", name), "msg": "give this parameter once"}
+                for name in repeated
+            ]
+        )
+
+
+def _location(run_id: int) -> str:
+    return f"{PREFIX}/replay-bulk/{run_id}"
+
+
+def _bulk_out(services: Services, run: ops.BulkReplay) -> BulkReplayOut:
+    return BulkReplayOut.of(run, active=services.bulk.active(run.id))
+
+
+def create_app(
+    *, pool: AsyncConnectionPool[Any], queue: QueuePort, settings: ApiSettings
+) -> FastAPI:
+    """The API on ``pool`` (an open autocommit pool, see :func:`jobfence.open_pool`) and
+    ``queue`` (where replays publish). Bulk replays still running at shutdown are interrupted
+    and stay resumable."""
+    bulk = BulkRunner(pool, queue, chunk_size=settings.bulk_chunk_size)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await bulk.close()
+
+    app = FastAPI(
+        title="jobfence Ops API",
+        version=_version(),
+        summary="Find, inspect, replay and discard dead letters.",
+        lifespan=lifespan,
+        dependencies=[Depends(_single_valued_query)],
+    )
+    verifier = TokenVerifier(settings)
+    app.state.jobfence = Services(
+        pool=pool, queue=queue, settings=settings, verifier=verifier, bulk=bulk
+    )
+    app.add_middleware(Authenticate, verifier=verifier, prefix="/v1/")
+    problems.install(app)
+    _routes(app)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    return app
+
+
+def _version() -> str:
+    try:
+        return version("jobfence")
+    except PackageNotFoundError:  # pragma: no cover - running from a source tree
+        return "0"
+
+
+def _routes(app: FastAPI) -> None:
+    @app.get("/healthz", response_model=Health, tags=["health"])
+    async def healthz() -> Health:
+        """The process is up. Needs no token."""
+        return Health()
+
+    @app.get(
+        "/readyz",
+        response_model=Health,
+        tags=["health"],
+        responses={503: {"model": Problem, "description": "the database cannot be reached"}},
+    )
+    async def readyz(services: Svc) -> Health:
+        """The database answers. Needs no token."""
+        timeout = services.settings.readiness_timeout_seconds
+        try:
+            async with asyncio.timeout(timeout):
+                async with services.pool.connection(timeout=timeout) as conn:
+                    await conn.execute("SELECT 1")
+        except (TimeoutError, PoolTimeout, psycopg.Error) as exc:
+            log.warning("not ready: database unreachable (%s)", type(exc).__name__)
+            raise ProblemError(
+                problems.problem(
+                    503, "the database cannot be reached", type_=problems.TYPE_UNAVAILABLE
+                ),
+                headers={"Retry-After": "5"},
+            ) from None
+        return Health()
+
+    @app.get(
+        PREFIX,
+        response_model=DeadLetterPageOut,
+        tags=["dead letters"],
+        responses=_AUTH_ERRORS,
+    )
+    async def list_dead_letters(
+        query: Annotated[DeadLetterQuery, Query()], services: Svc, _: Reader
+    ) -> Response:
+        """Dead letters matching every filter given, newest first (``created_at``, then
+        ``id``). Follow ``next_cursor`` for the next page: rows inserted meanwhile never shift
+        a page (keyset pagination)."""
+        async with services.pool.connection() as conn, raw_jsonb(conn):
+            page = await ops.list_dead_letters(
+                conn, query.to_filter(), limit=query.limit, cursor=query.cursor
+            )
+        splicer = Splicer()
+        out = DeadLetterPageOut(
+            items=[DeadLetterItemOut.of(item, splicer) for item in page.items],
+            next_cursor=page.next_cursor,
+        )
+        return splicer.response(out)
+
+    @app.post(
+        f"{PREFIX}/replay-bulk",
+        tags=["bulk replay"],
+        status_code=202,
+        response_model=BulkReplayOut,
+        responses={
+            **_AUTH_ERRORS,
+            **_BAD_BODY,
+            200: {"model": BulkDryRunOut, "description": "dry run: how many match"},
+            202: {
+                "model": BulkReplayOut,
+                "description": "the run, started on its fixed snapshot",
+                "headers": {
+                    "Location": {"description": "the run's URL", "schema": {"type": "string"}}
+                },
+            },
+            422: {
+                "model": ValidationProblem | BulkTooLargeProblem,
+                "description": "an invalid request, or more matches than max_items",
+            },
+        },
+    )
+    async def start_bulk_replay(
+        request: Annotated[BulkReplayRequest, Body()], services: Svc, principal: Replayer
+    ) -> Response:
+        """Replay every ``pending_review`` dead letter matching the filter **now**: the
+        snapshot is fixed at this call, so dead letters written later are never swept in.
+        ``dry_run`` only counts them. The run goes on in the background; follow it at the
+        ``Location``. Each item ends ``replayed``, ``already_processed`` (its fence row exists:
+        moved to replayed without republishing), ``not_pending`` or ``failed`` (the publish
+        failed: the dead letter stays ``pending_review``)."""
+        result = await ops.start_bulk_replay(
+            services.pool,
+            request.to_filter(),
+            max_items=request.max_items,
+            requested_by=principal.subject,
+            dry_run=request.dry_run,
+        )
+        if isinstance(result, int):
+            out = BulkDryRunOut(
+                matching=result,
+                max_items=request.max_items,
+                exceeds_max_items=result > request.max_items,
+            )
+            return JSONResponse(out.model_dump(mode="json"), status_code=200)
+        services.bulk.start(result.id, actor=principal.subject)
+        return JSONResponse(
+            _bulk_out(services, result).model_dump(mode="json"),
+            status_code=202,
+            headers={"Location": _location(result.id)},
+        )
+
+    @app.get(
+        f"{PREFIX}/replay-bulk/{{run_id}}",
+        tags=["bulk replay"],
+        response_model=BulkReplayOut,
+        responses={**_AUTH_ERRORS, **_NOT_FOUND},
+    )
+    async def get_bulk_replay(
+        run_id: Annotated[BulkReplayId, Path()], services: Svc, _: Reader
+    ) -> BulkReplayOut:
+        """A bulk replay's progress: its counts by result so far, out of ``total``."""
+        async with services.pool.connection() as conn:
+            run = await ops.get_bulk_replay(conn, run_id)
+        return _bulk_out(services, run)
+
+    @app.get(
+        f"{PREFIX}/replay-bulk/{{run_id}}/items",
+        tags=["bulk replay"],
+        response_model=BulkItemsOut,
+        responses={**_AUTH_ERRORS, **_NOT_FOUND},
+    )
+    async def list_bulk_items(
+        run_id: Annotated[BulkReplayId, Path()],
+        query: Annotated[BulkItemsQuery, Query()],
+        services: Svc,
+        _: Reader,
+    ) -> BulkItemsOut:
+        """A bulk replay's items in dead letter id order, optionally only one ``result``
+        (``pending``: not processed yet)."""
+        async with services.pool.connection() as conn:
+            await ops.get_bulk_replay(conn, run_id)  # 404 for an unknown run
+            items = await ops.list_bulk_items(
+                conn, run_id, result=query.result, after=query.after, limit=query.limit
+            )
+        full = len(items) == query.limit
+        return BulkItemsOut(
+            items=[BulkItemOut.of(item) for item in items],
+            next_after=items[-1].dead_letter_id if full else None,
+        )
+
+    @app.post(
+        f"{PREFIX}/replay-bulk/{{run_id}}/resume",
+        tags=["bulk replay"],
+        status_code=202,
+        response_model=BulkReplayOut,
+        responses={
+            **_AUTH_ERRORS,
+            **_NOT_FOUND,
+            202: {
+                "model": BulkReplayOut,
+                "description": "the run, being worked on",
+                "headers": {
+                    "Location": {"description": "the run's URL", "schema": {"type": "string"}}
+                },
+            },
+            409: {"model": ConflictProblem, "description": "the run has finished"},
+        },
+    )
+    async def resume_bulk_replay(
+        run_id: Annotated[BulkReplayId, Path()],
+        services: Svc,
+        principal: Replayer,
+        response: Response,
+    ) -> BulkReplayOut:
+        """Go on with an interrupted run's remaining items (a run this process is working on
+        already is left as it is). Safe next to another process resuming the same run."""
+        async with services.pool.connection() as conn:
+            run = await ops.get_bulk_replay(conn, run_id)
+        if run.status == "finished":
+            raise ProblemError(
+                ConflictProblem(
+                    type=problems.TYPE_BULK_FINISHED,
+                    title="Bulk replay has finished",
+                    status=409,
+                    detail=f"bulk replay {run_id} has finished: nothing to resume",
+                    current_status=run.status,
+                )
+            )
+        services.bulk.start(run_id, actor=principal.subject)
+        response.headers["Location"] = _location(run_id)
+        return _bulk_out(services, run)
+
+    @app.get(
+        f"{PREFIX}/{{id}}",
+        tags=["dead letters"],
+        response_model=DeadLetterDetailOut,
+        responses={**_AUTH_ERRORS, **_NOT_FOUND},
+    )
+    async def show_dead_letter(
+        id: Annotated[DeadLetterId, Path()], services: Svc, _: Reader
+    ) -> Response:
+        """One dead letter whole, with whether its job's fence row exists."""
+        return await _show(services, id)
+
+    @app.post(
+        f"{PREFIX}/{{id}}/replay",
+        tags=["dead letters"],
+        response_model=ReplayOut,
+        responses={**_AUTH_ERRORS, **_NOT_FOUND, **_NOT_PENDING},
+    )
+    async def replay_dead_letter(
+        id: Annotated[DeadLetterId, Path()], services: Svc, principal: Replayer
+    ) -> ReplayOut:
+        """D8: republish the payload with the same ``job_id`` and ``correlation_id`` to the
+        consumer that failed, and mark the dead letter ``replayed`` (by the token's ``sub``).
+        A job whose fence row exists is not republished (``already_processed``)."""
+        result = await ops.replay(services.pool, services.queue, id, actor=principal.subject)
+        return ReplayOut.of(result)
+
+    @app.post(
+        f"{PREFIX}/{{id}}/discard",
+        tags=["dead letters"],
+        response_model=DeadLetterDetailOut,
+        responses={**_AUTH_ERRORS, **_BAD_BODY, **_NOT_FOUND, **_NOT_PENDING},
+    )
+    async def discard_dead_letter(
+        id: Annotated[DeadLetterId, Path()],
+        body: Annotated[DiscardRequest, Body()],
+        services: Svc,
+        principal: Discarder,
+    ) -> Response:
+        """Mark the dead letter ``discarded`` with a non-blank reason (at most 2,000
+        characters), by the token's ``sub``; the answer is the dead letter as it is now."""
+        await ops.discard(services.pool, id, reason=body.reason, actor=principal.subject)
+        return await _show(services, id)
+
+
+async def _show(services: Services, dead_letter_id: int) -> Response:
+    async with services.pool.connection() as conn, raw_jsonb(conn):
+        detail = await ops.show_dead_letter(conn, dead_letter_id)
+    splicer = Splicer()
+    return splicer.response(DeadLetterDetailOut.of(detail, splicer))
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's document, with error bodies under ``application/problem+json``."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    schema = get_openapi(
+        title=app.title,
+        version=app.version,
+        summary=app.summary,
+        description="Authenticate with `Authorization: Bearer <JWT>`; the permissions are "
+        "`core.dead_letters.read`, `core.dead_letters.replay` and `core.dead_letters.discard`. "
+        "Every error is an RFC 9457 problem (`application/problem+json`).",
+        routes=app.routes,
+    )
+    for path_item in schema.get("paths", {}).values():
+        for operation in path_item.values():
+            for parameter in operation.get("parameters", []):
+                # An optional query parameter is absent, never null: document its type only.
+                options = parameter["schema"].get("anyOf", [])
+                if len(options) == 2 and {"type": "null"} in options:
+                    [kept] = [option for option in options if option != {"type": "null"}]
+                    rest = {k: v for k, v in parameter["schema"].items() if k != "anyOf"}
+                    parameter["schema"] = {**kept, **rest}
+            for code, response in operation.get("responses", {}).items():
+                content = response.get("content", {})
+                if code[:1] in "45" and "application/json" in content:
+                    content[PROBLEM_JSON] = content.pop("application/json")
+    components = schema.get("components", {}).get("schemas", {})
+    for unused in ("HTTPValidationError", "ValidationError"):
+        components.pop(unused, None)
+    app.openapi_schema = schema
+    return schema

@@ -1,0 +1,250 @@
+"""D9: bearer JWTs, verified with a configured key, carrying the caller's permissions.
+
+A token is accepted when its signature verifies with ``JOBFENCE_JWT_SECRET`` (HS256) or
+``JOBFENCE_JWT_PUBLIC_KEY`` (RS256 for an RSA key, ES256 for a P-256 key), it has not expired
+(``exp`` is required), and its ``iss`` and ``aud`` match ``JOBFENCE_JWT_ISSUER`` and
+``JOBFENCE_JWT_AUDIENCE`` when those are set. ``sub`` names the caller (recorded as
+``resolved_by`` and ``requested_by``) and ``permissions`` is a list of strings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Annotated
+
+import jwt
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
+from cryptography.hazmat.primitives.serialization import load_pem_public_key
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from jobfence import config, ops
+from jobfence.api.problems import ProblemError, forbidden, respond, unauthorized
+from jobfence.errors import ConfigError
+
+PERMISSION_READ = "core.dead_letters.read"
+PERMISSION_REPLAY = "core.dead_letters.replay"
+PERMISSION_DISCARD = "core.dead_letters.discard"
+PERMISSIONS = (PERMISSION_READ, PERMISSION_REPLAY, PERMISSION_DISCARD)
+
+MIN_SECRET_BYTES = 32  # RFC 7518 3.2: an HS256 key as long as the hash output at least
+MAX_SUBJECT_CHARS = 500
+_NO_KEY = (
+    f"the API needs a key to verify tokens: set {config.ENV_JWT_SECRET} (HS256 shared secret, "
+    f"at least {MIN_SECRET_BYTES} bytes) or {config.ENV_JWT_PUBLIC_KEY} (PEM public key, "
+    "RS256 or ES256)"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ApiSettings:
+    """What the API needs besides its pool and queue. Exactly one of ``jwt_secret`` and
+    ``jwt_public_key`` must be set; both are kept out of ``repr``.
+
+    ``bulk_chunk_size`` is how many dead letters a bulk replay handles per transaction;
+    ``readiness_timeout_seconds`` bounds ``/readyz``'s wait for a database connection.
+    """
+
+    jwt_secret: str | None = field(default=None, repr=False)
+    jwt_public_key: str | None = field(default=None, repr=False)
+    jwt_issuer: str | None = None
+    jwt_audience: str | None = None
+    bulk_chunk_size: int = ops.BULK_CHUNK
+    readiness_timeout_seconds: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.jwt_secret and self.jwt_public_key:
+            raise ConfigError(
+                f"set only one of {config.ENV_JWT_SECRET} and {config.ENV_JWT_PUBLIC_KEY}"
+            )
+        if not self.jwt_secret and not self.jwt_public_key:
+            raise ConfigError(_NO_KEY)
+        if self.bulk_chunk_size < 1:
+            raise ConfigError("bulk_chunk_size must be >= 1")
+        if not 0 < self.readiness_timeout_seconds < float("inf"):
+            raise ConfigError("readiness_timeout_seconds must be a positive number")
+        _verifying_key(self)  # refuse a key that cannot work now, not at the first request
+
+    @classmethod
+    def from_env(
+        cls,
+        environ: Mapping[str, str] | None = None,
+        *,
+        bulk_chunk_size: int = ops.BULK_CHUNK,
+    ) -> ApiSettings:
+        """The settings from ``JOBFENCE_JWT_*`` (see the module docstring)."""
+        return cls(
+            jwt_secret=config.jwt_secret_from_env(environ),
+            jwt_public_key=config.jwt_public_key_from_env(environ),
+            jwt_issuer=config.jwt_issuer_from_env(environ),
+            jwt_audience=config.jwt_audience_from_env(environ),
+            bulk_chunk_size=bulk_chunk_size,
+        )
+
+
+_Key = str | rsa.RSAPublicKey | ec.EllipticCurvePublicKey
+
+
+def _verifying_key(settings: ApiSettings) -> tuple[_Key, list[str]]:
+    if settings.jwt_secret:
+        if len(settings.jwt_secret.encode()) < MIN_SECRET_BYTES:
+            raise ConfigError(
+                f"{config.ENV_JWT_SECRET} is too short for HS256: use at least "
+                f"{MIN_SECRET_BYTES} bytes (for example `openssl rand -hex 32`)"
+            )
+        return settings.jwt_secret, ["HS256"]
+    assert settings.jwt_public_key is not None
+    try:
+        key = load_pem_public_key(settings.jwt_public_key.encode())
+    except (ValueError, TypeError):
+        raise ConfigError(
+            f"{config.ENV_JWT_PUBLIC_KEY} is not a PEM public key "
+            "(expected -----BEGIN PUBLIC KEY-----)"
+        ) from None
+    if isinstance(key, rsa.RSAPublicKey):
+        if key.key_size < 2048:
+            raise ConfigError(f"{config.ENV_JWT_PUBLIC_KEY}: an RSA key needs 2048 bits or more")
+        return key, ["RS256"]
+    if isinstance(key, ec.EllipticCurvePublicKey) and isinstance(key.curve, ec.SECP256R1):
+        return key, ["ES256"]
+    raise ConfigError(
+        f"{config.ENV_JWT_PUBLIC_KEY} must be an RSA key (RS256) or a P-256 EC key (ES256)"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """Who calls, and what they may do."""
+
+    subject: str
+    permissions: frozenset[str]
+
+
+class InvalidToken(Exception):
+    """A token that does not authenticate anyone; the message is safe to show."""
+
+
+def _storable(text: str) -> bool:
+    """Whether PostgreSQL can store ``text`` (no NUL, no lone surrogate)."""
+    return "\x00" not in text and not any(0xD800 <= ord(ch) <= 0xDFFF for ch in text)
+
+
+class TokenVerifier:
+    def __init__(self, settings: ApiSettings) -> None:
+        self._key, self._algorithms = _verifying_key(settings)
+        self._issuer = settings.jwt_issuer
+        self._audience = settings.jwt_audience
+        required = ["exp", "sub"]
+        if self._issuer is not None:
+            required.append("iss")
+        if self._audience is not None:
+            required.append("aud")
+        self._required = required
+
+    def verify(self, token: str) -> Principal:
+        """The token's principal, or :class:`InvalidToken` with a fixed, token-free reason."""
+        try:
+            claims = jwt.decode(
+                token,
+                self._key,
+                algorithms=self._algorithms,
+                issuer=self._issuer,
+                audience=self._audience,
+                options={"require": self._required, "verify_aud": self._audience is not None},
+            )
+        except jwt.ExpiredSignatureError:
+            raise InvalidToken("the token has expired") from None
+        except jwt.ImmatureSignatureError:
+            raise InvalidToken("the token is not valid yet") from None
+        except jwt.InvalidIssuerError:
+            raise InvalidToken("the token's issuer is not accepted") from None
+        except jwt.InvalidAudienceError:
+            raise InvalidToken("the token's audience is not accepted") from None
+        except jwt.MissingRequiredClaimError as exc:
+            raise InvalidToken(f"the token has no {exc.claim} claim") from None
+        except jwt.InvalidSignatureError:
+            raise InvalidToken("the token's signature does not verify") from None
+        except jwt.InvalidAlgorithmError:
+            raise InvalidToken("the token's algorithm is not accepted") from None
+        except jwt.InvalidTokenError:
+            raise InvalidToken("the token is malformed or its claims are invalid") from None
+        subject = claims.get("sub")
+        if (
+            not isinstance(subject, str)
+            or not subject.strip()
+            or len(subject) > MAX_SUBJECT_CHARS
+            or not _storable(subject)
+        ):
+            raise InvalidToken(
+                f"the token's sub claim must be a non-blank string of at most "
+                f"{MAX_SUBJECT_CHARS} characters"
+            )
+        permissions = claims.get("permissions", [])
+        if not isinstance(permissions, list) or not all(isinstance(p, str) for p in permissions):
+            raise InvalidToken("the token's permissions claim must be a list of strings")
+        return Principal(subject=subject, permissions=frozenset(permissions))
+
+
+def authenticate(verifier: TokenVerifier, authorization: str | None) -> Principal:
+    """The principal of an ``Authorization`` header, or a 401 :class:`ProblemError`."""
+    scheme, _, token = (authorization or "").strip().partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        raise unauthorized("a bearer token is required", invalid_token=False)
+    try:
+        return verifier.verify(token)
+    except InvalidToken as exc:
+        raise unauthorized(str(exc), invalid_token=True) from None
+
+
+class Authenticate:
+    """ASGI middleware: every request under ``prefix`` needs a valid token (401 otherwise),
+    checked before routing and before the body is read; the routes then check permissions.
+    The principal travels in the request state."""
+
+    def __init__(self, app: ASGIApp, *, verifier: TokenVerifier, prefix: str) -> None:
+        self.app = app
+        self.verifier = verifier
+        self.prefix = prefix
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(self.prefix):
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope)
+        try:
+            principal = authenticate(self.verifier, request.headers.get("authorization"))
+        except ProblemError as exc:
+            await respond(request, exc.problem, exc.headers)(scope, receive, send)
+            return
+        request.state.principal = principal
+        await self.app(scope, receive, send)
+
+
+# Documents the scheme in OpenAPI; the token itself is verified by Authenticate.
+_bearer = HTTPBearer(
+    auto_error=False,
+    bearerFormat="JWT",
+    description="A JWT with `sub`, `exp` and a `permissions` list (D9).",
+)
+Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+
+
+def require(
+    permission: str,
+) -> Callable[[Request, HTTPAuthorizationCredentials | None], Awaitable[Principal]]:
+    """A dependency: the caller's :class:`Principal` (authenticated by :class:`Authenticate`,
+    or here when the route is outside its prefix) when it carries ``permission`` (else 403)."""
+
+    async def check(request: Request, credentials: Credentials) -> Principal:
+        principal = getattr(request.state, "principal", None)
+        if not isinstance(principal, Principal):
+            verifier: TokenVerifier = request.app.state.jobfence.verifier
+            principal = authenticate(verifier, request.headers.get("authorization"))
+        if permission not in principal.permissions:
+            raise forbidden(permission)
+        return principal
+
+    return check

@@ -1,0 +1,336 @@
+"""The API's request and response bodies: the service layer's data, as JSON.
+
+Every text that reaches the database is checked here to be storable (no NUL character), so a
+request PostgreSQL would refuse is a 422, never a 500.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from typing import Annotated, Literal, Self
+
+from pydantic import (
+    AfterValidator,
+    AwareDatetime,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    JsonValue,
+    StringConstraints,
+    model_validator,
+)
+
+from jobfence import ops
+from jobfence.api.payloads import Splicer
+from jobfence.dead_letters import MAX_DISCARD_REASON, ReplayResult
+
+MAX_BIGINT = 2**63 - 1
+MAX_BULK_ITEMS = 1_000_000
+MAX_FILTER_CHARS = 1000
+MAX_CURSOR_CHARS = 512
+
+DeadLetterStatus = Literal["pending_review", "replayed", "discarded"]
+BulkStatus = Literal["running", "finished"]
+BulkResult = Literal["replayed", "already_processed", "not_pending", "failed", "pending"]
+
+
+def _no_surrogates(text: str) -> str:
+    if any(0xD800 <= ord(ch) <= 0xDFFF for ch in text):
+        raise ValueError("must be valid Unicode (no lone surrogates)")
+    return text
+
+
+def _not_blank(text: str) -> str:
+    if not text.strip():
+        raise ValueError("must not be blank")
+    return text
+
+
+def _date_time_text(value: object) -> object:
+    """Only text (or a datetime) is a date-time here: pydantic would otherwise read a number,
+    or a string of digits, as Unix time, which the document does not promise."""
+    if isinstance(value, datetime):
+        return value
+    if not isinstance(value, str) or _NUMBER.fullmatch(value.strip()):
+        raise ValueError("must be an ISO 8601 date-time with an offset, e.g. 2026-01-31T12:00:00Z")
+    return value
+
+
+_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+DateTime = Annotated[AwareDatetime, BeforeValidator(_date_time_text)]
+FilterText = Annotated[
+    str,
+    StringConstraints(min_length=1, max_length=MAX_FILTER_CHARS, pattern=r"^[^\x00]*$"),
+    AfterValidator(_no_surrogates),
+]
+DiscardReason = Annotated[
+    str,
+    StringConstraints(
+        min_length=1, max_length=MAX_DISCARD_REASON, pattern=r"^[^\x00]*[^\s\x00][^\x00]*$"
+    ),
+    AfterValidator(_not_blank),
+    AfterValidator(_no_surrogates),
+]
+DeadLetterId = Annotated[int, Field(ge=1, le=MAX_BIGINT, description="the dead letter's id")]
+BulkReplayId = Annotated[int, Field(ge=1, le=MAX_BIGINT, description="the bulk replay's id")]
+
+
+class _Filter(BaseModel):
+    """Which dead letters: every field given must match."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    queue: FilterText | None = None
+    consumer: FilterText | None = None
+    tenant_id: FilterText | None = None
+    error_class: FilterText | None = None
+    job_id: FilterText | None = None
+    correlation_id: FilterText | None = None
+    created_from: DateTime | None = Field(
+        default=None, description="created at or after (ISO 8601 with offset)"
+    )
+    created_to: DateTime | None = Field(
+        default=None, description="created before (ISO 8601 with offset)"
+    )
+
+    @model_validator(mode="after")
+    def _range(self) -> Self:
+        if self.created_from and self.created_to and self.created_from >= self.created_to:
+            raise ValueError("created_from must be before created_to")
+        return self
+
+
+class DeadLetterQuery(_Filter):
+    """``GET /v1/core/dead-letters``: the filter, a page size and the cursor of the next page."""
+
+    status: DeadLetterStatus | None = None
+    limit: int = Field(default=ops.DEFAULT_PAGE, ge=1, le=ops.MAX_PAGE)
+    cursor: (
+        Annotated[
+            str,
+            StringConstraints(max_length=MAX_CURSOR_CHARS),
+            Field(description="`next_cursor` of the previous page"),
+        ]
+        | None
+    ) = None
+
+    def to_filter(self) -> ops.DeadLetterFilter:
+        return ops.DeadLetterFilter(**self.model_dump(exclude={"limit", "cursor"}))
+
+
+class BulkReplayRequest(_Filter):
+    """Replay every ``pending_review`` dead letter that matches, as of now."""
+
+    # strict: a JSON body says true and 5, not "yes" and "5" (query strings are text anyway).
+    dry_run: bool = Field(
+        default=False, strict=True, description="only count the matching dead letters"
+    )
+    max_items: int = Field(
+        default=ops.DEFAULT_BULK_MAX,
+        strict=True,
+        ge=1,
+        le=MAX_BULK_ITEMS,
+        description="refuse (422) when more dead letters than this match",
+    )
+
+    def to_filter(self) -> ops.DeadLetterFilter:
+        return ops.DeadLetterFilter(**self.model_dump(exclude={"dry_run", "max_items"}))
+
+
+class DiscardRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    reason: DiscardReason = Field(description="why nobody will replay it (non-blank)")
+
+
+class DeadLetterItemOut(BaseModel):
+    """A dead letter as listed. A payload larger than 4,096 bytes of JSON is left out
+    (``payload`` null, ``payload_truncated`` true) and ``payload_summary`` holds its first
+    512 characters; ``GET /v1/core/dead-letters/{id}`` returns it whole."""
+
+    id: int
+    job_id: str
+    queue: str
+    consumer: str
+    tenant_id: str | None
+    payload: JsonValue
+    payload_encoding: Literal["json", "base64"]
+    payload_truncated: bool
+    payload_summary: str | None
+    payload_size: int = Field(description="size of the payload as JSON text, in bytes")
+    attempts: int
+    last_error: str
+    error_class: str
+    correlation_id: str | None
+    status: DeadLetterStatus
+    discard_reason: str | None
+    created_at: datetime
+    resolved_at: datetime | None
+    resolved_by: str | None
+
+    @classmethod
+    def of(cls, item: ops.DeadLetterItem, splicer: Splicer) -> Self:
+        return cls.model_validate(_fields(cls, item) | {"payload": splicer.hold(item.payload)})
+
+
+def _fields(model: type[BaseModel], source: object) -> dict[str, object]:
+    return {name: getattr(source, name) for name in model.model_fields if hasattr(source, name)}
+
+
+class DeadLetterPageOut(BaseModel):
+    items: list[DeadLetterItemOut]
+    next_cursor: str | None = Field(
+        description="pass as `cursor` for the next page; null at the end"
+    )
+
+
+class DeadLetterOut(BaseModel):
+    """One dead letter whole, payload included (``payload_encoding`` ``base64``: a payload that
+    was not JSON, kept as ``{"encoding": "base64", "data": ...}``)."""
+
+    id: int
+    job_id: str
+    queue: str
+    consumer: str
+    tenant_id: str | None
+    payload: JsonValue
+    payload_encoding: Literal["json", "base64"]
+    attempts: int
+    last_error: str
+    error_class: str
+    correlation_id: str | None
+    status: DeadLetterStatus
+    discard_reason: str | None
+    created_at: datetime
+    resolved_at: datetime | None
+    resolved_by: str | None
+
+
+class DeadLetterDetailOut(DeadLetterOut):
+    fence_exists: bool = Field(
+        description="whether core.processed_jobs has a row for (job_id, consumer): the job's "
+        "effect is applied, and a replay would not republish it"
+    )
+
+    @classmethod
+    def of(cls, detail: ops.DeadLetterDetail, splicer: Splicer) -> Self:
+        letter = detail.dead_letter
+        return cls.model_validate(
+            _fields(cls, letter)
+            | {"payload": splicer.hold(letter.payload), "fence_exists": detail.fence_exists}
+        )
+
+
+class ReplayOut(BaseModel):
+    """What a replay did: the message it published (same job_id and correlation_id, D8), or,
+    when the job's fence row already existed, that it published nothing."""
+
+    dead_letter_id: int
+    status: Literal["replayed"] = "replayed"
+    published: bool
+    already_processed: bool
+    job_id: str
+    queue: str
+    consumer: str
+    tenant_id: str | None
+    correlation_id: str | None
+
+    @classmethod
+    def of(cls, result: ReplayResult) -> Self:
+        message = result.message
+        return cls(
+            dead_letter_id=result.dead_letter_id,
+            published=result.published,
+            already_processed=result.already_processed,
+            job_id=message.job_id,
+            queue=message.queue,
+            consumer=message.consumer,
+            tenant_id=message.tenant_id,
+            correlation_id=message.correlation_id,
+        )
+
+
+class BulkCounts(BaseModel):
+    replayed: int
+    already_processed: int
+    not_pending: int
+    failed: int
+    pending: int = Field(description="not processed yet")
+
+
+class BulkReplayOut(BaseModel):
+    """A bulk replay and its progress. ``total`` is its fixed snapshot's size; ``active`` says
+    whether this API process is working on it now: a ``running`` run that is not active was
+    interrupted (resume it)."""
+
+    id: int
+    filter: dict[str, str]
+    requested_by: str
+    max_items: int
+    total: int
+    status: BulkStatus
+    active: bool
+    counts: BulkCounts
+    created_at: datetime
+    updated_at: datetime
+    finished_at: datetime | None
+
+    @classmethod
+    def of(cls, run: ops.BulkReplay, *, active: bool) -> Self:
+        return cls(
+            id=run.id,
+            filter={key: str(value) for key, value in run.filter.items()},
+            requested_by=run.requested_by,
+            max_items=run.max_items,
+            total=run.total,
+            status=run.status,  # type: ignore[arg-type]  # checked by the model
+            active=active,
+            counts=BulkCounts.model_validate(run.counts),
+            created_at=run.created_at,
+            updated_at=run.updated_at,
+            finished_at=run.finished_at,
+        )
+
+
+class BulkDryRunOut(BaseModel):
+    dry_run: Literal[True] = True
+    matching: int = Field(description="pending dead letters the filter matches now")
+    max_items: int
+    exceeds_max_items: bool = Field(description="whether the real run would be refused (422)")
+
+
+class BulkItemOut(BaseModel):
+    dead_letter_id: int
+    result: BulkResult
+    detail: str | None
+    processed_at: datetime | None
+
+    @classmethod
+    def of(cls, item: ops.BulkItem) -> Self:
+        return cls(
+            dead_letter_id=item.dead_letter_id,
+            result=item.result or "pending",  # type: ignore[arg-type]  # checked by the model
+            detail=item.detail,
+            processed_at=item.processed_at,
+        )
+
+
+class BulkItemsOut(BaseModel):
+    items: list[BulkItemOut]
+    next_after: int | None = Field(description="pass as `after` for the next page; null at the end")
+
+
+class BulkItemsQuery(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    result: BulkResult | None = Field(default=None, description="only items with this result")
+    after: int = Field(
+        default=0, ge=0, le=MAX_BIGINT, description="items after this dead letter id"
+    )
+    limit: int = Field(default=100, ge=1, le=ops.MAX_PAGE)
+
+
+class Health(BaseModel):
+    status: Literal["ok"] = "ok"

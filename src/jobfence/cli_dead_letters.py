@@ -1,0 +1,584 @@
+"""``jobfence dead-letters``: list, show, replay, replay-bulk and discard dead letters.
+
+Like the HTTP API, this edge only parses, calls :mod:`jobfence.ops` and formats; it holds no
+logic of its own. Exit status: 0 done; 1 the dead letter (or bulk run) does not exist, is no
+longer ``pending_review``, or a bulk run has failed or unfinished items; 2 a request that cannot be
+served as asked (bad argument, bad cursor, too many items), or any other jobfence error. Every
+error is one line on stderr, ``jobfence: error: ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import getpass
+import json
+import os
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import asdict
+from datetime import UTC, datetime
+from typing import Any, NoReturn
+
+from psycopg_pool import AsyncConnectionPool
+
+from jobfence import db, ops, schema
+from jobfence.codec import PAYLOAD_BASE64, original_body
+from jobfence.errors import DeadLetterConflict, DeadLetterNotFound
+from jobfence.ops import BulkReplay, DeadLetterFilter, InvalidRequest
+
+ENV_ACTOR = "JOBFENCE_ACTOR"
+EXIT_REFUSED = 1  # not found, not pending, failed or unfinished bulk items
+CELL_WIDTH = 48  # longer table cells are cut (the --json output keeps them whole)
+FAILED_SHOWN = 20  # failed bulk items listed in the readable summary
+
+Command = Callable[[argparse.Namespace], Awaitable[int]]
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """Usage mistakes as one line, like every other error a person can cause."""
+
+    def error(self, message: str) -> NoReturn:
+        command = self.prog.removeprefix("jobfence ")
+        self.exit(2, f"jobfence: error: {command}: {message}\n")
+
+
+# --- parsing ------------------------------------------------------------------------------
+
+
+def _dead_letter_id(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a dead letter id: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"not a dead letter id: {text!r}")
+    return value
+
+
+def _run_id(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a bulk replay id: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"not a bulk replay id: {text!r}")
+    return value
+
+
+def _timestamp(text: str) -> datetime:
+    """ISO 8601 (a date, or a date and time); without an offset it is UTC."""
+    try:
+        value = datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not an ISO 8601 date or time: {text!r} (e.g. 2026-05-01 or 2026-05-01T12:00:00Z)"
+        ) from None
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+
+
+def _group_keys(text: str) -> list[str]:
+    return [key.strip() for key in text.split(",")]
+
+
+def _add_filters(p: argparse.ArgumentParser, *, status: bool) -> None:
+    g = p.add_argument_group("filters (every one given must match)")
+    if status:
+        g.add_argument("--status", choices=ops.STATUSES, help="this status only")
+    g.add_argument("--queue", help="this queue only")
+    g.add_argument("--consumer", help="this consumer only")
+    g.add_argument("--tenant", metavar="TENANT_ID", help="this tenant_id only")
+    g.add_argument("--error-class", help="this error_class only")
+    g.add_argument("--job-id", help="this job_id only")
+    g.add_argument("--correlation-id", help="this correlation_id only")
+    g.add_argument(
+        "--since",
+        type=_timestamp,
+        metavar="TIME",
+        help="created at or after TIME (ISO 8601; UTC when it has no offset)",
+    )
+    g.add_argument(
+        "--until", type=_timestamp, metavar="TIME", help="created before TIME (ISO 8601)"
+    )
+
+
+def _filter(args: argparse.Namespace) -> DeadLetterFilter:
+    return DeadLetterFilter(
+        status=getattr(args, "status", None),
+        queue=args.queue,
+        consumer=args.consumer,
+        tenant_id=args.tenant,
+        error_class=args.error_class,
+        job_id=args.job_id,
+        correlation_id=args.correlation_id,
+        created_from=args.since,
+        created_to=args.until,
+    )
+
+
+def _add_actor(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--actor",
+        metavar="NAME",
+        help=f"who does it, recorded as resolved_by (default: ${ENV_ACTOR}, else the OS user)",
+    )
+
+
+def _actor(args: argparse.Namespace) -> str:
+    if args.actor is not None:
+        return str(args.actor)
+    from_env = os.environ.get(ENV_ACTOR, "").strip()
+    if from_env:
+        return from_env
+    try:
+        return getpass.getuser()
+    except (OSError, KeyError):
+        raise InvalidRequest(
+            f"cannot tell who you are: pass --actor NAME or set {ENV_ACTOR}"
+        ) from None
+
+
+def add_parser(sub: Any) -> None:
+    """Register ``dead-letters`` on the ``jobfence`` command's subparsers."""
+    group = sub.add_parser(
+        "dead-letters",
+        help="list, show, replay (one or in bulk) and discard dead letters",
+        description="Review dead letters: list, show, replay (one or in bulk) and discard. "
+        "Replays publish to the PostgreSQL queue. See docs/runbooks/dead-letter-replay.md.",
+    )
+    commands = group.add_subparsers(
+        dest="dead_letters_command",
+        metavar="COMMAND",
+        required=True,
+        parser_class=_OneLineParser,
+    )
+
+    p = commands.add_parser(
+        "list", help="dead letters, newest first, a page at a time (or counts per group)"
+    )
+    _add_filters(p, status=True)
+    p.add_argument(
+        "--limit",
+        type=int,
+        default=ops.DEFAULT_PAGE,
+        help="rows (or groups) per page (50, max 500)",
+    )
+    p.add_argument("--cursor", help="the next cursor a previous page printed")
+    p.add_argument(
+        "--group-by",
+        type=_group_keys,
+        metavar="KEYS",
+        help="instead of rows, count pending dead letters per group of KEYS: "
+        "queue, consumer, error_class, or several comma-separated",
+    )
+    p.add_argument("--json", action="store_true", help="one JSON document {items, next_cursor}")
+    p.set_defaults(func=_guarded(_cmd_list))
+
+    p = commands.add_parser("show", help="one dead letter whole, payload included")
+    p.add_argument("id", type=_dead_letter_id, metavar="ID")
+    p.add_argument("--json", action="store_true", help="one JSON document")
+    p.set_defaults(func=_guarded(_cmd_show))
+
+    p = commands.add_parser("replay", help="republish one pending dead letter (same job_id)")
+    p.add_argument("id", type=_dead_letter_id, metavar="ID")
+    _add_actor(p)
+    p.add_argument("--json", action="store_true", help="one JSON document")
+    p.set_defaults(func=_guarded(_cmd_replay))
+
+    p = commands.add_parser(
+        "replay-bulk",
+        help="replay every pending dead letter matching the filters, on a fixed snapshot",
+        description="Replay the pending_review dead letters matching the filters at the moment "
+        "of the call (a fixed snapshot), in chunks; an interrupted run resumes with --resume.",
+    )
+    _add_filters(p, status=False)
+    p.add_argument("--dry-run", action="store_true", help="print how many match; change nothing")
+    p.add_argument(
+        "--max-items",
+        type=int,
+        default=None,
+        help=f"refuse when more match ({ops.DEFAULT_BULK_MAX})",
+    )
+    p.add_argument(
+        "--resume", type=_run_id, metavar="RUN_ID", help="finish an interrupted run (no filters)"
+    )
+    _add_actor(p)
+    p.add_argument("--json", action="store_true", help="one JSON document with the final result")
+    p.set_defaults(func=_guarded(_cmd_replay_bulk))
+
+    p = commands.add_parser("discard", help="give up one pending dead letter, with a reason")
+    p.add_argument("id", type=_dead_letter_id, metavar="ID")
+    p.add_argument("--reason", required=True, help="why (required, non-blank, at most 2000)")
+    _add_actor(p)
+    p.add_argument("--json", action="store_true", help="one JSON document")
+    p.set_defaults(func=_guarded(_cmd_discard))
+
+
+def _guarded(command: Command) -> Command:
+    """A missing dead letter or bulk run, or a dead letter no longer pending, is one line and
+    exit status 1."""
+
+    async def run(args: argparse.Namespace) -> int:
+        try:
+            return await command(args)
+        except (DeadLetterNotFound, DeadLetterConflict, ops.BulkReplayNotFound) as exc:
+            _error(str(exc))
+            return EXIT_REFUSED
+
+    return run
+
+
+# --- formatting ---------------------------------------------------------------------------
+
+
+def _error(message: str) -> None:
+    print(f"jobfence: error: {message}", file=sys.stderr)
+
+
+def _json_default(value: object) -> Any:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
+
+
+def _print_json(document: object) -> None:
+    print(json.dumps(document, default=_json_default, ensure_ascii=False, indent=2))
+
+
+def _printable(text: str) -> str:
+    """``text`` on one line: control characters escaped, never interpreted by the terminal."""
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
+
+
+def _when(value: datetime | None) -> str:
+    if value is None:
+        return "-"
+    return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def _cell(value: object) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, datetime):
+        return _when(value)
+    text = _printable(str(value))
+    return text if len(text) <= CELL_WIDTH else text[: CELL_WIDTH - 3] + "..."
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    cells = [[_cell(v) for v in row] for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+    lines = [headers, *cells]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines
+    )
+
+
+def _counts(run: BulkReplay) -> str:
+    c = run.counts
+    return (
+        f"replayed {c['replayed']}, already processed {c['already_processed']}, "
+        f"not pending {c['not_pending']}, failed {c['failed']}"
+    )
+
+
+def _processed(run: BulkReplay) -> int:
+    return run.total - run.counts["pending"]
+
+
+# --- commands -----------------------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def _pool() -> AsyncIterator[AsyncConnectionPool[Any]]:
+    pool = await db.open_pool(
+        db.resolve_database_url(), min_size=1, max_size=2, name="jobfence-dead-letters"
+    )
+    try:
+        async with pool.connection() as conn:
+            await schema.ensure_migrated(conn)
+        yield pool
+    finally:
+        await pool.close()
+
+
+LIST_COLUMNS = (
+    "id",
+    "created_at",
+    "status",
+    "queue",
+    "consumer",
+    "error_class",
+    "attempts",
+    "job_id",
+    "correlation_id",
+)
+
+
+async def _cmd_list(args: argparse.Namespace) -> int:
+    flt = _filter(args)
+    if args.group_by is not None:
+        if args.cursor:
+            raise InvalidRequest("--cursor pages through rows, not --group-by counts")
+        return await _list_groups(args, flt)
+    async with _pool() as pool, pool.connection() as conn:
+        page = await ops.list_dead_letters(conn, flt, limit=args.limit, cursor=args.cursor)
+    if args.json:
+        _print_json({"items": [asdict(i) for i in page.items], "next_cursor": page.next_cursor})
+        return 0
+    if not page.items:
+        print("no dead letters match")
+    else:
+        rows = [[getattr(item, c) for c in LIST_COLUMNS] for item in page.items]
+        print(_table(LIST_COLUMNS, rows))
+    if page.next_cursor:
+        print(f"next cursor: {page.next_cursor}")
+    elif page.items:
+        print("(last page)")
+    return 0
+
+
+async def _list_groups(args: argparse.Namespace, flt: DeadLetterFilter) -> int:
+    async with _pool() as pool, pool.connection() as conn:
+        groups = await ops.group_pending(conn, flt, by=args.group_by, limit=args.limit)
+    if args.json:
+        _print_json({"groups": [asdict(g) for g in groups]})
+        return 0
+    if not groups:
+        print("no pending dead letters match")
+        return 0
+    keys = [k for k in ops.GROUP_KEYS if k in args.group_by]
+    headers = [*keys, "pending", "oldest", "newest"]
+    rows = [[*(getattr(g, k) for k in keys), g.pending, g.oldest, g.newest] for g in groups]
+    print(_table(headers, rows))
+    if len(groups) == args.limit:
+        print(f"(the {args.limit} largest groups; raise --limit for more)")
+    return 0
+
+
+def _payload_lines(payload: Any, encoding: str) -> list[str]:
+    if encoding != PAYLOAD_BASE64:
+        return ["payload:", json.dumps(payload, indent=2, ensure_ascii=False)]
+    body = original_body(json.dumps(payload), encoding)
+    lines = [
+        f"payload: {len(body)} bytes kept as base64 ({payload.get('note', 'not JSON')})",
+        f"  base64: {payload.get('data', '')}",
+    ]
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError:
+        text = None
+    if text is not None and all(ch.isprintable() or ch in "\n\r\t" for ch in text):
+        lines += ["  decoded:", text]
+    else:
+        escaped = _printable(body.decode("utf-8", errors="backslashreplace"))
+        lines.append(f"  decoded (not printable as text, escaped): {escaped}")
+    return lines
+
+
+async def _cmd_show(args: argparse.Namespace) -> int:
+    async with _pool() as pool, pool.connection() as conn:
+        detail = await ops.show_dead_letter(conn, args.id)
+    letter = detail.dead_letter
+    if args.json:
+        _print_json({**asdict(letter), "fence_exists": detail.fence_exists})
+        return 0
+    fence = (
+        "yes: this job's work has committed; a replay would not republish it"
+        if detail.fence_exists
+        else "no"
+    )
+    fields: list[tuple[str, object]] = [
+        ("status", letter.status),
+        ("job_id", letter.job_id),
+        ("queue", letter.queue),
+        ("consumer", letter.consumer),
+        ("tenant_id", letter.tenant_id),
+        ("correlation_id", letter.correlation_id),
+        ("attempts", letter.attempts),
+        ("error_class", letter.error_class),
+        ("created_at", letter.created_at.isoformat()),
+        ("resolved_at", letter.resolved_at.isoformat() if letter.resolved_at else None),
+        ("resolved_by", letter.resolved_by),
+        ("discard_reason", letter.discard_reason),
+        ("payload_encoding", letter.payload_encoding),
+        ("fence_exists", fence),
+    ]
+    print(f"dead letter {letter.id}")
+    for name, value in fields:
+        shown = "-" if value is None else _printable(str(value))
+        print(f"  {name + ':':<18}{shown}")
+    print("\n".join(_payload_lines(letter.payload, letter.payload_encoding)))
+    print("last_error:")
+    print(letter.last_error)
+    return 0
+
+
+def _request_error(exc: ValueError) -> InvalidRequest:
+    return InvalidRequest(str(exc))
+
+
+async def _cmd_replay(args: argparse.Namespace) -> int:
+    from jobfence.adapters.pg_queue import PgQueue
+
+    actor = _actor(args)
+    async with _pool() as pool:
+        queue = PgQueue(pool)
+        try:
+            result = await ops.replay(pool, queue, args.id, actor=actor)
+        except ValueError as exc:  # a blank actor
+            raise _request_error(exc) from None
+        finally:
+            await queue.close()
+    m = result.message
+    if args.json:
+        _print_json(
+            {
+                "dead_letter_id": result.dead_letter_id,
+                "published": result.published,
+                "already_processed": result.already_processed,
+                "queue": m.queue,
+                "consumer": m.consumer,
+                "job_id": m.job_id,
+                "tenant_id": m.tenant_id,
+                "correlation_id": m.correlation_id,
+                "body_size": len(m.body),
+            }
+        )
+        return 0
+    what = f"job {_printable(m.job_id)} for consumer {_printable(m.consumer)}"
+    if result.published:
+        print(
+            f"dead letter {result.dead_letter_id} replayed: published {what} to queue "
+            f"{_printable(m.queue)} ({len(m.body)} bytes, correlation_id "
+            f"{_printable(m.correlation_id or '-')})"
+        )
+    else:
+        print(
+            f"dead letter {result.dead_letter_id} replayed: already processed: not republished "
+            f"({what} has its fence row)"
+        )
+    return 0
+
+
+async def _cmd_discard(args: argparse.Namespace) -> int:
+    actor = _actor(args)
+    async with _pool() as pool:
+        try:
+            letter = await ops.discard(pool, args.id, reason=args.reason, actor=actor)
+        except ValueError as exc:  # a blank or overlong reason, a blank actor
+            raise _request_error(exc) from None
+    if args.json:
+        _print_json(asdict(letter))
+        return 0
+    print(
+        f"dead letter {letter.id} discarded (job {_printable(letter.job_id)}, consumer "
+        f"{_printable(letter.consumer)}) by {_printable(letter.resolved_by or '-')}: "
+        f"{_printable(letter.discard_reason or '')}"
+    )
+    return 0
+
+
+def _print_progress(run: BulkReplay) -> None:
+    print(
+        f"bulk replay {run.id}: {_processed(run)}/{run.total} processed ({_counts(run)})",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+async def _failed_items(pool: AsyncConnectionPool[Any], run_id: int) -> list[ops.BulkItem]:
+    items: list[ops.BulkItem] = []
+    async with pool.connection() as conn:
+        while True:
+            after = items[-1].dead_letter_id if items else 0
+            page = await ops.list_bulk_items(conn, run_id, result="failed", after=after, limit=500)
+            items += page
+            if len(page) < 500:
+                return items
+
+
+async def _cmd_replay_bulk(args: argparse.Namespace) -> int:
+    from jobfence.adapters.pg_queue import PgQueue
+
+    flt = _filter(args)
+    if args.resume is not None:
+        given = [
+            name
+            for name, value in (
+                ("filters", flt.to_json()),
+                ("--dry-run", args.dry_run),
+                ("--max-items", args.max_items is not None),
+            )
+            if value
+        ]
+        if given:
+            raise InvalidRequest(
+                f"--resume continues a run on its own snapshot: it takes no {', '.join(given)}"
+            )
+    max_items = ops.DEFAULT_BULK_MAX if args.max_items is None else args.max_items
+    actor = _actor(args)
+    async with _pool() as pool:
+        if args.dry_run:
+            matching = await ops.start_bulk_replay(
+                pool, flt, max_items=max_items, requested_by=actor, dry_run=True
+            )
+            assert isinstance(matching, int)
+            if args.json:
+                _print_json({"dry_run": True, "matching": matching, "max_items": max_items})
+                return 0
+            print(f"dry run: {matching} pending dead letters match; nothing changed")
+            if matching > max_items:
+                print(f"a run would be refused: more than --max-items {max_items}")
+            return 0
+        if args.resume is not None:
+            async with pool.connection() as conn:
+                run = await ops.get_bulk_replay(conn, args.resume)
+            verb = "resuming"
+        else:
+            started = await ops.start_bulk_replay(
+                pool, flt, max_items=max_items, requested_by=actor
+            )
+            assert isinstance(started, BulkReplay)
+            run = started
+            verb = "started"
+        print(
+            f"bulk replay {run.id} {verb}: {run.total} dead letters in its snapshot, "
+            f"{run.counts['pending']} to process (if interrupted: jobfence dead-letters "
+            f"replay-bulk --resume {run.id})",
+            file=sys.stderr,
+            flush=True,
+        )
+        queue = PgQueue(pool)
+        try:
+            final = await ops.run_bulk_replay(
+                pool, queue, run.id, actor=actor, on_progress=_print_progress
+            )
+        finally:
+            await queue.close()
+        failed = await _failed_items(pool, run.id)
+    unfinished = final.counts["pending"] > 0
+    if args.json:
+        _print_json(
+            {
+                "run": asdict(final),
+                "failed_items": [asdict(i) for i in failed],
+                "finished": final.status == "finished",
+            }
+        )
+    else:
+        state = "finished" if final.status == "finished" else "not finished"
+        print(
+            f"bulk replay {final.id} {state}: {_processed(final)}/{final.total} processed "
+            f"({_counts(final)})"
+        )
+        for item in failed[:FAILED_SHOWN]:
+            print(f"  failed: dead letter {item.dead_letter_id}: {_printable(item.detail or '')}")
+        if len(failed) > FAILED_SHOWN:
+            print(f"  ... and {len(failed) - FAILED_SHOWN} more failed (--json lists them all)")
+        if unfinished:
+            print(
+                f"{final.counts['pending']} items are still pending (locked by another "
+                f"process?): jobfence dead-letters replay-bulk --resume {final.id}"
+            )
+    return EXIT_REFUSED if failed or unfinished else 0

@@ -1,0 +1,215 @@
+-- Named queries of the Better Stack alerting (jobfence.alerts): the outbox written with each
+-- dead letter, the relay's grouping, escalation and delivery bookkeeping, and the counts.
+-- %(now)s is the relay's clock, NULL for the database's own (the PgQueue convention).
+
+-- name: outbox_record
+-- Runs in the dead letter's own transaction, right after the dead letter insert, for the ids
+-- that insert really returned. The key columns come from the dead letter row itself.
+INSERT INTO jobfence.alert_outbox (dead_letter_id, queue, consumer, error_class, created_at)
+SELECT id, queue, consumer, error_class, created_at
+FROM core.dead_letters
+WHERE id = ANY(%(dead_letter_ids)s::bigint[])
+ON CONFLICT (dead_letter_id) DO NOTHING;
+
+-- name: relay_try_lock
+-- One relay delivers at a time (a session lock on the relay's own connection); others stand by.
+SELECT pg_try_advisory_lock(%(key)s::bigint);
+
+-- name: relay_unlock
+SELECT pg_advisory_unlock(%(key)s::bigint);
+
+-- name: group_attach
+-- Outbox rows join their key's open group when they were written before its window ends
+-- (a late committer written before window_start joins too: it has not been alerted yet).
+UPDATE jobfence.alert_outbox o
+SET group_id = g.id
+FROM jobfence.alert_groups g
+WHERE o.group_id IS NULL
+  AND g.closed_at IS NULL
+  AND g.queue = o.queue AND g.consumer = o.consumer AND g.error_class = o.error_class
+  AND o.created_at < g.window_end;
+
+-- name: group_close_due
+-- Closes the groups whose window is over, counts their members and creates each one's alert.
+-- The dedup key is fixed here, before any request is sent.
+WITH due AS (
+    SELECT g.id
+    FROM jobfence.alert_groups g
+    WHERE g.closed_at IS NULL
+      AND g.window_end <= coalesce(%(now)s::timestamptz, now())
+    FOR UPDATE
+), counted AS (
+    SELECT due.id,
+           (SELECT count(*) FROM jobfence.alert_outbox o WHERE o.group_id = due.id) AS members
+    FROM due
+), closed AS (
+    UPDATE jobfence.alert_groups g
+    SET closed_at = coalesce(%(now)s::timestamptz, now()),
+        dead_letters = counted.members,
+        escalation_decided = (counted.members = 0)
+    FROM counted
+    WHERE g.id = counted.id
+    RETURNING g.id, g.dead_letters
+)
+INSERT INTO jobfence.alerts (group_id, kind, dedup_key, dead_letters, next_attempt_at, created_at)
+SELECT id, 'dead_letters', 'jobfence-dl-' || id || '-' || gen_random_uuid(), dead_letters,
+       coalesce(%(now)s::timestamptz, now()), coalesce(%(now)s::timestamptz, now())
+FROM closed
+WHERE dead_letters > 0
+RETURNING id;
+
+-- name: group_open_new
+-- Opens a group for every key with ungrouped rows and no open group; its window starts at the
+-- oldest of those rows.
+INSERT INTO jobfence.alert_groups (queue, consumer, error_class, window_start, window_end)
+SELECT o.queue, o.consumer, o.error_class, min(o.created_at),
+       min(o.created_at) + make_interval(secs => %(window_seconds)s::double precision)
+FROM jobfence.alert_outbox o
+WHERE o.group_id IS NULL
+GROUP BY o.queue, o.consumer, o.error_class
+ON CONFLICT (queue, consumer, error_class) WHERE closed_at IS NULL DO NOTHING
+RETURNING id;
+
+-- name: escalation_schedule
+-- D4: a closed group whose window ended escalate_after ago, and whose first alert is done, is
+-- decided once: with members still pending_review it gets one escalation alert; with none
+-- (all replayed or discarded) it gets nothing. A decided group is never looked at again.
+WITH due AS (
+    SELECT g.id
+    FROM jobfence.alert_groups g
+    WHERE NOT g.escalation_decided
+      AND g.closed_at IS NOT NULL
+      AND g.window_end <= coalesce(%(now)s::timestamptz, now())
+                          - make_interval(secs => %(escalate_after_seconds)s::double precision)
+      AND EXISTS (SELECT 1 FROM jobfence.alerts a
+                  WHERE a.group_id = g.id AND a.kind = 'dead_letters' AND a.state <> 'pending')
+    ORDER BY g.window_end
+    LIMIT %(limit)s
+    FOR UPDATE
+), counted AS (
+    SELECT due.id,
+           (SELECT count(*)
+            FROM jobfence.alert_outbox o
+            JOIN core.dead_letters d ON d.id = o.dead_letter_id
+            WHERE o.group_id = due.id AND d.status = 'pending_review') AS pending
+    FROM due
+), decided AS (
+    UPDATE jobfence.alert_groups g
+    SET escalation_decided = true
+    FROM counted
+    WHERE g.id = counted.id
+    RETURNING g.id
+)
+INSERT INTO jobfence.alerts (group_id, kind, dedup_key, dead_letters, next_attempt_at, created_at)
+SELECT c.id, 'escalation', 'jobfence-esc-' || c.id || '-' || gen_random_uuid(), c.pending,
+       coalesce(%(now)s::timestamptz, now()), coalesce(%(now)s::timestamptz, now())
+FROM counted c
+JOIN decided d ON d.id = c.id
+WHERE c.pending > 0
+ON CONFLICT (group_id, kind) DO NOTHING
+RETURNING id;
+
+-- name: alert_claim_next
+-- The next due alert. Its attempt is counted (and committed, autocommit) before the request is
+-- sent, so a later attempt knows an earlier request may have reached Better Stack.
+WITH next AS (
+    SELECT id
+    FROM jobfence.alerts
+    WHERE state = 'pending' AND next_attempt_at <= coalesce(%(now)s::timestamptz, now())
+    ORDER BY next_attempt_at, id
+    LIMIT 1
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE jobfence.alerts a
+SET attempts = a.attempts + 1, last_attempt_at = coalesce(%(now)s::timestamptz, now())
+FROM next
+WHERE a.id = next.id
+RETURNING a.id, a.group_id, a.kind, a.dedup_key, a.dead_letters, a.attempts;
+
+-- name: alert_group_context
+-- What an incident says about its group, with how many members are still pending review now.
+SELECT g.queue, g.consumer, g.error_class, g.window_start, g.window_end, g.dead_letters,
+       (SELECT count(*)
+        FROM jobfence.alert_outbox o
+        JOIN core.dead_letters d ON d.id = o.dead_letter_id
+        WHERE o.group_id = g.id AND d.status = 'pending_review') AS still_pending,
+       (SELECT min(o.dead_letter_id) FROM jobfence.alert_outbox o WHERE o.group_id = g.id)
+           AS first_dead_letter_id,
+       (SELECT max(o.dead_letter_id) FROM jobfence.alert_outbox o WHERE o.group_id = g.id)
+           AS last_dead_letter_id,
+       (SELECT max(o.created_at) FROM jobfence.alert_outbox o WHERE o.group_id = g.id)
+           AS last_created_at
+FROM jobfence.alert_groups g
+WHERE g.id = %(group_id)s;
+
+-- name: alert_group_samples
+-- A few members to quote in the incident (the first line of each error only).
+SELECT d.id, d.job_id, d.attempts, left(split_part(d.last_error, E'\n', 1), 300) AS error_line
+FROM jobfence.alert_outbox o
+JOIN core.dead_letters d ON d.id = o.dead_letter_id
+WHERE o.group_id = %(group_id)s
+  AND (NOT %(pending_only)s::boolean OR d.status = 'pending_review')
+ORDER BY o.dead_letter_id
+LIMIT %(limit)s;
+
+-- name: alert_mark_sent
+UPDATE jobfence.alerts
+SET state = 'sent', incident_id = %(incident_id)s, last_error = NULL,
+    finished_at = coalesce(%(now)s::timestamptz, now())
+WHERE id = %(id)s AND state = 'pending'
+RETURNING id;
+
+-- name: alert_mark_retry
+UPDATE jobfence.alerts
+SET next_attempt_at = coalesce(%(now)s::timestamptz, now())
+                      + make_interval(secs => %(delay_seconds)s::double precision),
+    last_error = %(error)s
+WHERE id = %(id)s AND state = 'pending'
+RETURNING next_attempt_at;
+
+-- name: alert_mark_failed
+UPDATE jobfence.alerts
+SET state = 'failed', last_error = %(error)s, finished_at = coalesce(%(now)s::timestamptz, now())
+WHERE id = %(id)s AND state = 'pending'
+RETURNING id;
+
+-- name: alert_mark_cancelled
+UPDATE jobfence.alerts
+SET state = 'cancelled', last_error = %(reason)s,
+    finished_at = coalesce(%(now)s::timestamptz, now())
+WHERE id = %(id)s AND state = 'pending'
+RETURNING id;
+
+-- name: alerts_retry_failed
+-- After fixing what made Better Stack refuse them (a token, a policy id): deliver them again.
+-- Their attempts stay counted, so the relay looks for an existing incident first.
+UPDATE jobfence.alerts
+SET state = 'pending', finished_at = NULL,
+    next_attempt_at = coalesce(%(now)s::timestamptz, now())
+WHERE state = 'failed'
+RETURNING id;
+
+-- name: relay_next_wake
+-- Seconds until the relay has something to do: an alert due or a window ending (NULL: nothing).
+SELECT extract(epoch FROM (
+           least((SELECT min(next_attempt_at) FROM jobfence.alerts WHERE state = 'pending'),
+                 (SELECT min(window_end) FROM jobfence.alert_groups WHERE closed_at IS NULL))
+           - coalesce(%(now)s::timestamptz, now())))::double precision AS seconds;
+
+-- name: alert_counts
+-- For metrics: alerts by state, and the dead letters not yet covered by a delivered (or
+-- definitively failed) alert. Every part is an index scan, whatever the history's size.
+SELECT
+    (SELECT count(*) FROM jobfence.alerts WHERE state = 'pending') AS pending,
+    (SELECT count(*) FROM jobfence.alerts WHERE state = 'sent') AS sent,
+    (SELECT count(*) FROM jobfence.alerts WHERE state = 'failed') AS failed,
+    (SELECT count(*) FROM jobfence.alerts WHERE state = 'cancelled') AS cancelled,
+    (SELECT count(*) FROM jobfence.alert_outbox WHERE group_id IS NULL)
+    + (SELECT count(*)
+       FROM jobfence.alert_outbox o
+       JOIN jobfence.alert_groups g ON g.id = o.group_id
+       WHERE g.closed_at IS NULL)
+    + (SELECT coalesce(sum(dead_letters), 0)
+       FROM jobfence.alerts
+       WHERE state = 'pending' AND kind = 'dead_letters') AS dead_letters_awaiting_alert,
+    (SELECT min(created_at) FROM jobfence.alerts WHERE state = 'pending') AS oldest_pending_at;

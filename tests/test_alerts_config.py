@@ -1,0 +1,159 @@
+"""Alerting configuration (read from the environment in one place) and its command-line edges:
+``jobfence alert-relay`` refuses to start without a token, ``jobfence cleanup`` sends its
+heartbeat, and no secret (token, heartbeat URL) shows in a repr, a message or a log line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from email.utils import format_datetime
+
+import pytest
+
+from alert_helpers import TOKEN, relay_env
+from fake_betterstack import FakeBetterStack
+from jobfence import ConfigError
+from jobfence.adapters.betterstack import BetterStackSettings, parse_retry_after
+from jobfence.config import alert_config_from_env
+
+
+@pytest.fixture
+def server() -> Iterator[FakeBetterStack]:
+    fake = FakeBetterStack(TOKEN).start()
+    yield fake
+    fake.close()
+
+
+def test_alert_config_defaults() -> None:
+    config = alert_config_from_env({})
+    assert config.api_url == "https://uptime.betterstack.com"
+    assert config.token is None
+    assert config.notify == {"email", "push"}
+    assert config.group_window_seconds == 60.0
+    assert config.escalate_after_seconds == 72 * 3600.0
+    assert config.timeout_seconds == 10.0
+    assert (config.requester_email, config.team_name, config.policy_id, config.team_wait) == (
+        None,
+        None,
+        None,
+        None,
+    )
+    assert config.relay_heartbeat_url is None
+    assert config.cleanup_heartbeat_url is None
+
+
+def test_alert_config_reads_every_variable() -> None:
+    config = alert_config_from_env(
+        {
+            "JOBFENCE_BETTERSTACK_API_URL": "http://127.0.0.1:9999",
+            "JOBFENCE_BETTERSTACK_TOKEN": "tok",
+            "JOBFENCE_BETTERSTACK_REQUESTER_EMAIL": "oncall@example.com",
+            "JOBFENCE_BETTERSTACK_TEAM_NAME": "Platform",
+            "JOBFENCE_BETTERSTACK_POLICY_ID": "42",
+            "JOBFENCE_BETTERSTACK_TEAM_WAIT": "600",
+            "JOBFENCE_BETTERSTACK_NOTIFY": "call, SMS",
+            "JOBFENCE_BETTERSTACK_TIMEOUT": "5s",
+            "JOBFENCE_BETTERSTACK_RELAY_HEARTBEAT_URL": "https://hb.example/relay",
+            "JOBFENCE_BETTERSTACK_CLEANUP_HEARTBEAT_URL": "https://hb.example/cleanup",
+            "JOBFENCE_ALERT_GROUP_WINDOW": "2m",
+            "JOBFENCE_ALERT_ESCALATE_AFTER": "3d",
+        }
+    )
+    assert config.api_url == "http://127.0.0.1:9999"
+    assert config.token == "tok"
+    assert config.requester_email == "oncall@example.com"
+    assert (config.team_name, config.policy_id, config.team_wait) == ("Platform", "42", 600)
+    assert config.notify == {"call", "sms"}
+    assert config.timeout_seconds == 5.0
+    assert config.group_window_seconds == 120.0
+    assert config.escalate_after_seconds == 3 * 86400.0
+    assert config.relay_heartbeat_url == "https://hb.example/relay"
+    assert config.cleanup_heartbeat_url == "https://hb.example/cleanup"
+    assert (
+        alert_config_from_env({"JOBFENCE_ALERT_ESCALATE_AFTER": "off"}).escalate_after_seconds
+        is None
+    )
+    assert alert_config_from_env({"JOBFENCE_BETTERSTACK_NOTIFY": "none"}).notify == frozenset()
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("JOBFENCE_BETTERSTACK_API_URL", "uptime.betterstack.com"),
+        ("JOBFENCE_BETTERSTACK_NOTIFY", "email,pager"),
+        ("JOBFENCE_BETTERSTACK_TEAM_WAIT", "ten"),
+        ("JOBFENCE_BETTERSTACK_TIMEOUT", "0"),
+        ("JOBFENCE_ALERT_GROUP_WINDOW", "-5"),
+        ("JOBFENCE_ALERT_ESCALATE_AFTER", "72 hours"),
+    ],
+)
+def test_alert_config_refuses_a_bad_value_naming_the_variable(name: str, value: str) -> None:
+    with pytest.raises(ConfigError, match=name):
+        alert_config_from_env({name: value})
+
+
+def test_secrets_stay_out_of_reprs() -> None:
+    config = alert_config_from_env(
+        {
+            "JOBFENCE_BETTERSTACK_TOKEN": "tok-secret-1",
+            "JOBFENCE_BETTERSTACK_RELAY_HEARTBEAT_URL": "https://hb.example/hb-secret-2",
+            "JOBFENCE_BETTERSTACK_CLEANUP_HEARTBEAT_URL": "https://hb.example/hb-secret-3",
+        }
+    )
+    for text in (repr(config), repr(BetterStackSettings(token="tok-secret-1"))):
+        for secret in ("tok-secret-1", "hb-secret-2", "hb-secret-3"):
+            assert secret not in text
+
+
+def test_retry_after_is_read_as_seconds_or_as_an_http_date() -> None:
+    assert parse_retry_after("7") == 7.0
+    assert parse_retry_after(None) is None
+    assert parse_retry_after("soon") is None
+    now = datetime(2026, 8, 17, 12, 0, tzinfo=UTC)
+    later = format_datetime(now + timedelta(seconds=30), usegmt=True)
+    assert parse_retry_after(later, now=now.timestamp()) == pytest.approx(30.0)
+    earlier = format_datetime(now - timedelta(seconds=30), usegmt=True)
+    assert parse_retry_after(earlier, now=now.timestamp()) == 0.0
+
+
+def test_alert_relay_without_a_token_is_refused_in_one_line(
+    database_url: str, server: FakeBetterStack
+) -> None:
+    env = relay_env(database_url, server)
+    del env["JOBFENCE_BETTERSTACK_TOKEN"]
+    result = subprocess.run(
+        [sys.executable, "-m", "jobfence.cli", "alert-relay"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "jobfence: error: JOBFENCE_BETTERSTACK_TOKEN is not set: the alert relay needs a "
+        "Better Stack Uptime API token"
+    )
+    assert server.requests == []
+
+
+def test_cleanup_sends_its_heartbeat_after_a_successful_run_without_logging_the_url(
+    database_url: str, server: FakeBetterStack
+) -> None:
+    url = server.heartbeat_url("cleanup")
+    env = relay_env(database_url, server, JOBFENCE_BETTERSTACK_CLEANUP_HEARTBEAT_URL=url)
+    result = subprocess.run(
+        [sys.executable, "-m", "jobfence.cli", "-v", "cleanup"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert [(b.method, b.path) for b in server.heartbeats] == [
+        ("GET", "/api/v1/heartbeat/cleanup-secret-token")
+    ]
+    assert "cleanup-secret-token" not in result.stdout + result.stderr

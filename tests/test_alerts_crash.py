@@ -1,0 +1,193 @@
+"""A relay killed between Better Stack's answer and its own record opens no second incident.
+
+The relay runs as ``jobfence alert-relay`` in a subprocess and is SIGKILLed at the worst
+moment: after Better Stack created the incident (and, in the first test, after it answered
+201), before the relay recorded it. The restarted relay finds the incident by its dedup key.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from psycopg import AsyncConnection
+
+from alert_helpers import (
+    TESTS_DIR,
+    TOKEN,
+    alert_rows,
+    relay_env,
+    wait_for_alerts,
+    write_dead_letter,
+)
+from fake_betterstack import INCIDENTS, FakeBetterStack, hold
+from support import wait_until
+
+STALLING_RELAY = TESTS_DIR / "alert_relay_proc.py"
+
+
+class RelayProcess:
+    def __init__(self, args: list[str], env: dict[str, str], log: Path) -> None:
+        self.log = log
+        with log.open("wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, *args], stdout=out, stderr=subprocess.STDOUT, env=env
+            )
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def alive(self) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"relay exited early ({self.proc.returncode}):\n{self.output()}")
+        return True
+
+    async def wait_exit(self, within: float = 15.0) -> int:
+        async def exited() -> bool:
+            return self.proc.poll() is not None
+
+        await wait_until(exited, timeout=within, message=f"the relay to exit:\n{self.output()}")
+        assert self.proc.returncode is not None
+        return self.proc.returncode
+
+    async def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        assert await self.wait_exit() == -signal.SIGKILL
+
+    def cleanup(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=10)
+
+
+@pytest.fixture
+def server() -> Iterator[FakeBetterStack]:
+    fake = FakeBetterStack(TOKEN).start()
+    yield fake
+    fake.close()
+
+
+@pytest.fixture
+def processes() -> Iterator[list[RelayProcess]]:
+    started: list[RelayProcess] = []
+    yield started
+    for proc in started:
+        proc.cleanup()
+
+
+def cli_relay(env: dict[str, str], log: Path) -> RelayProcess:
+    return RelayProcess(["-m", "jobfence.cli", "alert-relay", "--poll-seconds", "0.05"], env, log)
+
+
+async def restart_and_check_one_incident(
+    conn: AsyncConnection[Any],
+    server: FakeBetterStack,
+    *,
+    env: dict[str, str],
+    tmp_path: Path,
+    processes: list[RelayProcess],
+    incident_id: str,
+) -> None:
+    second = cli_relay(env, tmp_path / "second.log")
+    processes.append(second)
+    await wait_for_alerts(conn, "sent", 1, timeout=20)
+    [row] = await alert_rows(conn)
+    assert (row["state"], row["attempts"], row["incident_id"]) == ("sent", 2, incident_id)
+    assert len(server.incident_list()) == 1, "no second incident"
+    assert len(server.posts()) == 1
+    assert len(server.lists()) == 1, "the restarted relay looked the dedup key up"
+    assert second.alive()
+    second.proc.send_signal(signal.SIGTERM)
+    assert await second.wait_exit() == 0
+    assert "alert relay stopped: sent 1, failed 0" in second.output()
+    assert "found already open 1" in second.output()
+
+
+async def test_relay_killed_after_a_201_before_recording_it_opens_no_second_incident(
+    database_url: str,
+    conn: AsyncConnection[Any],
+    server: FakeBetterStack,
+    tmp_path: Path,
+    processes: list[RelayProcess],
+) -> None:
+    await write_dead_letter(conn, "k1")
+    await write_dead_letter(conn, "k2")
+    env = relay_env(database_url, server)
+    marker = tmp_path / "answered"
+    first = RelayProcess([str(STALLING_RELAY), str(marker)], env, tmp_path / "first.log")
+    processes.append(first)
+
+    async def answered() -> bool:
+        return first.alive() and marker.exists()
+
+    await wait_until(answered, timeout=20, message="Better Stack's 201 to reach the relay")
+    alert_id, incident_id = marker.read_text().split()
+    assert [p.status for p in server.posts()] == [201]
+    [created] = server.incident_list()
+    assert created["id"] == incident_id
+    [row] = await alert_rows(conn)
+    assert (row["id"], row["state"], row["attempts"]) == (int(alert_id), "pending", 1)
+    assert row["incident_id"] is None, "not recorded yet"
+
+    await first.kill()
+    await restart_and_check_one_incident(
+        conn, server, env=env, tmp_path=tmp_path, processes=processes, incident_id=incident_id
+    )
+
+
+async def test_relay_killed_while_better_stack_holds_its_answer_opens_no_second_incident(
+    database_url: str,
+    conn: AsyncConnection[Any],
+    server: FakeBetterStack,
+    tmp_path: Path,
+    processes: list[RelayProcess],
+) -> None:
+    server.script("POST", INCIDENTS, [hold()])
+    await write_dead_letter(conn, "k1")
+    env = relay_env(database_url, server, JOBFENCE_BETTERSTACK_TIMEOUT="30")
+    first = cli_relay(env, tmp_path / "first.log")
+    processes.append(first)
+
+    async def created() -> bool:
+        return first.alive() and server.created.is_set()
+
+    await wait_until(created, timeout=20, message="Better Stack to create the incident")
+    [incident] = server.incident_list()
+    await first.kill()
+    server.release()  # the held answer goes nowhere
+    await restart_and_check_one_incident(
+        conn,
+        server,
+        env=env,
+        tmp_path=tmp_path,
+        processes=processes,
+        incident_id=incident["id"],
+    )
+
+
+def test_the_fake_servers_hold_is_released_on_close() -> None:
+    # Guard for the test above: a held request never outlives the server.
+    fake = FakeBetterStack().start()
+    fake.script("POST", INCIDENTS, [hold()])
+    done = threading.Event()
+
+    def post() -> None:
+        import httpx
+
+        try:
+            httpx.post(f"{fake.base_url}{INCIDENTS}", json={"summary": "x"}, timeout=10)
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=post)
+    thread.start()
+    assert fake.created.wait(5)
+    fake.close()
+    assert done.wait(5)
+    thread.join(5)

@@ -1,0 +1,384 @@
+"""Spec behaviour 4: a new dead letter alerts Better Stack, through the outbox and the relay.
+
+Against the fake Better Stack (``fake_betterstack.py``), over real HTTP on loopback: what a
+request looks like, one incident per group, and how each kind of failure is handled (429 with
+Retry-After, 5xx, timeouts, 409 are retried or resolved; 401 and 422 are not retried).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from psycopg import AsyncConnection
+from psycopg_pool import AsyncConnectionPool
+
+import pointsapp
+from alert_helpers import (
+    CONSUMER,
+    HARD,
+    QUEUE,
+    TOKEN,
+    RecordingAlertMetrics,
+    alert_rows,
+    fast_settings,
+    make_relay,
+    running,
+    sink_for,
+    wait_for_alerts,
+    wait_rounds,
+    write_dead_letter,
+)
+from fake_betterstack import INCIDENTS, FakeBetterStack, respond, stall
+from jobfence import PgQueue, PrometheusMetrics, Worker
+from jobfence.adapters.betterstack import BetterStackHeartbeat
+from jobfence.alerts import alert_counts, retry_failed_alerts
+from support import scalar, wait_until
+
+
+@pytest.fixture
+def server() -> Iterator[FakeBetterStack]:
+    fake = FakeBetterStack(TOKEN).start()
+    yield fake
+    fake.close()
+
+
+def metadata_value(body: dict[str, Any], key: str) -> str:
+    [entry] = body["metadata"][key]
+    assert entry["type"] == "String"
+    return str(entry["value"])
+
+
+async def test_each_group_opens_one_incident_with_the_documented_request(
+    database_url: str, conn: AsyncConnection[Any], server: FakeBetterStack
+) -> None:
+    for n in range(3):
+        await write_dead_letter(conn, f"hard-{n}")
+    await write_dead_letter(conn, "poison-1", error_class="SchemaInvalid")
+    sink = sink_for(
+        server,
+        requester_email="oncall@example.com",
+        team_name="Platform",
+        policy_id="4711",
+        team_wait=300,
+    )
+    metrics = RecordingAlertMetrics()
+    relay = make_relay(database_url, server, sink=sink, metrics=metrics)
+    async with running(relay):
+        await wait_for_alerts(conn, "sent", 2)
+        await wait_rounds(relay)
+    await sink.aclose()
+
+    posts = server.posts()
+    assert len(posts) == 2, "one incident per (queue, consumer, error_class) group"
+    assert server.lists() == [], "a first attempt creates without looking up"
+    bodies = {}
+    for post in posts:
+        assert post.method == "POST"
+        assert post.path == INCIDENTS == "/api/v3/incidents"
+        assert post.query == {}
+        assert post.headers["authorization"] == f"Bearer {TOKEN}"
+        assert post.headers["content-type"] == "application/json"
+        assert post.headers["accept"] == "application/json"
+        assert post.status == 201
+        body = post.json()
+        bodies[metadata_value(body, "error_class")] = body
+    hard = bodies[HARD]
+    assert set(hard) == {
+        "requester_email",
+        "name",
+        "summary",
+        "description",
+        "call",
+        "sms",
+        "email",
+        "push",
+        "team_wait",
+        "policy_id",
+        "team_name",
+        "metadata",
+    }
+    assert hard["requester_email"] == "oncall@example.com"
+    assert hard["team_name"] == "Platform"
+    assert hard["policy_id"] == "4711"
+    assert hard["team_wait"] == 300
+    assert (hard["call"], hard["sms"], hard["email"], hard["push"]) == (False, False, True, True)
+    assert hard["name"] == f"jobfence: 3 dead letters on {QUEUE}/{CONSUMER} ({HARD})"
+    assert hard["summary"] == f"3 dead letters on queue {QUEUE}, consumer {CONSUMER}: {HARD}"
+    assert "3 dead letters of queue loyalty" in hard["description"]
+    assert "job hard-0, 1 attempt: jobfence.HardFailure: account is closed" in hard["description"]
+    assert "Traceback" not in hard["description"], "only the first line of each error"
+    assert metadata_value(hard, "dead_letters") == "3"
+    assert metadata_value(hard, "queue") == QUEUE
+    assert metadata_value(hard, "consumer") == CONSUMER
+    assert metadata_value(hard, "jobfence_alert") == "dead_letters"
+    assert bodies["SchemaInvalid"]["name"].startswith("jobfence: 1 dead letter on ")
+
+    rows = await alert_rows(conn)
+    assert [(r["kind"], r["state"], r["attempts"]) for r in rows] == [
+        ("dead_letters", "sent", 1),
+        ("dead_letters", "sent", 1),
+    ]
+    # The dedup key sent is the one stored, and the incident id Better Stack gave is recorded.
+    stored = {r["dedup_key"]: r["incident_id"] for r in rows}
+    assert {k: v[0] for k, v in server.by_dedup_key().items()} == stored
+    assert all(key.startswith("jobfence-dl-") for key in stored)
+    counts = await alert_counts(conn)
+    assert (counts.pending, counts.sent, counts.failed) == (0, 2, 0)
+    assert counts.dead_letters_awaiting_alert == 0
+    assert metrics.sent == {"dead_letters": 2}
+    assert metrics.pending[-1] == 0
+
+
+async def test_a_dead_letter_after_its_groups_window_closed_opens_a_new_incident(
+    database_url: str, conn: AsyncConnection[Any], server: FakeBetterStack
+) -> None:
+    relay = make_relay(database_url, server)
+    async with running(relay):
+        await write_dead_letter(conn, "first")
+        await wait_for_alerts(conn, "sent", 1)
+        await write_dead_letter(conn, "second")
+        await wait_for_alerts(conn, "sent", 2)
+    assert len(server.posts()) == 2
+    assert [metadata_value(p.json(), "dead_letters") for p in server.posts()] == ["1", "1"]
+
+
+async def test_429_is_retried_after_its_retry_after_and_opens_one_incident(
+    database_url: str, conn: AsyncConnection[Any], server: FakeBetterStack
+) -> None:
+    server.script(
+        "POST", INCIDENTS, [respond(429, {"errors": "Rate limit exceeded"}, **{"Retry-After": "1"})]
+    )
+    await write_dead_letter(conn, "j1")
+    metrics = RecordingAlertMetrics()
+    # Backoff alone would retry after 0.1-0.2 s: only Retry-After explains a 1 s wait.
+    relay = make_relay(database_url, server, metrics=metrics)
+    async with running(relay):
+        await wait_for_alerts(conn, "sent", 1)
+    first, second = server.posts()
+    assert (first.status, second.status) == (429, 201)
+    assert second.at - first.at >= 0.95, "Retry-After: 1 was honoured"
+    [lookup] = server.lists()
+    assert first.at < lookup.at < second.at, "the retry looked for an earlier incident first"
+    assert len(server.incident_list()) == 1
+    [row] = await alert_rows(conn)
+    assert (row["state"], row["attempts"]) == ("sent", 2)
+    assert relay.stats.retried == {"dead_letters": 1}
+    assert metrics.failed == {("dead_letters", "rate_limited"): 1}
+
+
+async def test_5xx_is_retried_with_growing_backoff_until_delivered(
+    database_url: str, conn: AsyncConnection[Any], server: FakeBetterStack
+) -> None:
+    server.script(
+        "POST",
+        INCIDENTS,
+        [respond(500, {"errors": "Internal"}), respond(503), respond(502)],
+    )
+    await write_dead_letter(conn, "j1")
+    relay = make_relay(database_url, server, settings=fast_settings(retry_base_seconds=0.2))
+    async with running(relay):
+        await wait_for_alerts(conn, "sent", 1)
+    posts = server.posts()
+    assert [p.status for p in posts] == [500, 503, 502, 201]
+    gaps = [b.at - a.at for a, b in itertools.pairwise(posts)]
+    # min(0.2 * 2^(n-1), cap) * U(0.5, 1): at least 0.1, 0.2, 0.4 s.
+    for gap, low in zip(gaps, (0.1, 0.2, 0.4), strict=True):
+        assert gap >= low - 0.02, gaps
+    assert len(server.incident_list()) == 1
+    [row] = await alert_rows(conn)
+    assert (row["state"], row["attempts"]) == ("sent", 4)
+
+
+async def test_a_timeout_is_retried_and_the_incident_it_created_is_found_not_opened_twice(
+    database_url: str, conn: AsyncConnection[Any], server: FakeBetterStack
+) -> None:
+    # Better Stack creates the incident, but the answer comes after the client gave up.
+    server.script("POST", INCIDENTS, [stall(1.5, create_first=True)])
+    await write_dead_letter(conn, "j1")
+    metrics = RecordingAlertMetrics()
+    relay = make_relay(
+        database_url, server, sink=sink_for(server, timeout_seconds=0.3), metrics=metrics
+    )
+    async with running(relay):
+        await wait_for_alerts(conn, "sent", 1)
+    [incident] = server.incident_list()
+    assert len(server.posts()) == 1, "the retry found the incident instead of creating"
+    assert len(server.lists()) == 1
+    [row] = await alert_rows(conn)
+    assert (row["state"], row["attempts"], row["incident_id"]) == ("sent", 2, incident["id"])
+    assert relay.stats.found_existing == 1
+    assert metrics.failed == {("dead_letters", "network"): 1}
+
+
+async def test_a_connection_dropped_without_an_answer_is_retried(
+    database_url: str, conn: AsyncConnection[Any], server: FakeBetterStack
+) -> None:
+    server.down = "drop"
+    await write_dead_letter(conn, "j1")
+    relay = make_relay(database_url, server)
+    async with running(relay):
+
+        async def refused_twice() -> bool:
+            return relay.stats.retried["dead_letters"] >= 2
+
+        await wait_until(refused_twice, message="two failed attempts")
+        server.down = None
+        await wait_for_alerts(conn, "sent", 1)
+    assert len(server.incident_list()) == 1
+
+
+async def test_409_conflict_records_the_incident_that_already_carries_the_dedup_key(
+    database_url: str, conn: AsyncConnection[Any], server: FakeBetterStack
+) -> None:
+    server.script("POST", INCIDENTS, [respond(409, {"errors": "exists"}, create_first=True)])
+    await write_dead_letter(conn, "j1")
+    relay = make_relay(database_url, server)
+    async with running(relay):
+        await wait_for_alerts(conn, "sent", 1)
+    [incident] = server.incident_list()
+    [row] = await alert_rows(conn)
+    assert (row["state"], row["attempts"], row["incident_id"]) == ("sent", 1, incident["id"])
+    assert len(server.posts()) == 1
+
+
+async def test_401_and_422_are_not_retried_but_counted_logged_and_marked_failed(
+    database_url: str,
+    conn: AsyncConnection[Any],
+    server: FakeBetterStack,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="jobfence")
+    server.script(
+        "POST",
+        INCIDENTS,
+        [
+            respond(401, {"errors": "Invalid Team API token"}),
+            respond(422, {"errors": ["Requester email is invalid"]}),
+        ],
+    )
+    await write_dead_letter(conn, "a1")
+    await write_dead_letter(conn, "b1", error_class="SchemaInvalid")
+    metrics = RecordingAlertMetrics()
+    relay = make_relay(database_url, server, metrics=metrics)
+    async with running(relay):
+        await wait_for_alerts(conn, "failed", 2)
+        await wait_rounds(relay, 10)  # ten more rounds: still no retry
+    assert [p.status for p in server.posts()] == [401, 422]
+    assert server.lists() == []
+    rows = await alert_rows(conn)
+    assert [r["state"] for r in rows] == ["failed", "failed"]
+    errors = sorted(r["last_error"] for r in rows)
+    assert "HTTP 401: Invalid Team API token" in errors[0]
+    assert "HTTP 422" in errors[1] and "Requester email is invalid" in errors[1]
+    assert relay.stats.failed == {"dead_letters": 2}
+    assert relay.stats.retried == {}
+    assert metrics.failed == {("dead_letters", "rejected"): 2}
+    refused = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(refused) == 2
+    assert all("REFUSED and not retried" in r.getMessage() for r in refused)
+    assert TOKEN not in caplog.text
+    counts = await alert_counts(conn)
+    assert (counts.pending, counts.failed) == (0, 2)
+
+    # Once the settings are fixed, --retry-failed sends them; a lookup comes first.
+    assert await retry_failed_alerts(conn) == 2
+    async with running(make_relay(database_url, server)):
+        await wait_for_alerts(conn, "sent", 2)
+    assert len(server.incident_list()) == 2
+    assert len(server.lists()) == 2
+
+
+async def test_a_wrong_token_is_refused_by_the_api_and_never_appears_in_logs_or_errors(
+    database_url: str,
+    conn: AsyncConnection[Any],
+    server: FakeBetterStack,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    wrong = "bst-wrong-token-0000"
+    await write_dead_letter(conn, "j1")
+    relay = make_relay(database_url, server, sink=sink_for(server, token=wrong))
+    async with running(relay):
+        await wait_for_alerts(conn, "failed", 1)
+    [post] = server.posts()
+    assert post.status == 401
+    assert post.headers["authorization"] == f"Bearer {wrong}"
+    [row] = await alert_rows(conn)
+    assert "HTTP 401" in row["last_error"]
+    assert wrong not in row["last_error"]
+    assert wrong not in caplog.text
+    assert wrong not in repr(relay._sink)
+
+
+async def test_the_relay_heartbeat_goes_out_after_successful_rounds_without_logging_its_url(
+    database_url: str,
+    conn: AsyncConnection[Any],
+    server: FakeBetterStack,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    url = server.heartbeat_url("relay")
+    heartbeat = BetterStackHeartbeat(url, name="alert relay")
+    relay = make_relay(
+        database_url,
+        server,
+        heartbeat=heartbeat,
+        settings=fast_settings(heartbeat_interval_seconds=0.2),
+    )
+    async with running(relay):
+
+        async def beating() -> bool:
+            return len(server.heartbeats) >= 3
+
+        await wait_until(beating, message="three heartbeats")
+        server.down = "drop"
+        await wait_rounds(relay, 8)
+        server.down = None
+    await heartbeat.aclose()
+    assert {(b.method, b.path) for b in server.heartbeats} == {
+        ("GET", "/api/v1/heartbeat/relay-secret-token")
+    }
+    gaps = [b.at - a.at for a, b in itertools.pairwise(server.heartbeats)]
+    assert min(gaps) >= 0.18, "at most one heartbeat per interval"
+    assert relay.stats.heartbeat_failures >= 1
+    assert "alert relay heartbeat failed" in caplog.text
+    assert "secret-token" not in caplog.text
+    assert "authorization" not in {k.lower() for b in server.heartbeats for k in b.headers}
+
+
+async def test_the_harness_records_the_alert_in_the_dead_letters_own_transaction_once(
+    pool: AsyncConnectionPool[Any], conn: AsyncConnection[Any]
+) -> None:
+    await conn.execute(pointsapp.SCHEMA_SQL)
+    app = pointsapp.build_app()
+    # The same job fails for good twice while its first dead letter is pending (D5): the
+    # second failure inserts no dead letter, so it records no alert either.
+    for _ in range(2):
+        await app.enqueue(
+            conn, "award_points", {"account_id": 1, "points": 2, "mode": "hard"}, job_id="h1"
+        )
+    await app.enqueue(conn, "award_points", {"account_id": 1, "points": 2}, job_id="ok1")
+    queue = PgQueue(pool, poll_interval_seconds=0.05)
+    metrics = PrometheusMetrics()
+    try:
+        worker = Worker(app, pool, queue, poll_seconds=0.05, metrics=metrics, concurrency=1)
+        await asyncio.wait_for(worker.run(until="empty"), timeout=20)
+    finally:
+        await queue.close()
+    assert metrics.count("dead_lettered") == 2
+    assert await scalar(conn, "SELECT count(*) FROM core.dead_letters") == 1
+    cur = await conn.execute(
+        "SELECT o.queue, o.consumer, o.error_class, o.created_at = d.created_at,"
+        "       o.xmin::text = d.xmin::text, o.group_id"
+        " FROM jobfence.alert_outbox o JOIN core.dead_letters d ON d.id = o.dead_letter_id"
+    )
+    # Same xmin: written by the very transaction that wrote the dead letter.
+    assert await cur.fetchall() == [(QUEUE, CONSUMER, HARD, True, True, None)]
+    counts = await alert_counts(conn)
+    assert counts.dead_letters_awaiting_alert == 1
+    assert counts.pending == 0  # no relay ran: the group is not even open yet

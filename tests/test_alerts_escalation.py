@@ -1,0 +1,150 @@
+"""D4: a dead letter still pending_review after escalate_after (default 72 h) raises one
+escalation alert, once per group, and never for a group whose dead letters were all replayed
+or discarded. The relay's clock is moved by hand instead of waiting 72 hours."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from psycopg import AsyncConnection
+from psycopg_pool import AsyncConnectionPool
+
+from alert_helpers import (
+    TOKEN,
+    MovableClock,
+    alert_rows,
+    fast_settings,
+    make_relay,
+    running,
+    wait_for_alerts,
+    wait_rounds,
+    write_dead_letter,
+)
+from fake_betterstack import FakeBetterStack
+from jobfence import PgQueue, discard_dead_letter, replay_dead_letter
+from jobfence.alerts import RelaySettings
+from support import scalar, wait_until
+
+
+@pytest.fixture
+def server() -> Iterator[FakeBetterStack]:
+    fake = FakeBetterStack(TOKEN).start()
+    yield fake
+    fake.close()
+
+
+def value(post_body: dict[str, Any], key: str) -> str:
+    return str(post_body["metadata"][key][0]["value"])
+
+
+async def test_a_group_still_pending_after_escalate_after_escalates_once_never_when_resolved(
+    database_url: str,
+    pool: AsyncConnectionPool[Any],
+    conn: AsyncConnection[Any],
+    server: FakeBetterStack,
+) -> None:
+    assert RelaySettings().escalate_after_seconds == 72 * 3600, "the default of D4"
+    ids: dict[str, list[int]] = {}
+    for group in ("Untouched", "AllResolved", "HalfResolved"):
+        for n in range(2):
+            dead_letter_id = await write_dead_letter(conn, f"{group}-{n}", error_class=group)
+            assert dead_letter_id is not None
+            ids.setdefault(group, []).append(dead_letter_id)
+    clock = MovableClock()
+    relay = make_relay(
+        database_url, server, clock=clock, settings=fast_settings(group_window_seconds=1.0)
+    )
+    queue = PgQueue(pool)
+    try:
+        async with running(relay):
+            clock.advance(seconds=2)
+            await wait_for_alerts(conn, "sent", 3)
+
+            await discard_dead_letter(
+                pool, ids["AllResolved"][0], reason="duplicate order", resolved_by="ops"
+            )
+            await replay_dead_letter(pool, queue, ids["AllResolved"][1], resolved_by="ops")
+            await discard_dead_letter(
+                pool, ids["HalfResolved"][0], reason="test account", resolved_by="ops"
+            )
+
+            clock.advance(hours=71)
+            await wait_rounds(relay)
+            assert len(server.posts()) == 3, "not due before 72 h"
+
+            clock.advance(hours=2)
+            await wait_for_alerts(conn, "sent", 5)
+            await wait_rounds(relay)
+
+            clock.advance(hours=200)  # long after: still once per group
+            await wait_rounds(relay)
+    finally:
+        await queue.close()
+
+    posts = [p.json() for p in server.posts()]
+    assert len(posts) == 5
+    escalations = {value(p, "error_class"): p for p in posts[3:]}
+    assert set(escalations) == {"Untouched", "HalfResolved"}
+    assert all(value(p, "jobfence_alert") == "escalation" for p in escalations.values())
+    assert value(escalations["Untouched"], "dead_letters") == "2"
+    assert value(escalations["HalfResolved"], "dead_letters") == "1"
+    assert escalations["HalfResolved"]["name"] == (
+        "jobfence: 1 dead letter still pending review after 72h on loyalty/award_points"
+    )
+    assert "HalfResolved-1" in escalations["HalfResolved"]["description"]
+    assert "HalfResolved-0" not in escalations["HalfResolved"]["description"]
+    rows = await alert_rows(conn)
+    assert sorted(r["kind"] for r in rows) == ["dead_letters"] * 3 + ["escalation"] * 2
+    assert all(
+        r["dedup_key"].startswith("jobfence-esc-") for r in rows if r["kind"] == "escalation"
+    )
+    assert (
+        await scalar(conn, "SELECT count(*) FROM jobfence.alert_groups WHERE escalation_decided")
+        == 3
+    )
+    assert relay.stats.sent == {"dead_letters": 3, "escalation": 2}
+
+
+async def test_an_escalation_whose_dead_letters_were_resolved_before_it_went_out_is_cancelled(
+    database_url: str,
+    pool: AsyncConnectionPool[Any],
+    conn: AsyncConnection[Any],
+    server: FakeBetterStack,
+) -> None:
+    dead_letter_id = await write_dead_letter(conn, "late-1")
+    assert dead_letter_id is not None
+    clock = MovableClock()
+    relay = make_relay(database_url, server, clock=clock)
+    async with running(relay):
+        clock.advance(seconds=1)
+        await wait_for_alerts(conn, "sent", 1)
+        server.down = "drop"  # Better Stack is down when the escalation comes due
+        clock.advance(hours=73)
+
+        async def escalation_waiting() -> bool:
+            return relay.stats.retried["escalation"] >= 1
+
+        await wait_until(escalation_waiting, message="the escalation to fail once")
+        await discard_dead_letter(pool, dead_letter_id, reason="handled by hand", resolved_by="ops")
+        server.down = None
+        await wait_for_alerts(conn, "cancelled", 1)
+    assert len(server.incident_list()) == 1, "only the first alert"
+    assert relay.stats.cancelled == {"escalation": 1}
+
+
+async def test_escalation_turned_off_never_escalates(
+    database_url: str, conn: AsyncConnection[Any], server: FakeBetterStack
+) -> None:
+    await write_dead_letter(conn, "off-1")
+    clock = MovableClock()
+    relay = make_relay(
+        database_url, server, clock=clock, settings=fast_settings(escalate_after_seconds=None)
+    )
+    async with running(relay):
+        clock.advance(seconds=1)
+        await wait_for_alerts(conn, "sent", 1)
+        clock.advance(hours=1000)
+        await wait_rounds(relay)
+    assert len(server.posts()) == 1

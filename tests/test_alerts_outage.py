@@ -1,0 +1,113 @@
+"""Alerting never blocks or fails job processing: with Better Stack unreachable (requests hang
+until the client times out), a worker sharing the relay's event loop processes the same batch
+as fast as with Better Stack up, and the alerts go out once Better Stack is back."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from psycopg import AsyncConnection
+from psycopg_pool import AsyncConnectionPool
+
+import pointsapp
+from alert_helpers import TOKEN, alert_rows, fast_settings, make_relay, running, sink_for
+from fake_betterstack import FakeBetterStack
+from jobfence import App, PgQueue, PrometheusMetrics, Worker
+from jobfence.alerts import alert_counts
+from support import scalar, wait_until
+
+JOBS = 80
+HARD_EVERY = 8  # 10 of the 80 jobs fail for good
+
+
+@pytest.fixture
+def server() -> Iterator[FakeBetterStack]:
+    fake = FakeBetterStack(TOKEN).start()
+    yield fake
+    fake.close()
+
+
+async def run_batch(
+    app: App, pool: AsyncConnectionPool[Any], conn: AsyncConnection[Any], prefix: str
+) -> float:
+    """Enqueue the batch, run a worker until the queue is empty; return the seconds it took."""
+    async with conn.transaction():
+        for i in range(JOBS):
+            mode = "hard" if i % HARD_EVERY == 0 else "ok"
+            await app.enqueue(
+                conn,
+                "award_points",
+                {"account_id": 1 + i % 10, "points": 1, "mode": mode},
+                job_id=f"{prefix}-{i}",
+            )
+    metrics = PrometheusMetrics()
+    queue = PgQueue(pool, poll_interval_seconds=0.05)
+    worker = Worker(app, pool, queue, concurrency=4, poll_seconds=0.05, metrics=metrics)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    try:
+        stats = await asyncio.wait_for(worker.run(until="empty"), timeout=30)
+    finally:
+        await queue.close()
+    elapsed = loop.time() - started
+    hard = JOBS // HARD_EVERY
+    assert stats.outcomes == {"succeeded": JOBS - hard, "dead_lettered": hard}, "no job failed"
+    return elapsed
+
+
+async def test_better_stack_unreachable_slows_no_job_and_alerts_arrive_after_recovery(
+    database_url: str,
+    pool: AsyncConnectionPool[Any],
+    conn: AsyncConnection[Any],
+    server: FakeBetterStack,
+) -> None:
+    await conn.execute(pointsapp.SCHEMA_SQL)
+    app = pointsapp.build_app()
+    relay = make_relay(
+        database_url,
+        server,
+        sink=sink_for(server, timeout_seconds=0.5),
+        settings=fast_settings(retry_cap_seconds=0.5),
+    )
+    async with running(relay):
+        with_better_stack_up = await run_batch(app, pool, conn, "up")
+
+        server.down = "stall"  # every request hangs: a black hole, the worst case
+        with_better_stack_down = await run_batch(app, pool, conn, "down")
+
+        async def piling_up() -> bool:
+            return relay.stats.retried["dead_letters"] >= 3
+
+        await wait_until(piling_up, timeout=15, message="three failed delivery attempts")
+        during = await alert_counts(conn)
+        assert during.pending >= 1
+        assert during.dead_letters_awaiting_alert >= 1
+
+        server.down = None
+
+        async def all_sent() -> bool:
+            counts = await alert_counts(conn)
+            return counts.pending == 0 and counts.dead_letters_awaiting_alert == 0
+
+        await wait_until(all_sent, timeout=15, message="the alerts to go out after recovery")
+
+    # No slower while Better Stack was down (both runs do the same work on the same loop).
+    assert with_better_stack_down <= 1.5 * with_better_stack_up + 0.5, (
+        with_better_stack_up,
+        with_better_stack_down,
+    )
+    assert await scalar(conn, "SELECT count(*) FROM public.awards") == 2 * (JOBS - 10)
+    rows = await alert_rows(conn)
+    assert {r["state"] for r in rows} == {"sent"}
+    incidents = server.incident_list()
+    assert (
+        len(incidents)
+        == len(rows)
+        == await scalar(conn, "SELECT count(*) FROM jobfence.alert_groups")
+    )
+    stated = sum(int(i["attributes"]["metadata"]["dead_letters"][0]["value"]) for i in incidents)
+    assert stated == 20, "every dead letter of both batches is in exactly one incident"
+    assert all(len(ids) == 1 for ids in server.by_dedup_key().values())
