@@ -137,7 +137,7 @@ async def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     stop = ctx.Event()
     parent, child = ctx.Pipe()
-    worker = ctx.Process(target=child_main, args=(url, args.concurrency, child, stop))
+    worker = ctx.Process(target=child_main, args=(url, args.concurrency, child, stop), daemon=True)
     worker.start()
     try:
         if await asyncio.to_thread(parent.recv) != "ready":

@@ -1,6 +1,6 @@
 """Jobs per second, side by side in one run on one database (issue 2, "Benchmark").
 
-Three systems do the same work per job, ``UPDATE bench_accounts SET points = points + %s WHERE
+The systems do the same work per job, ``UPDATE bench_accounts SET points = points + %s WHERE
 id = %s``:
 
 (a) ceiling        a bare loop of transactions: BEGIN; the work statement; the fence insert
@@ -8,19 +8,22 @@ id = %s``:
 (b) jobfence       end to end over its PostgreSQL queue: jobs pre-enqueued, then
                    ``Worker(...).run(until="idle")``.
 (c) procrastinate  Procrastinate 3.x with a task running the same statement on its own
-                   connection: jobs pre-deferred, ``run_worker_async(wait=False)``.
+                   connection: jobs pre-deferred, ``run_worker_async(wait=False)``; the App,
+                   connector and worker keep Procrastinate's defaults otherwise.
+(a') ceiling-sync  (a) with psycopg's blocking API, for information: the issue's "about 2,500
+                   transactions/s on one connection" matches this one, not the async loop.
 
 "1 worker" and "4 workers" are 1 and 4 OS processes (multiprocessing, spawn), each handling one
-job at a time, so the three systems are comparable. An extra line runs jobfence in one process
+job at a time, so the systems are comparable. An extra line runs jobfence in one process
 with ``concurrency=4``. Rounds alternate the systems (and rotate their order) so that drift on a
-shared machine hits all of them alike; the table gives medians and ratios of medians, and the
-ratio lines use the per-round ratios' median.
+shared machine hits all of them alike; the table gives the medians of the rounds (min-max) and
+the ratio lines the median of the per-round ratios.
 
 Timing: the worker processes connect and get ready first; the clock starts when the main process
 releases them all at once and stops when the last job's work statement has run in any process.
 Each run then checks that every job's effect was applied exactly once.
 
-    .venv/bin/python benchmarks/throughput.py             # defaults: 5,000 jobs, 3 rounds
+    .venv/bin/python benchmarks/throughput.py             # 5,000 jobs, 3 rounds: 5-6 min
     .venv/bin/python benchmarks/throughput.py --jobs 20000 --rounds 5
 """
 

@@ -36,7 +36,8 @@ from alert_helpers import (
 from fake_betterstack import INCIDENTS, FakeBetterStack, respond, stall
 from jobfence import PgQueue, PrometheusMetrics, Worker
 from jobfence.adapters.betterstack import BetterStackHeartbeat
-from jobfence.alerts import alert_counts, retry_failed_alerts
+from jobfence.alerts import alert_counts, record_dead_letter_alerts, retry_failed_alerts
+from jobfence.harness import SQL as CORE_SQL
 from support import scalar, wait_until
 
 
@@ -382,3 +383,40 @@ async def test_the_harness_records_the_alert_in_the_dead_letters_own_transaction
     counts = await alert_counts(conn)
     assert counts.dead_letters_awaiting_alert == 1
     assert counts.pending == 0  # no relay ran: the group is not even open yet
+
+
+async def test_a_secret_quoted_in_a_dead_letters_error_is_masked_in_the_incident(
+    database_url: str,
+    conn: AsyncConnection[Any],
+    server: FakeBetterStack,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    secret = "jwt-signing-secret-4f9a1c"
+    monkeypatch.setenv("JOBFENCE_JWT_SECRET", secret)
+    async with conn.transaction():
+        cur = await conn.execute(
+            CORE_SQL["dead_letter_insert"],
+            {
+                "job_id": "leaky",
+                "queue": QUEUE,
+                "consumer": CONSUMER,
+                "tenant_id": None,
+                "payload": "{}",
+                "payload_encoding": "json",
+                "attempts": 1,
+                "last_error": f"{HARD}: upstream refused key {secret}",
+                "error_class": HARD,
+                "correlation_id": None,
+            },
+        )
+        row = await cur.fetchone()
+        assert row is not None
+        await record_dead_letter_alerts(conn, [row[0]])
+    sink = sink_for(server)
+    relay = make_relay(database_url, server, sink=sink)
+    async with running(relay):
+        await wait_for_alerts(conn, "sent", 1)
+    await sink.aclose()
+    [post] = server.posts()
+    assert secret not in post.body.decode()
+    assert "upstream refused key ***" in post.json()["description"]

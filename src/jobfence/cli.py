@@ -403,6 +403,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         reason = " ".join(str(exc).split())
         print(f"jobfence: error: database error ({type(exc).__name__}): {reason}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        # The reader went away (``jobfence dead-letters list | head``): stop quietly.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
     except KeyboardInterrupt:
         return 130
 

@@ -97,6 +97,7 @@ def log_format_from_env(environ: Mapping[str, str] | None = None) -> str:
 def secrets_from_env(environ: Mapping[str, str] | None = None) -> list[str]:
     """Values that must never appear in a log line: every ``JOBFENCE_*`` variable whose name
     says TOKEN, SECRET or PASSWORD (``JOBFENCE_BETTERSTACK_TOKEN``, ``JOBFENCE_JWT_SECRET``...),
+    the ``JOBFENCE_*_HEARTBEAT_URL`` values (the URL carries the heartbeat's token),
     ``PGPASSWORD``, and the password in ``JOBFENCE_DATABASE_URL`` as written and decoded."""
     from jobfence.db import url_passwords  # db imports this module
 
@@ -107,6 +108,7 @@ def secrets_from_env(environ: Mapping[str, str] | None = None) -> list[str]:
         if value
         and (
             name == "PGPASSWORD"
+            or (name.startswith("JOBFENCE_") and name.endswith("_HEARTBEAT_URL"))
             or (
                 name.startswith("JOBFENCE_")
                 and any(word in name for word in ("TOKEN", "SECRET", "PASSWORD"))

@@ -226,14 +226,16 @@ class Harness:
             await self._queue.ack(delivery)
         outcome = Outcome.SUCCEEDED if fresh else Outcome.DUPLICATE
         self._metrics.job_outcome(meta.queue, meta.consumer, outcome)
-        # A duplicate is normal operation (spec behaviour 2): DEBUG, like a success.
-        log.debug(
-            "job %s for %s %s",
-            meta.job_id,
-            meta.consumer,
-            "succeeded" if fresh else "already processed: skipped",
-            extra=log_fields(delivery, outcome),
-        )
+        # A duplicate is normal operation (spec behaviour 2): DEBUG, like a success. The hot
+        # path builds the log record's fields only when DEBUG is on.
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "job %s for %s %s",
+                meta.job_id,
+                meta.consumer,
+                "succeeded" if fresh else "already processed: skipped",
+                extra=log_fields(delivery, outcome),
+            )
         return outcome
 
     async def _fail(

@@ -37,6 +37,7 @@ from psycopg.rows import dict_row
 
 from jobfence.alerts.model import DeliveryError, Heartbeat, IncidentRequest, IncidentSink
 from jobfence.alerts.outbox import SQL, alert_counts
+from jobfence.config import secrets_from_env
 from jobfence.errors import ConfigError
 from jobfence.ports import AlertMetricsSink, Clock
 from jobfence.schema import ensure_migrated
@@ -195,6 +196,9 @@ class AlertRelay:
         self._owned: list[Any] = []
         self.stats = RelayStats()
         self.active = False
+        # Error texts quoted in an incident leave our systems: the secrets that logs never show
+        # are masked there too.
+        self._secrets = sorted(set(secrets_from_env()), key=len, reverse=True)
 
     @classmethod
     def from_config(
@@ -267,6 +271,11 @@ class AlertRelay:
             await resource.aclose()
         self._owned = []
 
+    def _mask(self, text: str) -> str:
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
+
     def stop(self) -> None:
         """Finish the current step and return from :meth:`run`."""
         self._stopping.set()
@@ -277,18 +286,23 @@ class AlertRelay:
         """Deliver until :meth:`stop`. A lost database connection is logged and retried with
         backoff; a database without this version's schema is refused (``ConfigError``)."""
         backoff = 0.5
+        loop = asyncio.get_running_loop()
         while not self._stopping.is_set():
+            started = loop.time()
             try:
                 async with await psycopg.AsyncConnection.connect(
                     self._conninfo, autocommit=True, connect_timeout=10
                 ) as conn:
-                    backoff = 0.5
                     await self._serve(conn)
             except psycopg.Error as exc:
                 self.active = False
+                # Only a connection that served for a while resets the backoff: a lasting
+                # error (a permission revoked) must not retry every half second forever.
+                if loop.time() - started > 60:
+                    backoff = 0.5
                 text = " ".join(str(exc).split())
                 log.warning(
-                    "alert relay: database unavailable (%s: %s); retrying in %.1fs",
+                    "alert relay: database error (%s: %s); retrying in %.1fs",
                     type(exc).__name__,
                     text[:200],
                     backoff,
@@ -578,7 +592,7 @@ class AlertRelay:
             "First of them:" if samples else "",
         ]
         lines += [
-            f"- #{dl_id} job {job_id}, {_plural(attempts, 'attempt')}: {error}"
+            f"- #{dl_id} job {job_id}, {_plural(attempts, 'attempt')}: {self._mask(error)}"
             for dl_id, job_id, attempts, error in samples
         ]
         metadata = {

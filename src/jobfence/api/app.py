@@ -21,6 +21,7 @@ from fastapi import Body, Depends, FastAPI, Path, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
+from prometheus_client import CollectorRegistry
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from jobfence import ops
@@ -61,6 +62,7 @@ from jobfence.api.schemas import (
     Health,
     ReplayOut,
 )
+from jobfence.observability import MetricsApp, metrics_registry
 from jobfence.ports import QueuePort
 
 log = logging.getLogger("jobfence.api")
@@ -190,11 +192,19 @@ def _bulk_out(services: Services, run: ops.BulkReplay) -> BulkReplayOut:
 
 
 def create_app(
-    *, pool: AsyncConnectionPool[Any], queue: QueuePort, settings: ApiSettings
+    *,
+    pool: AsyncConnectionPool[Any],
+    queue: QueuePort,
+    settings: ApiSettings,
+    metrics: CollectorRegistry | None = None,
 ) -> FastAPI:
     """The API on ``pool`` (an open autocommit pool, see :func:`jobfence.open_pool`) and
     ``queue`` (where replays publish). Bulk replays still running at shutdown are interrupted
-    and stay resumable."""
+    and stay resumable.
+
+    ``GET /metrics`` (no token, not in the OpenAPI document) serves ``metrics``, by default a
+    registry with the database gauges (dead letters pending and the oldest one's age, queue
+    depth) and the process's own metrics."""
     bulk = BulkRunner(pool, queue, chunk_size=settings.bulk_chunk_size)
 
     @asynccontextmanager
@@ -214,6 +224,12 @@ def create_app(
         pool=pool, queue=queue, settings=settings, verifier=verifier, bulk=bulk
     )
     app.add_middleware(Authenticate, verifier=verifier, prefix="/v1/")
+    app.add_route(
+        "/metrics",
+        # An ASGI app, which Starlette serves as is (its type hints name only endpoints).
+        MetricsApp(metrics if metrics is not None else metrics_registry(pool)),  # type: ignore[arg-type]
+        include_in_schema=False,
+    )
     problems.install(app)
     _routes(app)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
