@@ -189,6 +189,23 @@ FROM generate_series(1, %(unrelated)s::int) AS g
 
 META_TABLE = "public.apibench_meta"
 
+# Proposed (not in the migrations): the triage query "pending in this queue with this error
+# class" as one index range, instead of a BitmapAnd of two indexes and a sort.
+PROPOSED_INDEX = "apibench_proposed_pending_queue_error_idx"
+PROPOSED_INDEX_SQL = f"""
+CREATE INDEX IF NOT EXISTS {PROPOSED_INDEX} ON core.dead_letters
+    (queue, error_class, created_at DESC, id DESC) WHERE status = 'pending_review'
+"""
+
+
+async def set_proposed_index(url: str, wanted: bool) -> None:
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        if wanted:
+            await conn.execute(PROPOSED_INDEX_SQL)
+        else:
+            await conn.execute(f"DROP INDEX IF EXISTS core.{PROPOSED_INDEX}")
+        await conn.execute("ANALYZE core.dead_letters")
+
 
 # ---------------------------------------------------------------------------------------------
 # The database
@@ -265,8 +282,11 @@ async def seed(admin_url: str, url: str, dbname: str, rows: int, bulk_rows: int)
 async def reset(url: str) -> int:
     """Put back what a previous run changed: rows it resolved go back to pending_review (the
     append-only trigger is bypassed for this session, which needs a superuser), its messages
-    and bulk runs go. Returns how many rows were reset."""
+    and bulk runs go. Returns how many rows were reset. The updates leave the table and its
+    indexes larger than a fresh seed (dead space VACUUM keeps for reuse): quote figures from a
+    freshly seeded run."""
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        await migrate(conn)  # migrations added since it was seeded
         async with conn.transaction():
             await conn.execute("SET LOCAL session_replication_role = replica")
             cur = await conn.execute(
@@ -345,6 +365,7 @@ class ApiServer:
     """``jobfence api --port 0`` in a subprocess, its log in a file."""
 
     def __init__(self, url: str, secret: str, workdir: Path, pool_size: int) -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
         self.log = workdir / "api.log"
         env = {k: v for k, v in os.environ.items() if not k.startswith("JOBFENCE_")}
         env |= {
@@ -407,15 +428,15 @@ class CpuMeter:
     """CPU seconds of this process (the load generator), the API process, the local PostgreSQL
     processes (all of them: other load on the server shows up) and the whole machine."""
 
-    def __init__(self, api_pid: int) -> None:
-        self.api = psutil.Process(api_pid)
+    def __init__(self, api_pids: list[int]) -> None:
+        self.api = [psutil.Process(pid) for pid in api_pids]
 
     def snap(self) -> dict[str, Any]:
-        api = self.api.cpu_times()
+        api = [proc.cpu_times() for proc in self.api]
         machine = psutil.cpu_times()
         return {
             "client": time.process_time(),
-            "api": api.user + api.system,
+            "api": sum(times.user + times.system for times in api),
             "pg": _postgres_cpu(),
             "busy": machine.user + machine.system + machine.nice + machine.irq + machine.softirq,
             "wall": time.perf_counter(),
@@ -511,9 +532,6 @@ class RawHttp:
         self.reader = self.writer = None
 
     async def request(self, req: Req) -> tuple[int, bytes]:
-        if self.writer is None:
-            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
-        assert self.reader is not None
         target = req.path
         query = req.query()
         if query:
@@ -522,9 +540,22 @@ class RawHttp:
         head = f"{req.method} {target} HTTP/1.1\r\n{self.head}"
         if req.body is not None:
             head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-        self.writer.write(head.encode() + b"\r\n" + body)
+        message = head.encode() + b"\r\n" + body
+        reused = self.writer is not None
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        assert self.reader is not None and self.writer is not None
+        self.writer.write(message)
+        status_line = await self.reader.readline()
+        if not status_line and reused:
+            # The server closed the idle connection (uvicorn's keep-alive timeout is 5 s):
+            # open a new one and send again, as httpx does.
+            await self.close()
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+            self.writer.write(message)
+            status_line = await self.reader.readline()
         try:
-            status = int((await self.reader.readline()).split()[1])
+            status = int(status_line.split()[1])
             length, chunked, close = 0, False, False
             while (line := await self.reader.readline()) not in (b"\r\n", b""):
                 name, _, value = line.partition(b":")
@@ -553,25 +584,35 @@ class RawHttp:
 
 
 class LoadClients:
-    """``size`` concurrent clients: one keep-alive connection each (``raw``), or one httpx
-    AsyncClient with a pool of ``size`` connections (``httpx``)."""
+    """``size`` concurrent clients: one keep-alive connection each (``raw``), or httpx
+    AsyncClients with a pool of ``size`` connections (``httpx``). Client ``slot`` talks to
+    ``base_urls[slot % len(base_urls)]``."""
 
-    def __init__(self, kind: str, base_url: str, token: str, size: int) -> None:
+    def __init__(self, kind: str, base_urls: list[str], token: str, size: int) -> None:
         self.kind = kind
         self.size = size
-        self.raw = [RawHttp(base_url, token) for _ in range(size)] if kind == "raw" else []
-        limits = httpx.Limits(max_connections=size, max_keepalive_connections=size)
-        self.httpx = httpx.AsyncClient(
-            base_url=base_url,
-            headers={"Authorization": f"Bearer {token}"},
-            limits=limits,
-            timeout=120,
+        self.raw = (
+            [RawHttp(base_urls[slot % len(base_urls)], token) for slot in range(size)]
+            if kind == "raw"
+            else []
         )
+        limits = httpx.Limits(max_connections=size, max_keepalive_connections=size)
+        self.clients = [
+            httpx.AsyncClient(
+                base_url=base_url,
+                headers={"Authorization": f"Bearer {token}"},
+                limits=limits,
+                timeout=120,
+            )
+            for base_url in base_urls
+        ]
+        self.httpx = self.clients[0]
 
     async def close(self) -> None:
         for conn in self.raw:
             await conn.close()
-        await self.httpx.aclose()
+        for client in self.clients:
+            await client.aclose()
 
     async def send(self, slot: int, req: Req) -> tuple[float, str]:
         started = time.perf_counter()
@@ -579,7 +620,8 @@ class LoadClients:
             if self.raw:
                 status, _ = await self.raw[slot].request(req)
             else:
-                response = await self.httpx.request(
+                client = self.clients[slot % len(self.clients)]
+                response = await client.request(
                     req.method, req.path, params=req.query(), json=req.body
                 )
                 status = response.status_code
@@ -1000,13 +1042,16 @@ async def measure_api(args: argparse.Namespace, url: str, samples: Samples) -> M
     results: list[Result] = []
     writes = args.requests + args.serial
     with tempfile.TemporaryDirectory(prefix="apibench-") as tmp:
-        server = ApiServer(url, secret, Path(tmp), args.pool_size)
+        servers = [
+            ApiServer(url, secret, Path(tmp) / f"api-{n}", args.pool_size)
+            for n in range(args.api_procs)
+        ]
         clients: LoadClients | None = None
         try:
-            base_url = await server.base_url()
-            meter = CpuMeter(server.proc.pid)
-            print(f"API: {shlex.join(server.command)} -> {base_url}")
-            clients = LoadClients(args.client, base_url, token, args.concurrency)
+            base_urls = [await server.base_url() for server in servers]
+            meter = CpuMeter([server.proc.pid for server in servers])
+            print(f"API: {shlex.join(servers[0].command)} -> {', '.join(base_urls)}")
+            clients = LoadClients(args.client, base_urls, token, args.concurrency)
             helper = clients.httpx  # the walk, the bulk run and its polls
             for _ in range(3):  # warm up: the pool's connections, first-request imports
                 (await helper.get(PREFIX)).raise_for_status()
@@ -1075,8 +1120,9 @@ async def measure_api(args: argparse.Namespace, url: str, samples: Samples) -> M
         finally:
             if clients is not None:
                 await clients.close()
-            server.stop()
-            api_log = server.output()
+            for server in servers:
+                server.stop()
+            api_log = "\n".join(server.output() for server in servers)
     return Measured(results, sql_checks, http_bulk, walk_s, api_log)
 
 
@@ -1137,6 +1183,9 @@ async def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
     print(f"machine: {machine_notes()}")
     print("versions: " + ", ".join(f"{k} {v}" for k, v in versions().items()))
     seed_seconds = await prepare_database(args, admin_url, url)
+    await set_proposed_index(url, args.proposal_index)
+    if args.proposal_index:
+        print(f"with the proposed index: {' '.join(PROPOSED_INDEX_SQL.split())}")
     print("server: " + ", ".join(f"{k} {v}" for k, v in (await server_notes(url)).items()))
     samples = await draw_samples(url, 2 * (args.requests + args.serial), random.Random(args.seed))
     print(
@@ -1193,6 +1242,18 @@ def main() -> int:
         "--deep-pages", type=int, default=200, help="pages to follow for the deep cursor (200)"
     )
     parser.add_argument("--pool-size", type=int, default=10, help="jobfence api --pool-size (10)")
+    parser.add_argument(
+        "--api-procs",
+        type=int,
+        default=1,
+        help="jobfence api processes, each on its own port; the clients are spread over them (1)",
+    )
+    parser.add_argument(
+        "--proposal-index",
+        action="store_true",
+        help="measure with the proposed partial index for pending + queue + error_class"
+        " (created in the benchmark database only; dropped again without this flag)",
+    )
     parser.add_argument(
         "--bulk-chunk-size", type=int, default=ops.BULK_CHUNK, help="in-process chunk size (500)"
     )
