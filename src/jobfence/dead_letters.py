@@ -68,6 +68,18 @@ async def get_dead_letter(conn: AsyncConnection[Any], dead_letter_id: int) -> De
     return DeadLetter(**row)
 
 
+async def _lock_pending(conn: AsyncConnection[Any], dead_letter_id: int) -> dict[str, Any]:
+    """Lock one dead letter for its status change; it must exist and still be pending."""
+    async with conn.cursor(row_factory=dict_row) as cur:
+        await cur.execute(SQL["dead_letter_lock_pending"], {"id": dead_letter_id})
+        row = await cur.fetchone()
+    if row is None:
+        raise DeadLetterNotFound(f"no dead letter with id {dead_letter_id}")
+    if row["status"] != "pending_review":
+        raise DeadLetterConflict(dead_letter_id, row["status"])
+    return row
+
+
 async def replay_dead_letter(
     pool: AsyncConnectionPool[Any],
     queue: QueuePort,
@@ -88,13 +100,7 @@ async def replay_dead_letter(
     """
     _check_actor(resolved_by)
     async with pool.connection() as conn, conn.transaction():
-        async with conn.cursor(row_factory=dict_row) as cur:
-            await cur.execute(SQL["dead_letter_lock_pending"], {"id": dead_letter_id})
-            row = await cur.fetchone()
-        if row is None:
-            raise DeadLetterNotFound(f"no dead letter with id {dead_letter_id}")
-        if row["status"] != "pending_review":
-            raise DeadLetterConflict(dead_letter_id, row["status"])
+        row = await _lock_pending(conn, dead_letter_id)
         message = Message(
             queue=row["queue"],
             consumer=row["consumer"],
@@ -104,12 +110,8 @@ async def replay_dead_letter(
             correlation_id=row["correlation_id"],
         )
         published = not row["fenced"]
-        if not published:
-            pass
-        elif queue.capabilities.transactional:
-            await queue.publish(message, tx=conn)
-        else:
-            await queue.publish(message)
+        if published:
+            await queue.publish(message, tx=conn if queue.capabilities.transactional else None)
         await conn.execute(
             SQL["dead_letter_mark_replayed"], {"id": dead_letter_id, "resolved_by": resolved_by}
         )
@@ -131,13 +133,7 @@ async def discard_dead_letter(
         raise ValueError(f"a discard reason is at most {MAX_DISCARD_REASON} characters")
     _check_actor(resolved_by)
     async with pool.connection() as conn, conn.transaction():
-        async with conn.cursor(row_factory=dict_row) as cur:
-            await cur.execute(SQL["dead_letter_lock_pending"], {"id": dead_letter_id})
-            row = await cur.fetchone()
-        if row is None:
-            raise DeadLetterNotFound(f"no dead letter with id {dead_letter_id}")
-        if row["status"] != "pending_review":
-            raise DeadLetterConflict(dead_letter_id, row["status"])
+        await _lock_pending(conn, dead_letter_id)
         await conn.execute(
             SQL["dead_letter_mark_discarded"],
             {"id": dead_letter_id, "reason": reason, "resolved_by": resolved_by},
