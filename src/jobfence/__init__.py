@@ -6,6 +6,7 @@ The public API is what ``__all__`` lists; everything else is private.
 from jobfence.adapters.memory import MemoryQueue
 from jobfence.adapters.pg_queue import PgQueue
 from jobfence.adapters.prometheus import PrometheusMetrics
+from jobfence.alerts import AlertRelay
 from jobfence.app import App, Consumer
 from jobfence.cleanup import CleanupResult, cleanup_expired
 from jobfence.db import open_pool, resolve_database_url
@@ -27,13 +28,18 @@ from jobfence.errors import (
 )
 from jobfence.harness import Outcome
 from jobfence.model import Delivery, JobMeta, Message
+from jobfence.observability import configure_logging, metrics_registry
+from jobfence.ops import BulkReplayNotFound, BulkTooLarge, InvalidRequest
 from jobfence.ports import Clock, MetricsSink, QueueCapabilities, QueuePort, QueueSize
 from jobfence.retry import DEFAULT_RETRY_POLICY, RetryPolicy
 from jobfence.schema import migrate
 from jobfence.worker import Worker, WorkerStats
 
 __all__ = [
+    "AlertRelay",
     "App",
+    "BulkReplayNotFound",
+    "BulkTooLarge",
     "CleanupResult",
     "Clock",
     "ConfigError",
@@ -45,6 +51,7 @@ __all__ = [
     "DeadLetterNotFound",
     "Delivery",
     "HardFailure",
+    "InvalidRequest",
     "JobMeta",
     "JobfenceError",
     "MemoryQueue",
@@ -62,8 +69,10 @@ __all__ = [
     "Worker",
     "WorkerStats",
     "cleanup_expired",
+    "configure_logging",
     "discard_dead_letter",
     "get_dead_letter",
+    "metrics_registry",
     "migrate",
     "open_pool",
     "replay_dead_letter",
