@@ -790,7 +790,7 @@ async def walk_cursor(client: httpx.AsyncClient, pages: int) -> tuple[str, float
 # The list queries on the database
 
 
-def list_query(req: Req) -> tuple[sql.Composable, dict[str, Any]]:
+def list_query(req: Req) -> tuple[sql.Composed, dict[str, Any]]:
     """The SQL ``GET /v1/core/dead-letters`` runs for ``req``, composed as
     ``ops.list_dead_letters`` composes it (keep the two in step)."""
     params = dict(req.params or {})
@@ -828,7 +828,9 @@ def _plan_nodes(node: dict[str, Any]) -> Iterator[str]:
         yield from _plan_nodes(child)
 
 
-async def check_sql(url: str, phases: list[tuple[Phase, list[Req]]], per_phase: int) -> list[dict]:
+async def check_sql(
+    url: str, phases: list[tuple[Phase, list[Req]]], per_phase: int
+) -> list[dict[str, Any]]:
     """Run each list phase's first ``per_phase`` queries on one connection (as the API does,
     prepared after 5 runs by psycopg), then EXPLAIN ANALYZE the slowest one."""
     found = []
@@ -1029,7 +1031,7 @@ async def prepare_database(args: argparse.Namespace, admin_url: str, url: str) -
 class Measured:
     results: list[Result]
     sql_checks: list[dict[str, Any]]
-    http_bulk: dict[str, Any]
+    http_bulk: dict[str, Any] | None
     walk_s: float
     api_log: str
 
@@ -1064,6 +1066,8 @@ async def measure_api(args: argparse.Namespace, url: str, samples: Samples) -> M
             )
             planned: list[tuple[Phase, list[Req]]] = []
             for phase in list_phases(samples, deep_cursor):
+                if not wanted(args, phase.name):
+                    continue
                 reqs = [phase.make(i, rng) for i in range(writes)]
                 planned.append((phase, reqs))
                 results.append(
@@ -1080,8 +1084,10 @@ async def measure_api(args: argparse.Namespace, url: str, samples: Samples) -> M
                 f"\nlist queries straight on the database ({args.sql_checks} per endpoint, one"
                 " connection, no HTTP); EXPLAIN ANALYZE of the slowest"
             )
-            sql_checks = await check_sql(
-                url, [(p, r) for p, r in planned if p.sql_filter], args.sql_checks
+            sql_checks = (
+                await check_sql(url, [(p, r) for p, r in planned if p.sql_filter], args.sql_checks)
+                if args.sql_checks
+                else []
             )
             print()
             ids = samples.pending_ids
@@ -1099,6 +1105,8 @@ async def measure_api(args: argparse.Namespace, url: str, samples: Samples) -> M
                 ),
             )
             for phase, reqs in writes_planned:
+                if not wanted(args, phase.name):
+                    continue
                 results.append(
                     await drive(
                         clients,
@@ -1108,15 +1116,11 @@ async def measure_api(args: argparse.Namespace, url: str, samples: Samples) -> M
                         loaded=reqs[args.serial :],
                     )
                 )
-            print(f"\nbulk replay over HTTP: {BULK_HTTP} ({args.bulk_rows:,} pending rows)")
-            http_bulk = await bulk_over_http(helper, args.bulk_rows)
-            print(
-                f"  {http_bulk['total']:,} rows in {http_bulk['wall_seconds']:.1f} s:"
-                f" {http_bulk['rows_per_s']:,.0f} rows/s (snapshot POST"
-                f" {http_bulk['post_seconds']:.2f} s; progress GET p50"
-                f" {http_bulk['progress_p50_ms']:.0f} ms, max"
-                f" {http_bulk['progress_max_ms']:.0f} ms); {http_bulk['counts']}"
-            )
+            http_bulk = None
+            if not args.no_bulk:
+                print(f"\nbulk replay over HTTP: {BULK_HTTP} ({args.bulk_rows:,} pending rows)")
+                http_bulk = await bulk_over_http(helper, args.bulk_rows)
+                print_bulk_http(http_bulk)
         finally:
             if clients is not None:
                 await clients.close()
@@ -1126,11 +1130,25 @@ async def measure_api(args: argparse.Namespace, url: str, samples: Samples) -> M
     return Measured(results, sql_checks, http_bulk, walk_s, api_log)
 
 
+def wanted(args: argparse.Namespace, name: str) -> bool:
+    return not args.only or any(part in name for part in args.only)
+
+
+def print_bulk_http(http_bulk: dict[str, Any]) -> None:
+    print(
+        f"  {http_bulk['total']:,} rows in {http_bulk['wall_seconds']:.1f} s:"
+        f" {http_bulk['rows_per_s']:,.0f} rows/s (snapshot POST"
+        f" {http_bulk['post_seconds']:.2f} s; progress GET p50"
+        f" {http_bulk['progress_p50_ms']:.0f} ms, max"
+        f" {http_bulk['progress_max_ms']:.0f} ms); {http_bulk['counts']}"
+    )
+
+
 def report(
     args: argparse.Namespace,
     samples: Samples,
     measured: Measured,
-    inproc_bulk: dict[str, Any],
+    inproc_bulk: dict[str, Any] | None,
     problems: list[str],
 ) -> dict[str, Any]:
     results = measured.results
@@ -1142,11 +1160,12 @@ def report(
         " API process CPU per request;\nCPU: share of one core used by the load generator (this"
         " process), the API process and all local postgres processes during the loaded run"
     )
-    print(
-        f"bulk replay of {args.bulk_rows:,} rows: HTTP {http_bulk['rows_per_s']:,.0f} rows/s"
-        f" (POST to finished seen), in process {inproc_bulk['rows_per_s']:,.0f} rows/s"
-        f" (snapshot + ops.run_bulk_replay, chunks of {args.bulk_chunk_size})"
-    )
+    if http_bulk and inproc_bulk:
+        print(
+            f"bulk replay of {args.bulk_rows:,} rows: HTTP {http_bulk['rows_per_s']:,.0f} rows/s"
+            f" (POST to finished seen), in process {inproc_bulk['rows_per_s']:,.0f} rows/s"
+            f" (snapshot + ops.run_bulk_replay, chunks of {args.bulk_chunk_size})"
+        )
     missed = [r.name for r in results if r.pct(0.95) >= TARGET_P95]
     over_budget = [r.name for r in results if r.pct(0.95) >= BUDGET_P95]
     print(f"target p95 < 50 ms: {'met by all' if not missed else 'MISSED by ' + ', '.join(missed)}")
@@ -1178,6 +1197,7 @@ def report(
 
 
 async def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
+    started = time.perf_counter()
     admin_url = args.admin_url or admin_url_from_env()
     url = bench_url(admin_url, args.db)
     print(f"machine: {machine_notes()}")
@@ -1193,17 +1213,22 @@ async def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
         f" indexes {samples.index_mb:,.0f} MiB"
     )
     measured = await measure_api(args, url, samples)
-    print(f"\nbulk replay in process (ops.run_bulk_replay): {BULK_INPROC}")
-    inproc_bulk = await bulk_in_process(url, args.bulk_chunk_size, args.bulk_rows)
-    print(
-        f"  {inproc_bulk['total']:,} rows in {inproc_bulk['wall_seconds']:.1f} s:"
-        f" {inproc_bulk['rows_per_s']:,.0f} rows/s (snapshot"
-        f" {inproc_bulk['snapshot_seconds']:.2f} s); {inproc_bulk['counts']}"
-    )
-    problems = await verify_bulk(url, measured.http_bulk, inproc_bulk)
+    inproc_bulk = None
+    problems: list[str] = []
+    if measured.http_bulk is not None:
+        print(f"\nbulk replay in process (ops.run_bulk_replay): {BULK_INPROC}")
+        inproc_bulk = await bulk_in_process(url, args.bulk_chunk_size, args.bulk_rows)
+        print(
+            f"  {inproc_bulk['total']:,} rows in {inproc_bulk['wall_seconds']:.1f} s:"
+            f" {inproc_bulk['rows_per_s']:,.0f} rows/s (snapshot"
+            f" {inproc_bulk['snapshot_seconds']:.2f} s); {inproc_bulk['counts']}"
+        )
+        problems = await verify_bulk(url, measured.http_bulk, inproc_bulk)
     summary = {"command": command, "args": vars(args), "seed_seconds": seed_seconds}
     summary |= report(args, samples, measured, inproc_bulk, problems)
+    summary["elapsed_seconds"] = time.perf_counter() - started
     print(f"\nmachine at the end: {machine_notes()}")
+    print(f"elapsed: {summary['elapsed_seconds']:.0f} s")
     print(f"command: {command}")
     if not args.keep:
         async with await psycopg.AsyncConnection.connect(admin_url, autocommit=True) as conn:
@@ -1258,18 +1283,31 @@ def main() -> int:
         "--bulk-chunk-size", type=int, default=ops.BULK_CHUNK, help="in-process chunk size (500)"
     )
     parser.add_argument(
-        "--sql-checks", type=int, default=60, help="list queries per endpoint run on the DB (60)"
+        "--sql-checks",
+        type=int,
+        default=60,
+        help="list queries per endpoint run straight on the database; 0: none (60)",
     )
     parser.add_argument("--seed", type=int, default=3, help="random seed of the request mix (3)")
     parser.add_argument(
         "--db", default=DEFAULT_DB, help=f"benchmark database ({DEFAULT_DB}), recreated"
     )
-    parser.add_argument("--keep", action="store_true", help="keep the database at the end")
+    parser.add_argument(
+        "--keep", "--keep-db", action="store_true", help="keep the database at the end"
+    )
     parser.add_argument(
         "--reuse",
         action="store_true",
         help="reuse the database if seeded with the same --rows/--bulk-rows (implies --keep)",
     )
+    parser.add_argument(
+        "--only",
+        type=lambda text: [part.strip() for part in text.split(",") if part.strip()],
+        default=[],
+        help="only the endpoints whose name contains one of these comma-separated texts"
+        " (e.g. 'pending + queue,show'; the names are those of the table)",
+    )
+    parser.add_argument("--no-bulk", action="store_true", help="skip the bulk replays")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     args = parser.parse_args()
     if args.reuse:

@@ -135,7 +135,8 @@ class Services:
     bulk: BulkRunner
 
 
-def _services(request: Request) -> Services:
+async def _services(request: Request) -> Services:
+    # async: a plain def dependency would cost a thread hand-off on every request.
     services: Services = request.app.state.jobfence
     return services
 
