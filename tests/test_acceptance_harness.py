@@ -40,6 +40,7 @@ from jobfence import (
     open_pool,
     replay_dead_letter,
 )
+from jobfence.worker import RunUntil
 from support import scalar, wait_until
 
 Handler = Callable[[pointsapp.Award, JobMeta, AsyncConnection[Any]], Awaitable[None]]
@@ -84,6 +85,27 @@ def worker(
 ) -> Worker:
     kwargs.setdefault("poll_seconds", 0.05)
     return Worker(app, pool, queue, metrics=metrics, **kwargs)
+
+
+async def run_recording_attempts(
+    pool: AsyncConnectionPool[Any], until: RunUntil, metrics: PrometheusMetrics | None = None
+) -> list[tuple[str, int]]:
+    """Run a worker whose handler applies the award and records (job_id, attempt) it saw."""
+    seen: list[tuple[str, int]] = []
+
+    async def award(payload: pointsapp.Award, job: JobMeta, tx: AsyncConnection[Any]) -> None:
+        seen.append((job.job_id, job.attempt))
+        await pointsapp.apply_award(payload, job, tx)
+
+    queue = PgQueue(pool, poll_interval_seconds=0.05)
+    try:
+        await asyncio.wait_for(
+            worker(make_app(award), pool, queue, metrics or PrometheusMetrics()).run(until=until),
+            timeout=20,
+        )
+    finally:
+        await queue.close()
+    return seen
 
 
 async def count(conn: AsyncConnection[Any], query: Any, params: Any = None) -> int:
@@ -319,21 +341,9 @@ async def test_acceptance_2_crash_between_work_and_fence_leaves_neither(
     assert await balance(points, 2) == 0
     assert await queued(points) == 1
 
-    seen: list[tuple[str, int]] = []
-
-    async def award(payload: pointsapp.Award, job: JobMeta, tx: AsyncConnection[Any]) -> None:
-        seen.append((job.job_id, job.attempt))
-        await pointsapp.apply_award(payload, job, tx)
-
+    # "empty" keeps polling through the rest of the dead worker's lease.
     metrics = PrometheusMetrics()
-    queue = PgQueue(pool, poll_interval_seconds=0.05)
-    try:
-        # "empty" keeps polling through the rest of the dead worker's lease.
-        await asyncio.wait_for(
-            worker(make_app(award), pool, queue, metrics).run(until="empty"), timeout=20
-        )
-    finally:
-        await queue.close()
+    seen = await run_recording_attempts(pool, "empty", metrics)
     assert seen == [("crash-1", 2)]
     assert await awards(points, "crash-1") == 1
     assert await fences(points, "crash-1") == 1
@@ -749,20 +759,7 @@ async def test_sigterm_finishes_the_job_in_progress_and_releases_fetched_jobs(
     rest = sorted(set(job_ids) - {running})
     assert await cur.fetchall() == [(job_id, 0, True, True) for job_id in rest]
 
-    seen: list[tuple[str, int]] = []
-
-    async def award(payload: pointsapp.Award, job: JobMeta, tx: AsyncConnection[Any]) -> None:
-        seen.append((job.job_id, job.attempt))
-        await pointsapp.apply_award(payload, job, tx)
-
-    metrics = PrometheusMetrics()
-    queue = PgQueue(pool, poll_interval_seconds=0.05)
-    try:
-        await asyncio.wait_for(
-            worker(make_app(award), pool, queue, metrics).run(until="idle"), timeout=20
-        )
-    finally:
-        await queue.close()
+    seen = await run_recording_attempts(pool, "idle")
     assert sorted(seen) == [(job_id, 1) for job_id in rest]
     assert await awards(points) == 5
     assert await balance(points, 8) == 10

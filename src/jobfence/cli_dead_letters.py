@@ -46,24 +46,23 @@ class _OneLineParser(argparse.ArgumentParser):
 # --- parsing ------------------------------------------------------------------------------
 
 
-def _dead_letter_id(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a dead letter id: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"not a dead letter id: {text!r}")
-    return value
+def _positive_id(what: str) -> Callable[[str], int]:
+    """An argparse type for a database id (an integer >= 1), naming ``what`` in its error."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"not a {what} id: {text!r}")
+        return value
+
+    return parse
 
 
-def _run_id(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a bulk replay id: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"not a bulk replay id: {text!r}")
-    return value
+_dead_letter_id = _positive_id("dead letter")
+_run_id = _positive_id("bulk replay")
 
 
 def _timestamp(text: str) -> datetime:
