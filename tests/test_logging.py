@@ -12,6 +12,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import psycopg
 import pytest
@@ -156,8 +157,10 @@ async def test_a_duplicate_is_logged_at_debug_and_never_as_a_warning(
 
 def _uri_with_password(url: str, password: str) -> str:
     p = conninfo_to_dict(url)
+    # A socket directory (the embedded server's host) must be percent-encoded in a URI.
+    host = quote(str(p.get("host", "127.0.0.1")), safe="")
     return (
-        f"postgresql://{p.get('user', 'postgres')}:{password}@{p.get('host', '127.0.0.1')}"
+        f"postgresql://{p.get('user', 'postgres')}:{password}@{host}"
         f":{p.get('port', 5432)}/{p['dbname']}"
     )
 
