@@ -1,6 +1,6 @@
 """A worker process for the crash and shutdown tests of ``test_acceptance_harness.py``.
 
-    python tests/crash_worker.py crash|graceful DATABASE_URL WORKDIR
+    python tests/crash_worker.py crash|graceful|unacked DATABASE_URL WORKDIR
 
 It runs the ``award_points`` consumer of ``pointsapp`` on ``DATABASE_URL``. The first job's
 handler executes its work statement (the awards row), then writes ``WORKDIR/in_handler``
@@ -9,6 +9,9 @@ work exists, and then:
 
 * ``crash``: blocks forever; the test SIGKILLs the process before the commit. The lease is
   1 s and the poll interval long, so the blocked worker does not fetch the job again itself.
+* ``unacked``: like ``crash``, but only a job whose job_id ends in ``-block`` blocks; the jobs
+  before it commit, and their acks wait in the worker's batch (a batch of 1,000, an hour late)
+  when the test SIGKILLs it: committed work whose message was never acknowledged.
 * ``graceful``: waits for SIGTERM, then executes its second statement (the balance) and
   returns, so the job finishes after the signal. The worker runs one job at a time and has
   fetched the other queued jobs (batch of 5) without starting them.
@@ -43,14 +46,15 @@ async def main(mode: str, url: str, workdir: Path) -> int:
             "INSERT INTO public.awards (job_id, account_id, points) VALUES (%s, %s, %s)",
             (job.job_id, payload.account_id, payload.points),
         )
-        if not marker.exists():
+        blocking = mode != "unacked" or job.job_id.endswith("-block")
+        if blocking and not marker.exists():
             cur = await tx.execute("SELECT pg_backend_pid()")
             row = await cur.fetchone()
             assert row is not None
             tmp = workdir / "in_handler.tmp"
             tmp.write_text(f"{row[0]} {job.job_id} {job.attempt}\n")
             tmp.rename(marker)
-            if mode == "crash":
+            if mode in ("crash", "unacked"):
                 await asyncio.Event().wait()  # until SIGKILL: the commit never comes
             await terminated.wait()
         await tx.execute(
@@ -63,6 +67,18 @@ async def main(mode: str, url: str, workdir: Path) -> int:
     if mode == "crash":
         worker = Worker(
             app, pool, queue, concurrency=1, batch_size=1, lease_seconds=1.0, poll_seconds=60.0
+        )
+    elif mode == "unacked":
+        worker = Worker(
+            app,
+            pool,
+            queue,
+            concurrency=1,
+            batch_size=1,
+            lease_seconds=1.0,
+            poll_seconds=60.0,
+            ack_batch_size=1000,
+            ack_delay_seconds=3600.0,
         )
     else:
         worker = Worker(
@@ -92,7 +108,7 @@ async def main(mode: str, url: str, workdir: Path) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 4 or sys.argv[1] not in ("crash", "graceful"):
+    if len(sys.argv) != 4 or sys.argv[1] not in ("crash", "graceful", "unacked"):
         print(__doc__, file=sys.stderr)
         sys.exit(2)
     os.environ.pop("JOBFENCE_DATABASE_URL", None)  # the URL argument names the database

@@ -209,6 +209,28 @@ class QueueConformance:
         await env.elapse(env.lease_seconds + 1)
         assert job_ids(await env.receive()) == ["kept"]
 
+    async def test_ack_many_removes_a_batch_and_skips_stale_or_acked_deliveries(
+        self, env: QueueEnv
+    ) -> None:
+        for job_id in ("a", "b", "c", "stale"):
+            await env.queue.publish(message(job_id))
+        got = await env.receive()
+        assert job_ids(got) == ["a", "b", "c", "stale"]
+        await env.queue.ack(got[0])  # acked already: skipped by the batch
+        await env.queue.release(got[3])
+        (current,) = await env.receive()
+        assert current.message.job_id == "stale"  # released: got[3] is now a stale delivery
+        await env.queue.publish(message("kept"))
+
+        await env.queue.ack_many(got)
+        await env.queue.ack_many([])
+
+        assert await env.queue.size([QUEUE]) == QueueSize(due=1, total=2), (
+            "a, b and c are gone; the new holder of 'stale' keeps it; 'kept' was never taken"
+        )
+        await env.queue.ack_many([current])
+        assert job_ids(await env.receive()) == ["kept"]
+
     async def test_a_stale_delivery_cannot_ack_retry_or_release_the_new_holders_message(
         self, env: QueueEnv
     ) -> None:

@@ -352,6 +352,42 @@ async def test_acceptance_2_crash_between_work_and_fence_leaves_neither(
     assert metrics.count("succeeded") == 1
 
 
+async def test_crash_after_commit_before_the_batched_ack_redelivers_as_a_duplicate(
+    database_url: str,
+    pool: AsyncConnectionPool[Any],
+    points: AsyncConnection[Any],
+    workdir: Path,
+    processes: list[WorkerProcess],
+) -> None:
+    """Acks go out after the commit, in batches: a worker SIGKILLed while a committed job's ack
+    is still waiting leaves the effect, the fence and the message. The message comes back when
+    its 1 s lease ends and the fence makes it a duplicate: acked, counted, no second effect."""
+    app = pointsapp.build_app()
+    await app.enqueue(points, "award_points", {"account_id": 3, "points": 5}, job_id="late-ack")
+    await app.enqueue(points, "award_points", {"account_id": 4, "points": 1}, job_id="z-block")
+
+    proc = WorkerProcess("unacked", database_url, workdir)
+    processes.append(proc)
+    _, job_id, _ = await proc.wait_in_handler()
+    assert job_id == "z-block"  # so "late-ack" has committed, and its ack is held back
+    assert await awards(points, "late-ack") == 1
+    assert await fences(points, "late-ack") == 1
+    assert await queued(points) == 2, "the committed job's message is still queued (unacked)"
+
+    proc.proc.send_signal(signal.SIGKILL)
+    assert await proc.wait_exit() == -signal.SIGKILL
+
+    metrics = PrometheusMetrics()
+    seen = await run_recording_attempts(pool, "empty", metrics)
+    assert seen == [("z-block", 2)], "the handler never sees the committed job again"
+    assert metrics.count("duplicate") == 1
+    assert metrics.count("succeeded") == 1
+    assert await awards(points, "late-ack") == 1
+    assert await balance(points, 3) == 5
+    assert await awards(points, "z-block") == 1
+    assert await queued(points) == 0
+
+
 # -- Acceptance 3 -------------------------------------------------------------------------------
 
 

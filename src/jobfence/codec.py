@@ -16,6 +16,10 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+# One decoder for every body (json.loads with an option builds a new one per call).
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
+
+
 def _unstorable_reason(value: object) -> str | None:
     """Why PostgreSQL's jsonb could not hold ``value`` (NUL characters, lone surrogates)."""
     stack = [value]
@@ -44,7 +48,7 @@ def decode_body(body: bytes) -> Any:
             error_class="InvalidUtf8",
         ) from None
     try:
-        value = json.loads(text, parse_constant=_reject_constant)
+        value = _DECODER.decode(text)
     except (ValueError, RecursionError) as exc:  # RecursionError: nested ~1000 levels deep
         raise PoisonMessage(
             f"payload is not valid JSON: {exc}", error_class="InvalidJson"

@@ -1,6 +1,6 @@
 r"""One delivery, from bytes to exactly one effect or one dead letter.
 
-    decode/validate -> transaction(fence insert, handler, ack) -> commit
+    decode/validate -> transaction(fence insert, handler) -> commit -> ack (batched)
                     \-> poison: dead letter at once (D6)
     on failure: roll back, then hard -> dead letter; transient -> retry or, exhausted, dead letter
 
@@ -11,6 +11,7 @@ state that could get stuck: a crash rolls the whole transaction back, fence incl
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import random
@@ -25,11 +26,13 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 from pydantic import BaseModel, ValidationError
 
 from jobfence._sql import Queries
+from jobfence.acks import AckBatcher
 from jobfence.alerts.outbox import record_dead_letter_alerts
 from jobfence.app import App, Consumer
 from jobfence.codec import decode_body, stored_payload
 from jobfence.errors import HardFailure, PoisonMessage
 from jobfence.model import Delivery, JobMeta
+from jobfence.pgtx import begin_with
 from jobfence.ports import MetricsSink, QueuePort
 from jobfence.retry import RetryPolicy
 
@@ -129,20 +132,28 @@ class Harness:
         *,
         metrics: MetricsSink,
         rng: random.Random | None = None,
+        acks: AckBatcher | None = None,
     ) -> None:
+        """``acks`` batches the acknowledgements of finished jobs; without it each is acked
+        right after its commit."""
         self._app = app
         self._pool = pool
         self._queue = queue
         self._metrics = metrics
         self._rng = rng if rng is not None else random.Random()
+        self._acks = acks
         self._transactional = queue.capabilities.transactional
 
-    async def handle(self, delivery: Delivery) -> Outcome:
-        """Process one delivery; raises :class:`InfrastructureError` if the database is gone."""
+    async def handle(self, delivery: Delivery, conn: AsyncConnection[Any] | None = None) -> Outcome:
+        """Process one delivery; raises :class:`InfrastructureError` if the database is gone.
+
+        The work transaction runs on ``conn`` when given (an idle autocommit connection the
+        caller holds across jobs), else on a connection from the pool."""
         message = delivery.message
         consumer = self._app.get(message.consumer)
         if consumer is None:
             return await self._poison(
+                conn,
                 delivery,
                 PoisonMessage(
                     f"no consumer named {message.consumer!r} is registered",
@@ -152,9 +163,10 @@ class Harness:
         try:
             payload = consumer.schema.model_validate(decode_body(message.body))
         except PoisonMessage as exc:
-            return await self._poison(delivery, exc)
+            return await self._poison(conn, delivery, exc)
         except ValidationError as exc:
             return await self._poison(
+                conn,
                 delivery,
                 PoisonMessage(
                     f"payload does not match {consumer.schema.__name__}: {exc}",
@@ -173,7 +185,7 @@ class Harness:
         failure: BaseException | None = None
         for conflict_try in range(CONFLICT_RETRIES + 1):
             try:
-                return await self._run(consumer, delivery, payload, meta)
+                return await self._run(consumer, delivery, payload, meta, conn)
             except (errors.SerializationFailure, errors.DeadlockDetected) as exc:
                 failure = exc
                 if conflict_try < CONFLICT_RETRIES:
@@ -190,40 +202,30 @@ class Harness:
                 failure = exc
             break
         assert failure is not None
-        return await self._fail(consumer, delivery, failure)
+        return await self._fail(conn, consumer, delivery, failure)
 
     async def _run(
-        self, consumer: Consumer[Any], delivery: Delivery, payload: BaseModel, meta: JobMeta
+        self,
+        consumer: Consumer[Any],
+        delivery: Delivery,
+        payload: BaseModel,
+        meta: JobMeta,
+        held: AsyncConnection[Any] | None,
     ) -> Outcome:
-        conn: AsyncConnection[Any] | None = None
+        conn = held
         try:
-            async with self._pool.connection() as conn, conn.transaction():
-                cur = await conn.execute(
-                    SQL["fence_insert"],
-                    {
-                        "job_id": meta.job_id,
-                        "consumer": meta.consumer,
-                        "tenant_id": meta.tenant_id,
-                        "ttl": consumer.fence_ttl,
-                    },
-                )
-                fresh = await cur.fetchone() is not None
-                if fresh:
-                    started = time.perf_counter()
-                    try:
-                        await consumer.handler(payload, meta, conn)
-                    finally:
-                        self._metrics.handler_duration(
-                            meta.queue, meta.consumer, time.perf_counter() - started
-                        )
-                if self._transactional:
-                    await self._queue.ack(delivery, tx=conn)
+            if conn is not None:
+                fresh = await self._transaction(consumer, payload, meta, conn)
+            else:
+                async with self._pool.connection() as conn:
+                    fresh = await self._transaction(consumer, payload, meta, conn)
         except Exception as exc:
             if is_connection_loss(exc, conn):
                 raise InfrastructureError(str(exc)) from exc
             raise
-        if not self._transactional:
-            await self._queue.ack(delivery)
+        # Committed: now the message can go ("commit; ack"). A crash before the ack lands
+        # redelivers it after its lease, and the fence turns that delivery into a duplicate.
+        await self._ack(delivery)
         outcome = Outcome.SUCCEEDED if fresh else Outcome.DUPLICATE
         self._metrics.job_outcome(meta.queue, meta.consumer, outcome)
         # A duplicate is normal operation (spec behaviour 2): DEBUG, like a success. The hot
@@ -238,8 +240,40 @@ class Harness:
             )
         return outcome
 
+    async def _transaction(
+        self, consumer: Consumer[Any], payload: BaseModel, meta: JobMeta, conn: AsyncConnection[Any]
+    ) -> bool:
+        """Fence, handler, commit; True if the handler ran (False: a duplicate)."""
+        fence = {
+            "job_id": meta.job_id,
+            "consumer": meta.consumer,
+            "tenant_id": meta.tenant_id,
+            "ttl": consumer.fence_ttl,
+        }
+        async with begin_with(conn, SQL["fence_insert"], fence) as cur:
+            fresh = await cur.fetchone() is not None
+            if fresh:
+                started = time.perf_counter()
+                try:
+                    await consumer.handler(payload, meta, conn)
+                finally:
+                    self._metrics.handler_duration(
+                        meta.queue, meta.consumer, time.perf_counter() - started
+                    )
+        return fresh
+
+    async def _ack(self, delivery: Delivery) -> None:
+        if self._acks is not None:
+            self._acks.add(delivery)
+        else:
+            await self._guard(self._queue.ack(delivery))
+
     async def _fail(
-        self, consumer: Consumer[Any], delivery: Delivery, exc: BaseException
+        self,
+        conn: AsyncConnection[Any] | None,
+        consumer: Consumer[Any],
+        delivery: Delivery,
+        exc: BaseException,
     ) -> Outcome:
         policy = consumer.retry
         message = delivery.message
@@ -264,7 +298,7 @@ class Harness:
                 ),
             )
             return Outcome.RETRIED
-        await self._write_dead_letter(delivery, error_class_of(exc), text)
+        await self._write_dead_letter(conn, delivery, error_class_of(exc), text)
         self._metrics.job_outcome(message.queue, message.consumer, Outcome.DEAD_LETTERED)
         log.warning(
             "job %s for %s dead-lettered after %d attempt(s): %s",
@@ -276,9 +310,13 @@ class Harness:
         )
         return Outcome.DEAD_LETTERED
 
-    async def _poison(self, delivery: Delivery, exc: PoisonMessage) -> Outcome:
+    async def _poison(
+        self, conn: AsyncConnection[Any] | None, delivery: Delivery, exc: PoisonMessage
+    ) -> Outcome:
         message = delivery.message
-        await self._write_dead_letter(delivery, exc.error_class, f"{exc.error_class}: {exc.reason}")
+        await self._write_dead_letter(
+            conn, delivery, exc.error_class, f"{exc.error_class}: {exc.reason}"
+        )
         # Metric labels stay bounded: a message may name any consumer, registered or not.
         label = message.consumer if self._app.get(message.consumer) else UNKNOWN_CONSUMER_LABEL
         self._metrics.job_outcome(message.queue, label, Outcome.POISON)
@@ -291,7 +329,11 @@ class Harness:
         )
         return Outcome.POISON
 
-    async def _write_dead_letter(self, delivery: Delivery, error_class: str, text: str) -> None:
+    async def _write_dead_letter(
+        self, held: AsyncConnection[Any] | None, delivery: Delivery, error_class: str, text: str
+    ) -> None:
+        """Write the dead letter (and its alert, and the ack with a transactional queue) in one
+        transaction, on ``held`` when the caller holds a connection, else on a pooled one."""
         message = delivery.message
         payload_text, encoding = stored_payload(message.body)
         params = {
@@ -308,7 +350,8 @@ class Harness:
         }
 
         async def write() -> None:
-            async with self._pool.connection() as conn, conn.transaction():
+            lease = self._pool.connection() if held is None else contextlib.nullcontext(held)
+            async with lease as conn, conn.transaction():
                 cur = await conn.execute(SQL["dead_letter_insert"], params)
                 inserted = await cur.fetchone()
                 if inserted is not None:  # not a redelivered failure already pending (D5)

@@ -72,6 +72,11 @@ class QueuePort(Protocol):
     async def ack(self, delivery: Delivery, *, tx: AsyncConnection[object] | None = None) -> None:
         """Remove a delivered message for good (within ``tx`` for transactional adapters)."""
 
+    async def ack_many(self, deliveries: Sequence[Delivery]) -> None:
+        """Remove several delivered messages for good, outside any transaction (the worker acks
+        finished jobs in batches after their commit). Like :meth:`ack`, a delivery whose lease
+        was lost or that was already acked is skipped."""
+
     async def retry(self, delivery: Delivery, *, delay_seconds: float, error: str) -> None:
         """Deliver the message again after ``delay_seconds``; the next attempt counts."""
 

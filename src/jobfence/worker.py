@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from psycopg_pool import AsyncConnectionPool
 
+from jobfence.acks import AckBatcher
 from jobfence.adapters.prometheus import PrometheusMetrics
 from jobfence.app import App
 from jobfence.errors import ConfigError
@@ -43,6 +44,8 @@ class Worker:
 
     ``concurrency`` jobs run at once, each on its own pooled connection; the worker fetches up to
     ``batch_size`` messages per round trip and keeps at most that many leased but not started.
+    Finished jobs are acknowledged after their commit in batches of up to ``ack_batch_size``, at
+    most ``ack_delay_seconds`` late (see :mod:`jobfence.acks`).
     ``run(until="idle")`` returns when nothing is due, ``until="empty"`` when the queues hold
     nothing at all (scheduled retries included), and the default runs until :meth:`stop`.
     """
@@ -59,6 +62,8 @@ class Worker:
         lease_seconds: float = 300.0,
         poll_seconds: float = 1.0,
         shutdown_grace_seconds: float = 30.0,
+        ack_batch_size: int = 100,
+        ack_delay_seconds: float = 0.1,
         metrics: MetricsSink | None = None,
         rng: random.Random | None = None,
     ) -> None:
@@ -66,10 +71,13 @@ class Worker:
             raise ConfigError(f"concurrency must be >= 1, got {concurrency}")
         if batch_size is not None and batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
+        if ack_batch_size < 1:
+            raise ConfigError(f"ack_batch_size must be >= 1, got {ack_batch_size}")
         for label, value in (
             ("lease_seconds", lease_seconds),
             ("poll_seconds", poll_seconds),
             ("shutdown_grace_seconds", shutdown_grace_seconds),
+            ("ack_delay_seconds", ack_delay_seconds),
         ):
             if not (0 < value < float("inf")):
                 raise ConfigError(f"{label} must be a positive number of seconds, got {value}")
@@ -80,12 +88,16 @@ class Worker:
         if unknown:
             raise ConfigError(f"no consumer is registered for queue(s) {', '.join(unknown)}")
         self.concurrency = concurrency
-        self.batch_size = batch_size or max(2 * concurrency, 10)
+        self.batch_size = batch_size or max(4 * concurrency, 20)
+        # The next fetch starts when the buffer runs this low, so it overlaps the jobs still
+        # buffered instead of making the processors wait for it.
+        self._low_water = max(concurrency, self.batch_size // 2)
         self.lease_seconds = lease_seconds
         self.poll_seconds = poll_seconds
         self.shutdown_grace_seconds = shutdown_grace_seconds
         self.metrics: MetricsSink = metrics if metrics is not None else PrometheusMetrics()
-        self.harness = Harness(app, pool, queue, metrics=self.metrics, rng=rng)
+        self.acks = AckBatcher(queue, max_batch=ack_batch_size, max_delay=ack_delay_seconds)
+        self.harness = Harness(app, pool, queue, metrics=self.metrics, rng=rng, acks=self.acks)
         self.stats = WorkerStats()
         self._pool = pool
         self._stopping = asyncio.Event()
@@ -137,7 +149,7 @@ class Worker:
                 await self._recover()
                 continue
             room = self.batch_size - self._buffer.qsize()
-            if self._buffer.qsize() >= self.concurrency or room <= 0:
+            if self._buffer.qsize() >= self._low_water or room <= 0:
                 self._room.clear()
                 await self._wait_or_stop(self._room.wait(), None)
                 continue
@@ -157,6 +169,8 @@ class Worker:
                 self._buffer.put_nowait(delivery)
             if deliveries:
                 continue
+            if not self._busy and not self._buffer.qsize():
+                await self.acks.flush()  # idle: no reason to hold acks back
             if until != "stopped" and await self._finished(until):
                 return
             if self._busy or self._buffer.qsize():
@@ -205,38 +219,77 @@ class Worker:
                 task.cancel()
 
     async def _process_loop(self) -> None:
+        """Take deliveries from the buffer and run them. A processor holds one pooled connection
+        while deliveries are waiting in the buffer and gives it back when it would wait, so a
+        run of jobs costs one pool checkout and the fetch never starves."""
         while True:
-            delivery = await self._buffer.get()
-            self._busy += 1
-            if self._buffer.qsize() < self.concurrency:
-                self._room.set()
+            waiting: Delivery | None = self._take(await self._buffer.get())
             try:
-                outcome = await self.harness.handle(delivery)
-                self.stats.outcomes[outcome] += 1
-            except InfrastructureError as exc:
-                log.warning(
-                    "database unreachable while handling job %s: %s",
-                    delivery.message.job_id,
-                    exc,
-                    extra=log_fields(delivery),
-                )
-                self._unreleased.append(delivery)
-                self._outage.set()
-                self._room.set()
-            except asyncio.CancelledError:
-                self._unreleased.append(delivery)
-                raise
-            except Exception:
-                log.exception(
-                    "internal error handling job %s; it stays leased and comes back when its "
-                    "lease runs out",
-                    delivery.message.job_id,
-                    extra=log_fields(delivery),
-                )
-            finally:
+                async with self._pool.connection() as conn:
+                    while waiting is not None:
+                        delivery, waiting = waiting, None
+                        if not await self._process(delivery, conn):
+                            break
+                        with contextlib.suppress(asyncio.QueueEmpty):
+                            waiting = self._take(self._buffer.get_nowait())
+            except BaseException as exc:
+                if waiting is None:  # not about a delivery: returning the connection failed
+                    if not isinstance(exc, Exception):
+                        raise
+                    log.warning("could not return a connection to the pool: %s", exc)
+                    continue
                 self._busy -= 1
                 self._buffer.task_done()
                 self._progress.set()
+                if not isinstance(exc, Exception):  # cancelled (shutdown) before it started
+                    self._unreleased.append(waiting)
+                    raise
+                self._lost(waiting, exc)  # no connection to run it on: the database is away
+
+    async def _process(self, delivery: Delivery, conn: Any) -> bool:
+        """Run one delivery on ``conn``; False when ``conn`` should go back to the pool (the
+        database went away)."""
+        try:
+            outcome = await self.harness.handle(delivery, conn)
+            self.stats.outcomes[outcome] += 1
+        except InfrastructureError as exc:
+            self._lost(delivery, exc)
+            return False
+        except asyncio.CancelledError:
+            self._unreleased.append(delivery)
+            raise
+        except Exception:
+            log.exception(
+                "internal error handling job %s; it stays leased and comes back when its "
+                "lease runs out",
+                delivery.message.job_id,
+                extra=log_fields(delivery),
+            )
+        finally:
+            self._busy -= 1
+            self._buffer.task_done()
+            self._progress.set()
+        return not conn.broken
+
+    def _take(self, delivery: Delivery) -> Delivery:
+        """Count a delivery taken from the buffer as busy (until :meth:`_process` is done)."""
+        self._busy += 1
+        if self._buffer.qsize() < self._low_water:
+            self._room.set()
+        return delivery
+
+    def _lost(self, delivery: Delivery, exc: Exception) -> None:
+        """The database went away while ``delivery`` was ours: keep it to give back, and let
+        the fetch loop recover (D7)."""
+        log.warning(
+            "database unreachable while handling job %s: %s",
+            delivery.message.job_id,
+            exc,
+            extra=log_fields(delivery),
+        )
+        self._unreleased.append(delivery)
+        self._outage.set()
+        self._room.set()
 
     async def _recover(self) -> None:
         """D7: the database is unreachable. Pause, probe, then give back what we held."""
@@ -302,4 +355,5 @@ class Worker:
         for task in processors:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        await self.acks.close()
         await self._release_held()

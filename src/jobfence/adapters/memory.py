@@ -170,6 +170,10 @@ class MemoryQueue:
         if entry is not None:
             del self._entries[entry.id]
 
+    async def ack_many(self, deliveries: Sequence[Delivery]) -> None:
+        for delivery in deliveries:
+            await self.ack(delivery)
+
     async def retry(self, delivery: Delivery, *, delay_seconds: float, error: str) -> None:
         entry = self._held(delivery)
         if entry is not None:

@@ -3,8 +3,8 @@
 Receiving takes due rows with ``FOR UPDATE SKIP LOCKED`` and moves their ``run_at`` forward by
 the lease, so a crashed worker's message comes back when the lease runs out. Publishing sends a
 NOTIFY that wakes idle workers at commit; a poll interval covers scheduled retries. Because the
-queue shares the work database, ``ack`` joins the work transaction: a job's removal commits or
-rolls back with its effect and its fence.
+queue shares the work database, ``ack`` can join a transaction (the dead-letter write uses that);
+finished jobs are acked after their commit, in batches (``ack_many``).
 """
 
 from __future__ import annotations
@@ -179,6 +179,19 @@ class PgQueue:
             return
         async with self._pool.connection() as conn:
             await conn.execute(SQL["ack"], params)
+
+    async def ack_many(self, deliveries: Sequence[Delivery]) -> None:
+        if not deliveries:
+            return
+        receipts = [_receipt(delivery) for delivery in deliveries]
+        async with self._pool.connection() as conn:
+            await conn.execute(
+                SQL["ack_many"],
+                {
+                    "ids": [r.id for r in receipts],
+                    "lease_tokens": [r.lease_token for r in receipts],
+                },
+            )
 
     async def retry(self, delivery: Delivery, *, delay_seconds: float, error: str) -> None:
         receipt = _receipt(delivery)

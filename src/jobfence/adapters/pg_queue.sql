@@ -47,6 +47,12 @@ RETURNING m.id, m.queue, m.consumer, m.job_id, m.body, m.tenant_id, m.correlatio
 -- name: ack
 DELETE FROM jobfence_queue.messages WHERE id = %(id)s AND lease_token = %(lease_token)s;
 
+-- name: ack_many
+-- One statement for a batch of finished jobs; a message whose lease was lost is left alone.
+DELETE FROM jobfence_queue.messages m
+USING unnest(%(ids)s::bigint[], %(lease_tokens)s::uuid[]) AS a (id, lease_token)
+WHERE m.id = a.id AND m.lease_token = a.lease_token;
+
 -- name: retry
 UPDATE jobfence_queue.messages
 SET run_at = coalesce(%(now)s::timestamptz, now()) + %(delay)s::interval,

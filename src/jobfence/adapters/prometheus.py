@@ -56,13 +56,26 @@ class PrometheusMetrics:
             registry=self.registry,
         )
 
+        # The labelled children, looked up once per label set: the job path calls both methods
+        # for every job, and the labels are bounded (registered queues and consumers).
+        self._job_children: dict[tuple[str, str, str], Counter] = {}
+        self._duration_children: dict[tuple[str, str], Histogram] = {}
+
     def job_outcome(self, queue: str, consumer: str, outcome: str) -> None:
-        self.jobs.labels(queue, consumer, outcome).inc()
+        key = (queue, consumer, outcome)
+        child = self._job_children.get(key)
+        if child is None:
+            child = self._job_children[key] = self.jobs.labels(queue, consumer, outcome)
+        child.inc()
         if outcome == "retried":
             self.retries.labels(queue, consumer).inc()
 
     def handler_duration(self, queue: str, consumer: str, seconds: float) -> None:
-        self.duration.labels(queue, consumer).observe(seconds)
+        key = (queue, consumer)
+        child = self._duration_children.get(key)
+        if child is None:
+            child = self._duration_children[key] = self.duration.labels(queue, consumer)
+        child.observe(seconds)
 
     def count(self, outcome: str, *, consumer: str | None = None) -> float:
         """Sum of ``jobfence_jobs_total`` for ``outcome`` (over all consumers unless named)."""

@@ -1,0 +1,93 @@
+"""``begin_with``: BEGIN and the first statement in one round trip, then a normal transaction.
+
+The job path relies on it for every job, so each property a handler may depend on is checked on
+a real server: rowcounts, results, the refusal of ``commit()``, savepoints, commit and rollback.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import AsyncConnection
+from psycopg.pq import TransactionStatus
+
+from jobfence.pgtx import begin_with
+from support import scalar
+
+INSERT = "INSERT INTO t (id) VALUES (%(id)s) ON CONFLICT DO NOTHING RETURNING id"
+
+
+@pytest.fixture
+async def table(conn: AsyncConnection[Any]) -> AsyncConnection[Any]:
+    await conn.execute("CREATE TABLE t (id int PRIMARY KEY, v int NOT NULL DEFAULT 0)")
+    await conn.execute("INSERT INTO t (id) VALUES (1), (2)")
+    return conn
+
+
+async def test_begin_with_sends_begin_and_the_first_statement_as_one_transaction(
+    table: AsyncConnection[Any],
+) -> None:
+    async with begin_with(table, INSERT, {"id": 10}) as cur:
+        assert await cur.fetchone() == (10,)
+        assert table.info.transaction_status == TransactionStatus.INTRANS
+        backend_xid = await scalar(
+            table, "SELECT backend_xid FROM pg_stat_activity WHERE pid = pg_backend_pid()"
+        )
+        assert backend_xid is not None, "the insert ran inside the open transaction"
+    assert table.info.transaction_status == TransactionStatus.IDLE
+    assert await scalar(table, "SELECT count(*) FROM t WHERE id = 10") == 1
+
+
+async def test_statements_after_the_first_report_rowcount_and_results_as_usual(
+    table: AsyncConnection[Any],
+) -> None:
+    async with begin_with(table, INSERT, {"id": 11}):
+        cur = await table.execute("UPDATE t SET v = v + 1 WHERE id = ANY(%s)", ([1, 2],))
+        assert cur.rowcount == 2
+        cur = await table.execute("SELECT id FROM t ORDER BY id")
+        assert await cur.fetchall() == [(1,), (2,), (11,)]
+        assert table._pipeline is None, "the pipeline must not outlive the first statement"
+
+
+async def test_commit_inside_is_refused_and_a_nested_transaction_is_a_savepoint(
+    table: AsyncConnection[Any],
+) -> None:
+    async with begin_with(table, INSERT, {"id": 12}):
+        with pytest.raises(psycopg.ProgrammingError, match="commit"):
+            await table.commit()
+        with pytest.raises(psycopg.ProgrammingError, match="rollback"):
+            await table.rollback()
+        with pytest.raises(ZeroDivisionError):
+            async with table.transaction():
+                await table.execute("UPDATE t SET v = 100 WHERE id = 1")
+                raise ZeroDivisionError
+        await table.execute("UPDATE t SET v = 5 WHERE id = 2")
+    assert await scalar(table, "SELECT v FROM t WHERE id = 1") == 0, "the savepoint rolled back"
+    assert await scalar(table, "SELECT v FROM t WHERE id = 2") == 5
+    assert await scalar(table, "SELECT count(*) FROM t WHERE id = 12") == 1
+
+
+async def test_an_exception_in_the_block_rolls_everything_back(
+    table: AsyncConnection[Any],
+) -> None:
+    with pytest.raises(RuntimeError, match="handler failed"):
+        async with begin_with(table, INSERT, {"id": 13}) as cur:
+            assert await cur.fetchone() == (13,)
+            await table.execute("UPDATE t SET v = 9 WHERE id = 1")
+            raise RuntimeError("handler failed")
+    assert table.info.transaction_status == TransactionStatus.IDLE
+    assert await scalar(table, "SELECT count(*) FROM t WHERE id = 13") == 0
+    assert await scalar(table, "SELECT v FROM t WHERE id = 1") == 0
+
+
+async def test_a_failing_first_statement_raises_and_leaves_the_connection_usable(
+    table: AsyncConnection[Any],
+) -> None:
+    with pytest.raises(psycopg.errors.UndefinedTable):
+        async with begin_with(table, "INSERT INTO missing VALUES (%(id)s)", {"id": 1}):
+            raise AssertionError("the block must not run")
+    assert table.info.transaction_status == TransactionStatus.IDLE
+    assert table._pipeline is None
+    assert await scalar(table, "SELECT count(*) FROM t") == 2
