@@ -26,7 +26,8 @@ from psycopg_pool import AsyncConnectionPool
 
 from jobfence import ConfigError, ops
 from jobfence.api import PERMISSION_DISCARD, PERMISSION_READ, PERMISSION_REPLAY, ApiSettings
-from support import scalar
+from jobfence.api.auth import InvalidToken, TokenVerifier
+from support import scalar, wait_until
 from test_api_support import (
     ALL_PERMISSIONS,
     PREFIX,
@@ -460,3 +461,61 @@ async def test_jobfence_api_exits_3_when_its_port_is_taken(
     finally:
         proc.cleanup()
         taken.close()
+
+
+# -- The cache of verified tokens -----------------------------------------------------------------
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = time.time()
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_verified_token_is_remembered_until_its_exp_and_not_after() -> None:
+    clock = FakeClock()
+    verifier = TokenVerifier(ApiSettings(jwt_secret=SECRET), clock=clock)
+    token = make_token(sub="cached", expires_in=600)
+    exp = jwt.decode(token, options={"verify_signature": False})["exp"]
+    first = verifier.verify(token)
+    assert verifier.verify(token) is first  # from the cache: not verified again
+    clock.now = exp - 0.001
+    assert verifier.verify(token) is first
+    clock.now = exp  # a token is expired from its exp on: the cache entry is not used
+    second = verifier.verify(token)  # verified again (still valid by the real clock)
+    assert second == first and second is not first
+
+
+def test_the_token_cache_is_bounded_and_never_remembers_a_refused_token() -> None:
+    verifier = TokenVerifier(ApiSettings(jwt_secret=SECRET), cache_size=2)
+    tokens = [make_token(sub=f"user-{n}") for n in range(3)]
+    first = [verifier.verify(token) for token in tokens]
+    assert verifier.verify(tokens[2]) is first[2]
+    assert verifier.verify(tokens[1]) is first[1]
+    assert verifier.verify(tokens[0]) is not first[0]  # the oldest entry was dropped
+    forged = make_token(key=SECRET[::-1])
+    for _ in range(2):
+        with pytest.raises(InvalidToken, match="signature does not verify"):
+            verifier.verify(forged)
+    uncached = TokenVerifier(ApiSettings(jwt_secret=SECRET), cache_size=0)
+    assert uncached.verify(tokens[0]) is not uncached.verify(tokens[0])
+
+
+async def test_a_cached_token_gets_401_over_http_once_it_expires(
+    pool: AsyncConnectionPool[Any],
+) -> None:
+    token = make_token(expires_in=1.5)
+    async with running_api(pool) as api:
+        assert (await api.client.get(PREFIX, headers=bearer(token))).status_code == 200
+        assert (await api.client.get(PREFIX, headers=bearer(token))).status_code == 200
+
+        async def refused() -> bool:
+            response = await api.client.get(PREFIX, headers=bearer(token))
+            if response.status_code == 200:
+                return False
+            assert_problem(response, 401, detail="the token has expired")
+            return True
+
+        await wait_until(refused, timeout=10, interval=0.2, message="the token to expire")

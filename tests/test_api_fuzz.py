@@ -60,7 +60,9 @@ class ThreadedApi:
             self.error = exc
 
     async def _main(self) -> None:
-        pool = await open_pool(self.database_url, max_size=8)
+        # A fixed-size pool: a pool that grows calls the global random() (psycopg_pool jitters
+        # each new connection's lifetime), which Hypothesis refuses while it draws a case.
+        pool = await open_pool(self.database_url, min_size=8, max_size=8)
         queue = PgQueue(pool)
         try:
             async with pool.connection() as conn:

@@ -247,7 +247,10 @@ class ApiProcess:
         found: list[str] = []
 
         async def listening() -> bool:
-            match = re.search(r"Uvicorn running on (http://127\.0\.0\.1:\d+)", self.output())
+            match = re.search(
+                r"(?:Uvicorn running on|workers ready on) (http://127\.0\.0\.1:\d+)",
+                self.output(),
+            )
             if match:
                 found.append(match.group(1))
                 return True

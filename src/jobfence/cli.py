@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 
-from jobfence import cli_dead_letters, db, schema
+from jobfence import cli_dead_letters, db, runtime, schema
 from jobfence.app import App
 from jobfence.errors import JobfenceError
 
@@ -199,39 +199,38 @@ async def _cmd_alert_relay(args: argparse.Namespace) -> int:
 
 
 async def _cmd_api(args: argparse.Namespace) -> int:
-    import uvicorn
+    from jobfence.api.serve import ServeOptions, serve, serve_workers
 
-    from jobfence.adapters.pg_queue import PgQueue
-    from jobfence.api import ApiSettings, create_app
+    options = ServeOptions(
+        host=args.host,
+        port=args.port,
+        pool_size=args.pool_size,
+        bulk_chunk_size=args.bulk_chunk_size,
+        workers=args.workers,
+    )
+    if options.workers == 1:
+        return await serve(options)
+    verbose = bool(args.verbose)
+    from jobfence.config import log_format_from_env
 
-    # The verifying key first: without one the API refuses to start, before any database work.
-    settings = ApiSettings.from_env(bulk_chunk_size=args.bulk_chunk_size)
-    url = db.resolve_database_url()
-    pool = await db.open_pool(url, max_size=args.pool_size, name="jobfence-api")
-    queue = PgQueue(pool)
+    return await serve_workers(
+        options,
+        log_format=args.log_format or log_format_from_env(),
+        log_level=logging.DEBUG if verbose else logging.INFO,
+        other_level=logging.DEBUG if verbose else logging.WARNING,
+    )
+
+
+def _api_workers(text: str) -> int:
+    from jobfence.api.serve import MAX_WORKERS
+
     try:
-        async with pool.connection() as conn:
-            await schema.ensure_migrated(conn)
-        app = create_app(pool=pool, queue=queue, settings=settings)
-        # log_config=None: uvicorn's lines go through the handlers configured in main().
-        config = uvicorn.Config(
-            app, host=args.host, port=args.port, log_config=None, log_level="info"
-        )
-        # uvicorn stops gracefully on SIGTERM/SIGINT, then raises the signal again for the
-        # handler it found: make that one harmless, so the stop ends with status 0.
-        stopped = {sig: signal.signal(sig, lambda *_: None) for sig in _STOP_SIGNALS}
-        try:
-            await uvicorn.Server(config).serve()
-        finally:
-            for sig, handler in stopped.items():
-                signal.signal(sig, handler)
-    finally:
-        await queue.close()
-        await pool.close()
-    return 0
-
-
-_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if not 1 <= value <= MAX_WORKERS:
+        raise argparse.ArgumentTypeError(f"must be between 1 and {MAX_WORKERS}, got {value}")
+    return value
 
 
 def _port(text: str) -> int:
@@ -352,6 +351,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=500,
         help="dead letters per transaction in a bulk replay (500)",
     )
+    p.add_argument(
+        "--workers",
+        type=_api_workers,
+        default=1,
+        help="API processes sharing the port, each with its own pool of --pool-size"
+        " connections (1; Linux)",
+    )
     p.set_defaults(func=_cmd_api)
 
     p = sub.add_parser(
@@ -394,7 +400,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     func: Callable[[argparse.Namespace], Coroutine[Any, Any, int]] = args.func
     try:
-        return asyncio.run(func(args))
+        return runtime.run(lambda: func(args))
     except JobfenceError as exc:
         print(f"jobfence: error: {exc}", file=sys.stderr)
         return 2

@@ -79,6 +79,21 @@ def jwt_audience_from_env(environ: Mapping[str, str] | None = None) -> str | Non
 
 
 # Logs (``jobfence --log-format``): text for people, json for log pipelines.
+ENV_EVENT_LOOP = "JOBFENCE_EVENT_LOOP"
+EVENT_LOOPS = ("auto", "uvloop", "asyncio")
+
+
+def event_loop_from_env(environ: Mapping[str, str] | None = None) -> str:
+    """``auto`` (the default: uvloop where it is installed), ``uvloop`` or ``asyncio``."""
+    env = os.environ if environ is None else environ
+    value = env.get(ENV_EVENT_LOOP, "").strip().lower() or "auto"
+    if value not in EVENT_LOOPS:
+        raise ConfigError(
+            f"{ENV_EVENT_LOOP} must be one of {', '.join(EVENT_LOOPS)}, got {value!r}"
+        )
+    return value
+
+
 ENV_LOG_FORMAT = "JOBFENCE_LOG_FORMAT"
 LOG_FORMATS = ("text", "json")
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -27,7 +28,7 @@ from jobfence.dead_letters import (
     get_dead_letter,
     replay_dead_letter,
 )
-from jobfence.errors import JobfenceError
+from jobfence.errors import DeadLetterNotFound, JobfenceError
 from jobfence.model import Message
 from jobfence.ports import QueuePort
 
@@ -60,9 +61,12 @@ __all__ = [
     "group_pending",
     "list_bulk_items",
     "list_dead_letters",
+    "list_dead_letters_json",
+    "list_page_query",
     "replay",
     "run_bulk_replay",
     "show_dead_letter",
+    "show_dead_letter_json",
     "start_bulk_replay",
 ]
 
@@ -122,40 +126,54 @@ class DeadLetterFilter:
             if v is not None
         }
 
+    def params(self) -> dict[str, Any]:
+        """The values set, by placeholder name (``f_<field>``), in field order."""
+        return {
+            f"f_{name}": value
+            for name in _FILTER_FIELDS
+            if (value := getattr(self, name)) is not None
+        }
+
     def where(
         self, *, extra: sql.Composable | None = None
     ) -> tuple[sql.Composable, dict[str, Any]]:
         """A ``WHERE`` clause (possibly empty) and its parameters."""
-        parts: list[sql.Composable] = []
-        params: dict[str, Any] = {}
-        for column in (
-            "status",
-            "queue",
-            "consumer",
-            "tenant_id",
-            "error_class",
-            "job_id",
-            "correlation_id",
-        ):
-            value = getattr(self, column)
-            if value is not None:
-                parts.append(
-                    sql.SQL("{} = {}").format(
-                        sql.Identifier(column), sql.Placeholder(f"f_{column}")
-                    )
-                )
-                params[f"f_{column}"] = value
-        if self.created_from is not None:
-            parts.append(sql.SQL("created_at >= %(f_created_from)s"))
-            params["f_created_from"] = self.created_from
-        if self.created_to is not None:
-            parts.append(sql.SQL("created_at < %(f_created_to)s"))
-            params["f_created_to"] = self.created_to
-        if extra is not None:
-            parts.append(extra)
-        if not parts:
-            return sql.SQL(""), params
-        return sql.SQL(" WHERE ") + sql.SQL(" AND ").join(parts), params
+        params = self.params()
+        return where_clause(tuple(params), extra=extra), params
+
+
+_FILTER_FIELDS = (
+    "status",
+    "queue",
+    "consumer",
+    "tenant_id",
+    "error_class",
+    "job_id",
+    "correlation_id",
+    "created_from",
+    "created_to",
+)
+_RANGE = {
+    "f_created_from": sql.SQL("created_at >= %(f_created_from)s"),
+    "f_created_to": sql.SQL("created_at < %(f_created_to)s"),
+}
+
+
+def where_clause(params: Sequence[str], *, extra: sql.Composable | None = None) -> sql.Composable:
+    """The ``WHERE`` clause (possibly empty) of a filter whose set values are ``params``
+    (names as :meth:`DeadLetterFilter.params` gives them)."""
+    parts: list[sql.Composable] = []
+    for name in params:
+        if name in _RANGE:
+            parts.append(_RANGE[name])
+        else:
+            column = name.removeprefix("f_")
+            parts.append(sql.SQL("{} = {}").format(sql.Identifier(column), sql.Placeholder(name)))
+    if extra is not None:
+        parts.append(extra)
+    if not parts:
+        return sql.SQL("")
+    return sql.SQL(" WHERE ") + sql.SQL(" AND ").join(parts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,6 +229,46 @@ def decode_cursor(cursor: str) -> tuple[datetime, int]:
         raise InvalidRequest("cursor is not one this API returned") from None
 
 
+def _list_query(
+    base: str, flt: DeadLetterFilter, *, limit: int, cursor: str | None
+) -> tuple[bytes, dict[str, Any]]:
+    """The named query ``base`` with ``flt``'s WHERE clause, newest first, ``limit + 1`` rows
+    (one more tells whether there is a next page)."""
+    if not 1 <= limit <= MAX_PAGE:
+        raise InvalidRequest(f"limit must be between 1 and {MAX_PAGE}")
+    params: dict[str, Any] = {}
+    if cursor:
+        created_at, dead_letter_id = decode_cursor(cursor)
+        params = {"c_created_at": created_at, "c_id": dead_letter_id}
+    filter_params = flt.params()
+    params |= filter_params | {
+        "limit": limit + 1,
+        "payload_limit": PAYLOAD_INLINE_LIMIT,
+        "summary_chars": PAYLOAD_SUMMARY_CHARS,
+    }
+    return _composed(base, tuple(filter_params), bool(cursor)), params
+
+
+_CURSOR_CLAUSE = sql.SQL("(created_at, id) < (%(c_created_at)s, %(c_id)s)")
+
+
+@functools.lru_cache(maxsize=256)
+def _composed(base: str, filter_params: tuple[str, ...], cursor: bool) -> bytes:
+    # The query text depends only on which filters are set: compose it once per shape, as
+    # bytes, so psycopg's own cache of parsed queries finds it again on every request.
+    where = where_clause(filter_params, extra=_CURSOR_CLAUSE if cursor else None)
+    query = SQL[base] + where + sql.SQL(" ORDER BY created_at DESC, id DESC LIMIT %(limit)s")
+    return query.as_bytes(None)
+
+
+def list_page_query(
+    flt: DeadLetterFilter, *, limit: int = DEFAULT_PAGE, cursor: str | None = None
+) -> tuple[bytes, dict[str, Any]]:
+    """The SQL (and parameters) behind :func:`list_dead_letters_json`, for benchmarks and
+    EXPLAIN."""
+    return _list_query("list_json_base", flt, limit=limit, cursor=cursor)
+
+
 async def list_dead_letters(
     conn: AsyncConnection[Any],
     flt: DeadLetterFilter,
@@ -220,21 +278,7 @@ async def list_dead_letters(
 ) -> DeadLetterPage:
     """One page, newest first, keyset-paginated on ``(created_at, id)``: a page boundary never
     moves when rows are inserted meanwhile (new rows sort before the first page)."""
-    if not 1 <= limit <= MAX_PAGE:
-        raise InvalidRequest(f"limit must be between 1 and {MAX_PAGE}")
-    extra = None
-    params: dict[str, Any] = {}
-    if cursor:
-        created_at, dead_letter_id = decode_cursor(cursor)
-        extra = sql.SQL("(created_at, id) < (%(c_created_at)s, %(c_id)s)")
-        params = {"c_created_at": created_at, "c_id": dead_letter_id}
-    where, filter_params = flt.where(extra=extra)
-    query = SQL["list_base"] + where + sql.SQL(" ORDER BY created_at DESC, id DESC LIMIT %(limit)s")
-    params |= filter_params | {
-        "limit": limit + 1,
-        "payload_limit": PAYLOAD_INLINE_LIMIT,
-        "summary_chars": PAYLOAD_SUMMARY_CHARS,
-    }
+    query, params = _list_query("list_base", flt, limit=limit, cursor=cursor)
     async with conn.cursor(row_factory=dict_row) as cur:
         await cur.execute(query, params)
         rows = await cur.fetchall()
@@ -245,6 +289,25 @@ async def list_dead_letters(
     ]
     next_cursor = encode_cursor(rows[-1]["created_at"], rows[-1]["id"]) if more else None
     return DeadLetterPage(items=items, next_cursor=next_cursor)
+
+
+async def list_dead_letters_json(
+    conn: AsyncConnection[Any],
+    flt: DeadLetterFilter,
+    *,
+    limit: int = DEFAULT_PAGE,
+    cursor: str | None = None,
+) -> str:
+    """The page :func:`list_dead_letters` reads, as the API's JSON (``{"items": [...],
+    "next_cursor": ...}``), rendered by PostgreSQL: no row becomes a Python object, and each
+    payload is the text jsonb stores, exactly (numbers beyond a float, deep nesting)."""
+    query, params = _list_query("list_json_base", flt, limit=limit, cursor=cursor)
+    cur = await conn.execute(query, params)
+    rows = await cur.fetchall()
+    more = len(rows) > limit
+    rows = rows[:limit]
+    next_cursor = json.dumps(encode_cursor(rows[-1][1], rows[-1][0])) if more else "null"
+    return '{"items":[' + ",".join(row[2] for row in rows) + '],"next_cursor":' + next_cursor + "}"
 
 
 async def count_dead_letters(conn: AsyncConnection[Any], flt: DeadLetterFilter) -> int:
@@ -309,6 +372,17 @@ async def show_dead_letter(conn: AsyncConnection[Any], dead_letter_id: int) -> D
     )
     row = await cur.fetchone()
     return DeadLetterDetail(dead_letter=letter, fence_exists=bool(row and row[0]))
+
+
+async def show_dead_letter_json(conn: AsyncConnection[Any], dead_letter_id: int) -> str:
+    """What :func:`show_dead_letter` reads, as the API's JSON, rendered by PostgreSQL in one
+    statement (see :func:`list_dead_letters_json`)."""
+    cur = await conn.execute(SQL["show_json"], {"id": dead_letter_id})
+    row = await cur.fetchone()
+    if row is None:
+        raise DeadLetterNotFound(f"no dead letter with id {dead_letter_id}")
+    text: str = row[0]
+    return text
 
 
 async def replay(
@@ -377,11 +451,8 @@ async def start_bulk_replay(
         if dry_run:
             return await count_dead_letters(conn, flt)
         async with conn.transaction():
-            # Count and snapshot see the same rows: one REPEATABLE READ snapshot.
+            # The snapshot and, when it is too large, the count see the same rows.
             await conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
-            matching = await count_dead_letters(conn, flt)
-            if matching > max_items:
-                raise BulkTooLarge(matching, max_items)
             cur = await conn.execute(
                 SQL["bulk_create"],
                 {
@@ -393,10 +464,14 @@ async def start_bulk_replay(
             row = await cur.fetchone()
             assert row is not None
             bulk_id = int(row[0])
+            # One scan: take at most one row more than allowed; one more means too many.
             where, params = flt.where()
             cur = await conn.execute(
-                SQL["bulk_snapshot_base"] + where, params | {"bulk_id": bulk_id}
+                SQL["bulk_snapshot_base"] + where + sql.SQL(" LIMIT %(cap)s"),
+                params | {"bulk_id": bulk_id, "cap": max_items + 1},
             )
+            if cur.rowcount > max_items:  # raised inside: rolled back, nothing recorded
+                raise BulkTooLarge(await count_dead_letters(conn, flt), max_items)
             await conn.execute(SQL["bulk_set_total"], {"id": bulk_id, "total": cur.rowcount})
         return await get_bulk_replay(conn, bulk_id)
 

@@ -5,10 +5,18 @@ A token is accepted when its signature verifies with ``JOBFENCE_JWT_SECRET`` (HS
 (``exp`` is required), and its ``iss`` and ``aud`` match ``JOBFENCE_JWT_ISSUER`` and
 ``JOBFENCE_JWT_AUDIENCE`` when those are set. ``sub`` names the caller (recorded as
 ``resolved_by`` and ``requested_by``) and ``permissions`` is a list of strings.
+
+A client sends the same token with every request, so each process remembers the tokens it has
+verified (at most ``TOKEN_CACHE_SIZE``, keyed by the token's exact text) with their principal,
+until their ``exp``: a cached token is accepted without checking its signature again, and is
+refused from its ``exp`` on, as an uncached one is. Nothing else can change the outcome: the
+key and the accepted issuer and audience are fixed for the life of the process, and a token
+that failed is never remembered.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Annotated
@@ -18,6 +26,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.hazmat.primitives.serialization import load_pem_public_key
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.requests import HTTPConnection
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from jobfence import config, ops
@@ -131,8 +140,24 @@ def _storable(text: str) -> bool:
     return "\x00" not in text and not any(0xD800 <= ord(ch) <= 0xDFFF for ch in text)
 
 
+TOKEN_CACHE_SIZE = 1024
+MAX_CACHED_TOKEN_CHARS = 8192
+
+
 class TokenVerifier:
-    def __init__(self, settings: ApiSettings) -> None:
+    """Verifies tokens (see the module docstring), remembering up to ``cache_size`` verified
+    ones until their ``exp`` (0: none). ``clock`` gives the time in seconds since the epoch."""
+
+    def __init__(
+        self,
+        settings: ApiSettings,
+        *,
+        cache_size: int = TOKEN_CACHE_SIZE,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._cache: dict[str, tuple[Principal, float]] = {}
+        self._cache_size = cache_size
+        self._clock = clock
         self._key, self._algorithms = _verifying_key(settings)
         self._issuer = settings.jwt_issuer
         self._audience = settings.jwt_audience
@@ -145,6 +170,20 @@ class TokenVerifier:
 
     def verify(self, token: str) -> Principal:
         """The token's principal, or :class:`InvalidToken` with a fixed, token-free reason."""
+        cached = self._cache.get(token)
+        if cached is not None:
+            principal, expires = cached
+            if self._clock() < expires:
+                return principal
+            del self._cache[token]
+        principal, expires = self._verify(token)
+        if self._cache_size > 0 and len(token) <= MAX_CACHED_TOKEN_CHARS:
+            if len(self._cache) >= self._cache_size:
+                del self._cache[next(iter(self._cache))]  # the oldest entry
+            self._cache[token] = (principal, expires)
+        return principal
+
+    def _verify(self, token: str) -> tuple[Principal, float]:
         try:
             claims = jwt.decode(
                 token,
@@ -184,7 +223,8 @@ class TokenVerifier:
         permissions = claims.get("permissions", [])
         if not isinstance(permissions, list) or not all(isinstance(p, str) for p in permissions):
             raise InvalidToken("the token's permissions claim must be a list of strings")
-        return Principal(subject=subject, permissions=frozenset(permissions))
+        # PyJWT checked exp (a number) and refuses a token once now >= exp.
+        return Principal(subject=subject, permissions=frozenset(permissions)), float(claims["exp"])
 
 
 def authenticate(verifier: TokenVerifier, authorization: str | None) -> Principal:
@@ -213,18 +253,29 @@ class Authenticate:
         if scope["type"] != "http" or not scope["path"].startswith(self.prefix):
             await self.app(scope, receive, send)
             return
-        request = Request(scope)
+        authorization = None
+        for name, value in scope["headers"]:  # names are lower case (ASGI)
+            if name == b"authorization":
+                authorization = value.decode("latin-1")
+                break
         try:
-            principal = authenticate(self.verifier, request.headers.get("authorization"))
+            principal = authenticate(self.verifier, authorization)
         except ProblemError as exc:
-            await respond(request, exc.problem, exc.headers)(scope, receive, send)
+            await respond(Request(scope), exc.problem, exc.headers)(scope, receive, send)
             return
-        request.state.principal = principal
+        scope.setdefault("state", {})["principal"] = principal  # request.state.principal
         await self.app(scope, receive, send)
 
 
-# Documents the scheme in OpenAPI; the token itself is verified by Authenticate.
-_bearer = HTTPBearer(
+class _BearerScheme(HTTPBearer):
+    """Documents the scheme in OpenAPI and reads nothing: the token is verified by
+    :class:`Authenticate` (or by :func:`require`, outside its prefix)."""
+
+    async def __call__(self, request: HTTPConnection) -> HTTPAuthorizationCredentials | None:
+        return None
+
+
+_bearer = _BearerScheme(
     auto_error=False,
     bearerFormat="JWT",
     description="A JWT with `sub`, `exp` and a `permissions` list (D9).",

@@ -23,7 +23,6 @@ from pydantic import (
 )
 
 from jobfence import ops
-from jobfence.api.payloads import Splicer
 from jobfence.dead_letters import MAX_DISCARD_REASON, ReplayResult
 
 MAX_BIGINT = 2**63 - 1
@@ -171,8 +170,10 @@ class DeadLetterItemOut(BaseModel):
     resolved_by: str | None
 
     @classmethod
-    def of(cls, item: ops.DeadLetterItem, splicer: Splicer) -> Self:
-        return cls.model_validate(_fields(cls, item) | {"payload": splicer.hold(item.payload)})
+    def of(cls, item: ops.DeadLetterItem) -> Self:
+        """The model of a listed item. The API renders the same JSON in SQL
+        (``ops.list_dead_letters_json``); the tests hold the two to each other."""
+        return cls.model_validate(_fields(cls, item))
 
 
 def _fields(model: type[BaseModel], source: object) -> dict[str, object]:
@@ -215,12 +216,10 @@ class DeadLetterDetailOut(DeadLetterOut):
     )
 
     @classmethod
-    def of(cls, detail: ops.DeadLetterDetail, splicer: Splicer) -> Self:
+    def of(cls, detail: ops.DeadLetterDetail) -> Self:
+        """The model of a shown dead letter (rendered in SQL by the API, as for items)."""
         letter = detail.dead_letter
-        return cls.model_validate(
-            _fields(cls, letter)
-            | {"payload": splicer.hold(letter.payload), "fence_exists": detail.fence_exists}
-        )
+        return cls.model_validate(_fields(cls, letter) | {"fence_exists": detail.fence_exists})
 
 
 class ReplayOut(BaseModel):

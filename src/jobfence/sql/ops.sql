@@ -10,6 +10,79 @@ SELECT id, job_id, queue, consumer, tenant_id, payload_encoding, attempts, last_
             THEN left(payload::text, %(summary_chars)s) END AS payload_summary
 FROM core.dead_letters
 
+-- name: list_json_base
+-- Each dead letter as the API lists it: its keyset, and the item as JSON text, compact, with
+-- the fields in the order of jobfence.api.schemas.DeadLetterItemOut (the tests hold the two to
+-- each other). Strings go through to_json (JSON escapes); the payload is jsonb's own text,
+-- computed once per row (OFFSET 0 keeps the subquery from being inlined three times);
+-- timestamps are rendered as that model renders them: UTC with "Z", microseconds only when
+-- there are any. jobfence.ops appends the WHERE clause, the order and the limit.
+SELECT id, created_at,
+    '{"id":' || id
+    || ',"job_id":' || to_json(job_id)
+    || ',"queue":' || to_json(queue)
+    || ',"consumer":' || to_json(consumer)
+    || ',"tenant_id":' || coalesce(to_json(tenant_id)::text, 'null')
+    || ',"payload":' || CASE WHEN p.payload_size <= %(payload_limit)s THEN p.payload_text ELSE 'null' END
+    || ',"payload_encoding":' || to_json(payload_encoding)
+    || ',"payload_truncated":' || (p.payload_size > %(payload_limit)s)
+    || ',"payload_summary":' || CASE WHEN p.payload_size > %(payload_limit)s
+                                     THEN to_json(left(p.payload_text, %(summary_chars)s))::text
+                                     ELSE 'null' END
+    || ',"payload_size":' || p.payload_size
+    || ',"attempts":' || attempts
+    || ',"last_error":' || to_json(last_error)
+    || ',"error_class":' || to_json(error_class)
+    || ',"correlation_id":' || coalesce(to_json(correlation_id)::text, 'null')
+    || ',"status":' || to_json(status)
+    || ',"discard_reason":' || coalesce(to_json(discard_reason)::text, 'null')
+    || ',"created_at":' || to_json(to_char(created_at AT TIME ZONE 'UTC',
+                   CASE WHEN date_trunc('second', created_at) = created_at
+                        THEN 'YYYY-MM-DD"T"HH24:MI:SS"Z"'
+                        ELSE 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"' END))
+    || ',"resolved_at":' || coalesce(to_json(to_char(resolved_at AT TIME ZONE 'UTC',
+                   CASE WHEN date_trunc('second', resolved_at) = resolved_at
+                        THEN 'YYYY-MM-DD"T"HH24:MI:SS"Z"'
+                        ELSE 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"' END))::text, 'null')
+    || ',"resolved_by":' || coalesce(to_json(resolved_by)::text, 'null')
+    || '}' AS item
+FROM core.dead_letters
+CROSS JOIN LATERAL (SELECT t AS payload_text, octet_length(t) AS payload_size
+                    FROM (SELECT payload::text AS t OFFSET 0) AS rendered) AS p
+
+-- name: show_json
+-- One dead letter whole as the API shows it (jobfence.api.schemas.DeadLetterDetailOut,
+-- rendered as in list_json_base) with whether a fence row exists for its (job_id, consumer).
+-- No row: no such dead letter.
+SELECT '{"id":' || d.id
+    || ',"job_id":' || to_json(d.job_id)
+    || ',"queue":' || to_json(d.queue)
+    || ',"consumer":' || to_json(d.consumer)
+    || ',"tenant_id":' || coalesce(to_json(d.tenant_id)::text, 'null')
+    || ',"payload":' || p.payload_text
+    || ',"payload_encoding":' || to_json(d.payload_encoding)
+    || ',"attempts":' || d.attempts
+    || ',"last_error":' || to_json(d.last_error)
+    || ',"error_class":' || to_json(d.error_class)
+    || ',"correlation_id":' || coalesce(to_json(d.correlation_id)::text, 'null')
+    || ',"status":' || to_json(d.status)
+    || ',"discard_reason":' || coalesce(to_json(d.discard_reason)::text, 'null')
+    || ',"created_at":' || to_json(to_char(d.created_at AT TIME ZONE 'UTC',
+                   CASE WHEN date_trunc('second', d.created_at) = d.created_at
+                        THEN 'YYYY-MM-DD"T"HH24:MI:SS"Z"'
+                        ELSE 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"' END))
+    || ',"resolved_at":' || coalesce(to_json(to_char(d.resolved_at AT TIME ZONE 'UTC',
+                   CASE WHEN date_trunc('second', d.resolved_at) = d.resolved_at
+                        THEN 'YYYY-MM-DD"T"HH24:MI:SS"Z"'
+                        ELSE 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"' END))::text, 'null')
+    || ',"resolved_by":' || coalesce(to_json(d.resolved_by)::text, 'null')
+    || ',"fence_exists":' || EXISTS (SELECT 1 FROM core.processed_jobs f
+                                     WHERE f.job_id = d.job_id AND f.consumer = d.consumer)
+    || '}'
+FROM core.dead_letters AS d
+CROSS JOIN LATERAL (SELECT d.payload::text AS payload_text) AS p
+WHERE d.id = %(id)s;
+
 -- name: count_base
 SELECT count(*) FROM core.dead_letters
 

@@ -1,0 +1,47 @@
+"""The event loop the CLI runs on: uvloop by default where installed, asyncio when asked."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jobfence import runtime
+
+
+async def loop_module() -> str:
+    return type(asyncio.get_running_loop()).__module__
+
+
+@pytest.mark.parametrize(
+    ("choice", "module"), [("auto", "uvloop"), ("uvloop", "uvloop"), ("asyncio", "asyncio")]
+)
+def test_jobfence_event_loop_chooses_the_loop(
+    choice: str, module: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("JOBFENCE_EVENT_LOOP", choice)
+    assert runtime.run(loop_module).startswith(module)
+
+
+def test_the_default_is_uvloop_when_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("JOBFENCE_EVENT_LOOP", raising=False)
+    assert runtime.run(loop_module).startswith("uvloop")
+
+
+def test_a_bad_jobfence_event_loop_is_one_clear_error_line() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "jobfence.cli", "migrate", "--print-sql"],
+        env={**os.environ, "JOBFENCE_EVENT_LOOP": "tokio"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "jobfence: error: JOBFENCE_EVENT_LOOP must be one of auto, uvloop, asyncio, got 'tokio'"
+    ]
+    assert done.stdout == ""
