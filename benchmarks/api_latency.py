@@ -3,11 +3,13 @@
 Seeds ``core.dead_letters`` with 1,000,000 rows (20 queues, 50 consumers, 200 tenants, 30 error
 classes, created over 30 days, ~200-byte payloads with a few large ones; mostly
 ``pending_review``), starts the real API (``jobfence api`` in a subprocess, HS256 tokens) and
-drives every endpoint over real HTTP with 32 concurrent clients (one async httpx client with a
-pool of 32 connections, closed loop: each client sends its next request when the previous one
-has answered). Per endpoint it prints the client-side latency p50/p95/p99, requests per second,
-the p50 of the same request sent by one client alone (the service time without queueing) and
-the CPU of the load generator, the API process and PostgreSQL during the run.
+drives every endpoint over real HTTP with 32 concurrent clients (by default a minimal asyncio
+HTTP/1.1 client, one keep-alive connection per client, closed loop: each client sends its next
+request when the previous one has answered; ``--client wrk`` uses wrk instead, for a duration).
+It does so for each ``--workers`` value in turn (``jobfence api --workers N``; default 1, then
+2). Per endpoint it prints the client-side latency p50/p95/p99, requests per second, the p50 of
+the same request sent by one client alone (the service time without queueing) and the CPU of
+the load generator, the API processes and PostgreSQL during the run.
 
 Then the bulk replay rate: ``POST /v1/core/dead-letters/replay-bulk`` on one error class seeded
 with exactly 100,000 pending rows, progress polled until finished; and ``ops.run_bulk_replay``
@@ -19,6 +21,7 @@ slowest of each kind is EXPLAIN ANALYZEd, so a miss can be told apart: query, or
     .venv/bin/python benchmarks/api_latency.py                # seed, measure, drop (~5 min)
     .venv/bin/python benchmarks/api_latency.py --keep         # keep the seeded database
     .venv/bin/python benchmarks/api_latency.py --reuse        # reuse it (no seeding)
+    .venv/bin/python benchmarks/api_latency.py --reuse --no-bulk --client wrk --workers 1
 """
 
 from __future__ import annotations
@@ -31,8 +34,10 @@ import math
 import os
 import random
 import re
+import resource
 import secrets
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -364,7 +369,9 @@ async def draw_samples(url: str, needed_pending: int, rng: random.Random) -> Sam
 class ApiServer:
     """``jobfence api --port 0`` in a subprocess, its log in a file."""
 
-    def __init__(self, url: str, secret: str, workdir: Path, pool_size: int) -> None:
+    def __init__(
+        self, url: str, secret: str, workdir: Path, pool_size: int, workers: int = 1
+    ) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         self.log = workdir / "api.log"
         env = {k: v for k, v in os.environ.items() if not k.startswith("JOBFENCE_")}
@@ -375,7 +382,7 @@ class ApiServer:
         }
         self.command = [
             sys.executable, "-m", "jobfence.cli", "api", "--port", "0",
-            "--pool-size", str(pool_size),
+            "--pool-size", str(pool_size), "--workers", str(workers),
         ]  # fmt: skip
         with self.log.open("wb") as out:
             self.proc = subprocess.Popen(
@@ -388,7 +395,10 @@ class ApiServer:
     async def base_url(self, within: float = 60.0) -> str:
         deadline = time.monotonic() + within
         while time.monotonic() < deadline:
-            match = re.search(r"Uvicorn running on (http://127\.0\.0\.1:\d+)", self.output())
+            match = re.search(
+                r"(?:Uvicorn running on|workers ready on) (http://127\.0\.0\.1:\d+)",
+                self.output(),
+            )
             if match:
                 return match.group(1)
             if self.proc.poll() is not None:
@@ -429,13 +439,16 @@ class CpuMeter:
     processes (all of them: other load on the server shows up) and the whole machine."""
 
     def __init__(self, api_pids: list[int]) -> None:
-        self.api = [psutil.Process(pid) for pid in api_pids]
+        # With --workers, the API's own processes are the children of each `jobfence api`.
+        parents = [psutil.Process(pid) for pid in api_pids]
+        self.api = parents + [child for p in parents for child in p.children(recursive=True)]
 
     def snap(self) -> dict[str, Any]:
         api = [proc.cpu_times() for proc in self.api]
         machine = psutil.cpu_times()
+        children = resource.getrusage(resource.RUSAGE_CHILDREN)  # wrk, once it has exited
         return {
-            "client": time.process_time(),
+            "client": time.process_time() + children.ru_utime + children.ru_stime,
             "api": sum(times.user + times.system for times in api),
             "pg": _postgres_cpu(),
             "busy": machine.user + machine.system + machine.nice + machine.irq + machine.softirq,
@@ -484,8 +497,12 @@ class Result:
     errors: dict[str, int]
     serial_p50: float
     cpu: dict[str, float]
+    processes: int = 1  # API processes serving
+    fixed: dict[float, float] | None = None  # percentiles as wrk reports them (seconds)
 
     def pct(self, q: float) -> float:
+        if self.fixed is not None:
+            return self.fixed[q]
         ordered = sorted(self.latencies)
         return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
@@ -497,6 +514,7 @@ class Result:
         return {
             "endpoint": self.name,
             "kind": self.kind,
+            "api_processes": self.processes,
             "requests": self.requests,
             "concurrency": self.concurrency,
             "p50_ms": self.pct(0.50) * 1000,
@@ -588,12 +606,20 @@ class LoadClients:
     AsyncClients with a pool of ``size`` connections (``httpx``). Client ``slot`` talks to
     ``base_urls[slot % len(base_urls)]``."""
 
-    def __init__(self, kind: str, base_urls: list[str], token: str, size: int) -> None:
+    def __init__(
+        self, kind: str, base_urls: list[str], token: str, size: int, workdir: Path
+    ) -> None:
         self.kind = kind
         self.size = size
-        self.raw = (
+        self.base_urls = base_urls
+        self.token = token
+        self.workdir = workdir
+        self.wrk_seconds = 5.0
+        if kind == "wrk" and len(base_urls) > 1:
+            raise SystemExit("--client wrk drives one address: use --workers, not --api-procs")
+        self.raw = (  # wrk: slot 0 still sends the requests timed one at a time
             [RawHttp(base_urls[slot % len(base_urls)], token) for slot in range(size)]
-            if kind == "raw"
+            if kind in ("raw", "wrk")
             else []
         )
         limits = httpx.Limits(max_connections=size, max_keepalive_connections=size)
@@ -633,6 +659,68 @@ class LoadClients:
         return time.perf_counter() - started, outcome
 
 
+WRK_SCRIPT = """
+local reqs = {%(reqs)s}
+local i = 0
+wrk.headers["Authorization"] = %(auth)s
+request = function()
+  i = i + 1
+  local r = reqs[((i - 1) %% #reqs) + 1]
+  if r[3] then
+    -- headers given replace wrk.headers: repeat the token
+    return wrk.format(r[1], r[2], {["Content-Type"] = "application/json",
+                                   ["Authorization"] = wrk.headers["Authorization"]}, r[3])
+  end
+  return wrk.format(r[1], r[2])
+end
+done = function(summary, latency, requests)
+  io.write(string.format(
+    'WRKJSON {"requests": %%d, "p50": %%d, "p95": %%d, "p99": %%d, "max": %%d,'
+    .. ' "bad_status": %%d, "socket_errors": %%d, "duration_us": %%d}\\n',
+    summary.requests, latency:percentile(50), latency:percentile(95), latency:percentile(99),
+    latency.max, summary.errors.status,
+    summary.errors.connect + summary.errors.read + summary.errors.write
+      + summary.errors.timeout,
+    summary.duration))
+end
+"""
+
+
+def wrk_available() -> bool:
+    return shutil.which("wrk") is not None
+
+
+async def run_wrk(clients: LoadClients, reqs: list[Req], seconds: float) -> dict[str, Any]:
+    """``reqs`` in turn (from the first again at the end) for ``seconds`` through wrk: one
+    thread, ``clients.size`` connections. wrk runs for a duration, not a count."""
+    entries = []
+    for req in reqs:
+        target = req.path + ("?" + urlencode(req.query() or {}) if req.params else "")
+        body = "nil" if req.body is None else json.dumps(json.dumps(req.body))
+        entries.append(f"{{{json.dumps(req.method)}, {json.dumps(target)}, {body}}}")
+    script = clients.workdir / "wrk.lua"
+    script.write_text(
+        WRK_SCRIPT
+        % {
+            "reqs": ",\n".join(entries),
+            "auth": json.dumps(f"Bearer {clients.token}"),
+        }
+    )
+    proc = await asyncio.create_subprocess_exec(
+        "wrk", "-t1", f"-c{clients.size}", f"-d{seconds:g}s", "--timeout", "30s", "-s", str(script),
+        clients.base_urls[0],
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    out, _ = await proc.communicate()
+    text = out.decode(errors="replace")
+    match = re.search(r"WRKJSON (\{.*\})", text)
+    if proc.returncode != 0 or match is None:
+        raise SystemExit(f"wrk failed ({proc.returncode}):\n{text}")
+    found: dict[str, Any] = json.loads(match.group(1))
+    return found
+
+
 async def drive(
     clients: LoadClients,
     meter: CpuMeter,
@@ -652,23 +740,38 @@ async def drive(
         for i, req in todo:  # the clients share one iterator: each request is sent once
             latencies[i], outcomes[i] = await clients.send(slot, req)
 
-    start = meter.snap()
-    await asyncio.gather(*(one_client(slot) for slot in range(clients.size)))
-    end = meter.snap()
+    fixed = None
     errors: dict[str, int] = {}
-    for outcome in outcomes:
-        if outcome != "200":
-            errors[outcome] = errors.get(outcome, 0) + 1
+    if clients.kind == "wrk":
+        start = meter.snap()
+        found = await run_wrk(clients, loaded, clients.wrk_seconds)
+        end = meter.snap()
+        count, seconds = found["requests"], found["duration_us"] / 1e6
+        fixed = {q: found[f"p{round(q * 100)}"] / 1e6 for q in (0.50, 0.95, 0.99)}
+        latencies = [found["max"] / 1e6]
+        if found["bad_status"]:
+            errors["4xx/5xx"] = found["bad_status"]
+        if found["socket_errors"]:
+            errors["socket"] = found["socket_errors"]
+    else:
+        start = meter.snap()
+        await asyncio.gather(*(one_client(slot) for slot in range(clients.size)))
+        end = meter.snap()
+        count, seconds = len(loaded), end["wall"] - start["wall"]
+        for outcome in outcomes:
+            if outcome != "200":
+                errors[outcome] = errors.get(outcome, 0) + 1
     result = Result(
         name=phase.name,
         kind=phase.kind,
-        requests=len(loaded),
+        requests=count,
         concurrency=clients.size,
-        seconds=end["wall"] - start["wall"],
+        seconds=seconds,
         latencies=latencies,
         errors=errors,
         serial_p50=serial_p50,
         cpu=CpuMeter.share(start, end),
+        fixed=fixed,
     )
     s = result.summary()
     print(
@@ -790,28 +893,16 @@ async def walk_cursor(client: httpx.AsyncClient, pages: int) -> tuple[str, float
 # The list queries on the database
 
 
-def list_query(req: Req) -> tuple[sql.Composed, dict[str, Any]]:
-    """The SQL ``GET /v1/core/dead-letters`` runs for ``req``, composed as
-    ``ops.list_dead_letters`` composes it (keep the two in step)."""
+def list_query(req: Req) -> tuple[sql.Composable, dict[str, Any]]:
+    """The SQL ``GET /v1/core/dead-letters`` runs for ``req`` (``ops.list_page_query``)."""
     params = dict(req.params or {})
     limit = int(params.pop("limit", ops.DEFAULT_PAGE))
     cursor = params.pop("cursor", None)
-    extra = None
-    query_params: dict[str, Any] = {}
-    if cursor:
-        created_at, dead_letter_id = ops.decode_cursor(cursor)
-        extra = sql.SQL("(created_at, id) < (%(c_created_at)s, %(c_id)s)")
-        query_params = {"c_created_at": created_at, "c_id": dead_letter_id}
-    where, filter_params = ops.DeadLetterFilter(**params).where(extra=extra)
-    query = (
-        ops.SQL["list_base"] + where + sql.SQL(" ORDER BY created_at DESC, id DESC LIMIT %(limit)s")
+    query, query_params = ops.list_page_query(
+        ops.DeadLetterFilter(**params), limit=limit, cursor=cursor
     )
-    query_params |= filter_params | {
-        "limit": limit + 1,
-        "payload_limit": ops.PAYLOAD_INLINE_LIMIT,
-        "summary_chars": ops.PAYLOAD_SUMMARY_CHARS,
-    }
-    return query, query_params
+    # Kept as one SQL text (it is trusted: composed by jobfence) so EXPLAIN can prefix it.
+    return sql.SQL(query.decode()), query_params
 
 
 def _plan_nodes(node: dict[str, Any]) -> Iterator[str]:
@@ -987,8 +1078,8 @@ def _ms(seconds: float) -> str:
 
 def print_table(results: list[Result]) -> None:
     header = (
-        f"{'endpoint':<40} {'n':>5} {'p50':>7} {'p95':>7} {'p99':>7} {'max':>7} {'req/s':>6}"
-        f" {'alone':>6} {'API ms':>7} {'CPU client/API/PG':>18}  p95<50ms p95<1s"
+        f"{'endpoint':<40} {'procs':>5} {'n':>5} {'p50':>7} {'p95':>7} {'p99':>7} {'max':>7}"
+        f" {'req/s':>6} {'alone':>6} {'API ms':>7} {'CPU client/API/PG':>18}  p95<50ms p95<1s"
     )
     print(header)
     print("-" * len(header))
@@ -1000,8 +1091,9 @@ def print_table(results: list[Result]) -> None:
         budget = "met" if s["p95_ms"] < BUDGET_P95 * 1000 else "MISSED"
         err = f"  errors {r.errors}" if r.errors else ""
         print(
-            f"{r.name:<40} {r.requests:>5} {_ms(r.pct(0.5)):>7} {_ms(r.pct(0.95)):>7}"
-            f" {_ms(r.pct(0.99)):>7} {_ms(max(r.latencies)):>7} {r.rate:>6.0f}"
+            f"{r.name:<40} {r.processes:>5} {r.requests:>5} {_ms(r.pct(0.5)):>7}"
+            f" {_ms(r.pct(0.95)):>7} {_ms(r.pct(0.99)):>7} {_ms(max(r.latencies)):>7}"
+            f" {r.rate:>6.0f}"
             f" {_ms(r.serial_p50):>6} {s['api_cpu_ms_per_request']:>7.1f} {shares:>18}"
             f"  {target:<8} {budget}{err}"
         )
@@ -1036,16 +1128,27 @@ class Measured:
     api_log: str
 
 
-async def measure_api(args: argparse.Namespace, url: str, samples: Samples) -> Measured:
-    """Start ``jobfence api``, drive every endpoint, check the list SQL, bulk-replay."""
+async def measure_api(
+    args: argparse.Namespace,
+    url: str,
+    samples: Samples,
+    *,
+    workers: int,
+    pending_ids: list[int],
+    bulk: bool,
+    sql_checks: bool,
+) -> Measured:
+    """Start ``jobfence api --workers <workers>``, drive every endpoint, check the list SQL
+    (``sql_checks``), bulk-replay (``bulk``); replay and discard take ``pending_ids``."""
     rng = random.Random(args.seed)
     secret = secrets.token_hex(32)
     token = make_token(secret)
     results: list[Result] = []
-    writes = args.requests + args.serial
+    # wrk runs for --wrk-seconds: replay and discard need enough distinct pending ids.
+    writes = args.serial + (args.wrk_ids if args.client == "wrk" else args.requests)
     with tempfile.TemporaryDirectory(prefix="apibench-") as tmp:
         servers = [
-            ApiServer(url, secret, Path(tmp) / f"api-{n}", args.pool_size)
+            ApiServer(url, secret, Path(tmp) / f"api-{n}", args.pool_size, workers)
             for n in range(args.api_procs)
         ]
         clients: LoadClients | None = None
@@ -1053,7 +1156,8 @@ async def measure_api(args: argparse.Namespace, url: str, samples: Samples) -> M
             base_urls = [await server.base_url() for server in servers]
             meter = CpuMeter([server.proc.pid for server in servers])
             print(f"API: {shlex.join(servers[0].command)} -> {', '.join(base_urls)}")
-            clients = LoadClients(args.client, base_urls, token, args.concurrency)
+            clients = LoadClients(args.client, base_urls, token, args.concurrency, Path(tmp))
+            clients.wrk_seconds = args.wrk_seconds
             helper = clients.httpx  # the walk, the bulk run and its polls
             for _ in range(3):  # warm up: the pool's connections, first-request imports
                 (await helper.get(PREFIX)).raise_for_status()
@@ -1084,13 +1188,13 @@ async def measure_api(args: argparse.Namespace, url: str, samples: Samples) -> M
                 f"\nlist queries straight on the database ({args.sql_checks} per endpoint, one"
                 " connection, no HTTP); EXPLAIN ANALYZE of the slowest"
             )
-            sql_checks = (
+            checked = (
                 await check_sql(url, [(p, r) for p, r in planned if p.sql_filter], args.sql_checks)
-                if args.sql_checks
+                if args.sql_checks and sql_checks
                 else []
             )
             print()
-            ids = samples.pending_ids
+            ids = pending_ids
             writes_planned = (
                 (
                     Phase("replay", "write", None),
@@ -1117,7 +1221,7 @@ async def measure_api(args: argparse.Namespace, url: str, samples: Samples) -> M
                     )
                 )
             http_bulk = None
-            if not args.no_bulk:
+            if bulk:
                 print(f"\nbulk replay over HTTP: {BULK_HTTP} ({args.bulk_rows:,} pending rows)")
                 http_bulk = await bulk_over_http(helper, args.bulk_rows)
                 print_bulk_http(http_bulk)
@@ -1127,7 +1231,9 @@ async def measure_api(args: argparse.Namespace, url: str, samples: Samples) -> M
             for server in servers:
                 server.stop()
             api_log = "\n".join(server.output() for server in servers)
-    return Measured(results, sql_checks, http_bulk, walk_s, api_log)
+    for result in results:
+        result.processes = workers * args.api_procs
+    return Measured(results, checked, http_bulk, walk_s, api_log)
 
 
 def wanted(args: argparse.Namespace, name: str) -> bool:
@@ -1207,12 +1313,34 @@ async def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
     if args.proposal_index:
         print(f"with the proposed index: {' '.join(PROPOSED_INDEX_SQL.split())}")
     print("server: " + ", ".join(f"{k} {v}" for k, v in (await server_notes(url)).items()))
-    samples = await draw_samples(url, 2 * (args.requests + args.serial), random.Random(args.seed))
+    # Replays and discards, distinct ids.
+    per_run = 2 * (args.serial + (args.wrk_ids if args.client == "wrk" else args.requests))
+    samples = await draw_samples(url, per_run * len(args.workers), random.Random(args.seed))
     print(
         f"core.dead_letters: {samples.rows:,} rows, table {samples.table_mb:,.0f} MiB,"
         f" indexes {samples.index_mb:,.0f} MiB"
     )
-    measured = await measure_api(args, url, samples)
+    runs = []
+    for n, workers in enumerate(args.workers):
+        print(f"\n=== {args.api_procs} x jobfence api --workers {workers}")
+        runs.append(
+            await measure_api(
+                args,
+                url,
+                samples,
+                workers=workers,
+                pending_ids=samples.pending_ids[n * per_run : (n + 1) * per_run],
+                bulk=not args.no_bulk and n == len(args.workers) - 1,
+                sql_checks=n == 0,
+            )
+        )
+    measured = Measured(
+        results=[r for m in runs for r in m.results],
+        sql_checks=runs[0].sql_checks,
+        http_bulk=runs[-1].http_bulk,
+        walk_s=runs[0].walk_s,
+        api_log="\n".join(m.api_log for m in runs),
+    )
     inproc_bulk = None
     problems: list[str] = []
     if measured.http_bulk is not None:
@@ -1252,13 +1380,28 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=32, help="concurrent clients (32)")
     parser.add_argument(
         "--client",
-        choices=["raw", "httpx"],
+        choices=["raw", "httpx", "wrk"],
         default="raw",
         help="load generator: one keep-alive connection per client driven by a minimal asyncio"
-        " HTTP/1.1 client (raw, the default: least CPU), or httpx.AsyncClient with a pool",
+        " HTTP/1.1 client (raw, the default), httpx.AsyncClient with a pool, or wrk (one thread,"
+        " --concurrency connections, a Lua script with the requests: the least CPU; needs wrk"
+        " installed, else falls back to raw)",
     )
     parser.add_argument(
         "--requests", type=int, default=640, help="requests per endpoint under load (640)"
+    )
+    parser.add_argument(
+        "--wrk-seconds",
+        type=float,
+        default=5.0,
+        help="--client wrk: seconds per endpoint under load, instead of --requests (5)",
+    )
+    parser.add_argument(
+        "--wrk-ids",
+        type=int,
+        default=4000,
+        help="--client wrk: distinct pending dead letters for replay and for discard; once"
+        " used up, wrk sends them again and the 409s count as errors (4000)",
     )
     parser.add_argument(
         "--serial", type=int, default=20, help="requests per endpoint sent one at a time (20)"
@@ -1267,6 +1410,13 @@ def main() -> int:
         "--deep-pages", type=int, default=200, help="pages to follow for the deep cursor (200)"
     )
     parser.add_argument("--pool-size", type=int, default=10, help="jobfence api --pool-size (10)")
+    parser.add_argument(
+        "--workers",
+        type=lambda text: [int(part) for part in text.split(",")],
+        default=[1, 2],
+        help="jobfence api --workers: measure each of these comma-separated values in turn"
+        " (1,2; the bulk replay runs with the last)",
+    )
     parser.add_argument(
         "--api-procs",
         type=int,
@@ -1312,6 +1462,13 @@ def main() -> int:
     args = parser.parse_args()
     if args.reuse:
         args.keep = True
+    if args.client == "wrk" and not wrk_available():
+        print(
+            "wrk is not installed (Debian/Ubuntu: apt-get install -y wrk; macOS: brew install"
+            " wrk): using the raw asyncio driver instead",
+            file=sys.stderr,
+        )
+        args.client = "raw"
     if args.rows < 4 * args.bulk_rows:
         parser.error("--rows must be at least 4 x --bulk-rows")
     command = shlex.join([os.path.relpath(sys.executable), *sys.argv])

@@ -13,7 +13,6 @@ With ``--cprofile`` it then profiles one jobfence run and prints the top functio
 from __future__ import annotations
 
 import argparse
-import asyncio
 import cProfile
 import io
 import pstats
@@ -38,7 +37,7 @@ from common import (
     job_work,
 )
 
-from jobfence import PgQueue, Worker, open_pool
+from jobfence import PgQueue, Worker, open_pool, runtime
 from jobfence.model import Delivery
 from jobfence.schema import migrate
 
@@ -262,7 +261,10 @@ def main() -> int:
     parser.add_argument("--admin-url", default=None)
     parser.add_argument("--db", default="jobfence_profile")
     parser.add_argument("--keep-db", action="store_true")
-    asyncio.run(main_async(parser.parse_args()))
+    parser.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop")
+    args = parser.parse_args()
+    print(f"event loop: {args.loop}")
+    runtime.run(lambda: main_async(args), loop=args.loop)
     return 0
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import logging
 import multiprocessing as mp
@@ -68,7 +69,7 @@ from common import (
     versions,
 )
 
-from jobfence import PgQueue, Worker, open_pool
+from jobfence import PgQueue, Worker, open_pool, runtime
 from jobfence.schema import migrate
 
 CEILING = "ceiling"
@@ -217,7 +218,8 @@ def child_main(pipe: Connection, go: Event) -> None:
         if cmd is None:
             return
         try:
-            tracker = asyncio.run(CHILDREN[cmd["system"]](cmd, pipe, go))
+            child = functools.partial(CHILDREN[cmd["system"]], cmd, pipe, go)
+            tracker = runtime.run(child, loop=cmd["loop"])
             pipe.send({"count": tracker.count, "first": tracker.first, "last": tracker.last})
         except BaseException:
             pipe.send({"error": traceback.format_exc()})
@@ -292,10 +294,11 @@ class Bench:
     papp: procrastinate.App
     pipes: list[Connection]
     go: Event
+    loop: str
 
 
 async def measure(bench: Bench, config: Config, jobs: int, round_no: int) -> Measurement:
-    url, papp, pipes, go = bench.url, bench.papp, bench.pipes, bench.go
+    url, papp, pipes, go, loop = bench.url, bench.papp, bench.pipes, bench.go, bench.loop
     prefix = f"r{round_no}-{config.system}-{config.procs}x{config.concurrency}:"
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
         await prepare(conn, papp, config, jobs, prefix)
@@ -312,6 +315,7 @@ async def measure(bench: Bench, config: Config, jobs: int, round_no: int) -> Mea
                     "index": index,
                     "concurrency": config.concurrency,
                     "prefix": prefix,
+                    "loop": loop,
                 }
             )
         errors = []
@@ -411,6 +415,7 @@ async def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
     admin_url = args.admin_url or admin_url_from_env()
     print(f"machine: {machine_notes()}")
     print("versions: " + ", ".join(f"{k} {v}" for k, v in versions().items()))
+    print(f"event loop of every worker process, all systems: {args.loop}")
     url = await create_database(admin_url, args.db)
     print("server: " + ", ".join(f"{k} {v}" for k, v in (await server_notes(url)).items()))
     papp = build_procrastinate_app(url)
@@ -430,7 +435,7 @@ async def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
             proc.start()
             pipes.append(parent)
             procs.append(proc)
-        bench = Bench(url, papp, pipes, go)
+        bench = Bench(url, papp, pipes, go, args.loop)
         results: list[Measurement] = []
         try:
             for r in range(args.rounds):
@@ -479,6 +484,13 @@ def main() -> int:
         default=",".join(SYSTEMS),
         type=lambda text: [part.strip() for part in text.split(",") if part.strip()],
         help=f"comma-separated subset of {','.join(SYSTEMS)} (all)",
+    )
+    parser.add_argument(
+        "--loop",
+        choices=("uvloop", "asyncio"),
+        default="uvloop",
+        help="event loop of every worker process, all systems alike (uvloop: what `jobfence "
+        "worker` runs on by default)",
     )
     parser.add_argument("--json", default=None, help="also write the results to this file")
     args = parser.parse_args()
