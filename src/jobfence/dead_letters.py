@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from psycopg import AsyncConnection
+from psycopg import AsyncConnection, AsyncCursor
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
@@ -14,6 +14,7 @@ from jobfence.codec import original_body
 from jobfence.errors import DeadLetterConflict, DeadLetterNotFound
 from jobfence.harness import SQL
 from jobfence.model import Message
+from jobfence.pgtx import begin_with
 from jobfence.ports import QueuePort
 
 MAX_DISCARD_REASON = 2000
@@ -68,16 +69,17 @@ async def get_dead_letter(conn: AsyncConnection[Any], dead_letter_id: int) -> De
     return DeadLetter(**row)
 
 
-async def _lock_pending(conn: AsyncConnection[Any], dead_letter_id: int) -> dict[str, Any]:
-    """Lock one dead letter for its status change; it must exist and still be pending."""
-    async with conn.cursor(row_factory=dict_row) as cur:
-        await cur.execute(SQL["dead_letter_lock_pending"], {"id": dead_letter_id})
-        row = await cur.fetchone()
+def _pending_row(
+    cur: AsyncCursor[Any], row: tuple[Any, ...] | None, dead_letter_id: int
+) -> dict[str, Any]:
+    """The locked dead letter as a dict; it must exist and still be pending."""
     if row is None:
         raise DeadLetterNotFound(f"no dead letter with id {dead_letter_id}")
-    if row["status"] != "pending_review":
-        raise DeadLetterConflict(dead_letter_id, row["status"])
-    return row
+    assert cur.description is not None
+    record = {column.name: value for column, value in zip(cur.description, row, strict=True)}
+    if record["status"] != "pending_review":
+        raise DeadLetterConflict(dead_letter_id, record["status"])
+    return record
 
 
 async def replay_dead_letter(
@@ -99,8 +101,11 @@ async def replay_dead_letter(
     crash between the two may publish twice, which the fence absorbs.
     """
     _check_actor(resolved_by)
-    async with pool.connection() as conn, conn.transaction():
-        row = await _lock_pending(conn, dead_letter_id)
+    async with (
+        pool.connection() as conn,
+        begin_with(conn, SQL["dead_letter_lock_pending"], {"id": dead_letter_id}) as cur,
+    ):
+        row = _pending_row(cur, await cur.fetchone(), dead_letter_id)
         message = Message(
             queue=row["queue"],
             consumer=row["consumer"],
@@ -132,10 +137,16 @@ async def discard_dead_letter(
     if len(reason) > MAX_DISCARD_REASON:
         raise ValueError(f"a discard reason is at most {MAX_DISCARD_REASON} characters")
     _check_actor(resolved_by)
-    async with pool.connection() as conn, conn.transaction():
-        await _lock_pending(conn, dead_letter_id)
-        await conn.execute(
-            SQL["dead_letter_mark_discarded"],
+    async with pool.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
+        await cur.execute(
+            SQL["dead_letter_discard"],
             {"id": dead_letter_id, "reason": reason, "resolved_by": resolved_by},
         )
-        return await get_dead_letter(conn, dead_letter_id)
+        row = await cur.fetchone()
+        if row is not None:
+            return DeadLetter(**row)
+        await cur.execute(SQL["dead_letter_status"], {"id": dead_letter_id})
+        found = await cur.fetchone()
+    if found is None:
+        raise DeadLetterNotFound(f"no dead letter with id {dead_letter_id}")
+    raise DeadLetterConflict(dead_letter_id, found["status"])

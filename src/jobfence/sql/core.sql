@@ -50,12 +50,20 @@ SET status = 'replayed', resolved_at = now(), resolved_by = %(resolved_by)s
 WHERE id = %(id)s AND status = 'pending_review'
 RETURNING id;
 
--- name: dead_letter_mark_discarded
+-- name: dead_letter_discard
+-- The whole discard in one statement: the UPDATE takes the row lock, and under READ COMMITTED a
+-- concurrent replay or discard that commits first makes the status check fail here (the row is
+-- re-read after the wait). No row returned: unknown id or no longer pending (dead_letter_status).
 UPDATE core.dead_letters
 SET status = 'discarded', discard_reason = %(reason)s, resolved_at = now(),
     resolved_by = %(resolved_by)s
 WHERE id = %(id)s AND status = 'pending_review'
-RETURNING id;
+RETURNING id, job_id, queue, consumer, tenant_id, payload, payload_encoding, attempts,
+          last_error, error_class, correlation_id, status, discard_reason, created_at,
+          resolved_at, resolved_by;
+
+-- name: dead_letter_status
+SELECT status FROM core.dead_letters WHERE id = %(id)s;
 
 -- name: cleanup_expired_batch
 -- Deletes at most %(batch_size)s expired fence rows by the database clock. SKIP LOCKED keeps
