@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -38,3 +41,16 @@ async def scalar(conn: psycopg.AsyncConnection[Any], query: Any, params: Any = N
     cur = await conn.execute(query, params)
     row = await cur.fetchone()
     return None if row is None else row[0]
+
+
+def print_sql_with_env(**env: str) -> subprocess.CompletedProcess[str]:
+    """``jobfence migrate --print-sql`` (no database needed) in a real process, with ``env`` set:
+    for the one-line errors of bad settings read at start-up."""
+    return subprocess.run(
+        [sys.executable, "-m", "jobfence.cli", "migrate", "--print-sql"],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )

@@ -23,6 +23,7 @@ from cliapps import observed
 from jobfence import Message
 from jobfence.adapters.pg_queue import publish_on
 from jobfence.observability import configure_logging
+from support import print_sql_with_env
 
 TESTS_DIR = Path(__file__).parent
 JOB_FIELDS = ("job_id", "consumer", "queue", "tenant_id", "correlation_id", "attempt")
@@ -205,14 +206,7 @@ async def test_configured_secrets_never_appear_in_any_log_line(
 
 
 def test_a_bad_jobfence_log_format_is_one_clear_error_line() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "jobfence.cli", "migrate", "--print-sql"],
-        env={**os.environ, "JOBFENCE_LOG_FORMAT": "xml"},
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    done = print_sql_with_env(JOBFENCE_LOG_FORMAT="xml")
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         "jobfence: error: JOBFENCE_LOG_FORMAT must be one of text, json, got 'xml'"

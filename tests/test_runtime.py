@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 
 import pytest
 
 from jobfence import runtime
+from support import print_sql_with_env
 
 
 async def loop_module() -> str:
@@ -32,14 +30,7 @@ def test_the_default_is_uvloop_when_installed(monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_a_bad_jobfence_event_loop_is_one_clear_error_line() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "jobfence.cli", "migrate", "--print-sql"],
-        env={**os.environ, "JOBFENCE_EVENT_LOOP": "tokio"},
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    done = print_sql_with_env(JOBFENCE_EVENT_LOOP="tokio")
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         "jobfence: error: JOBFENCE_EVENT_LOOP must be one of auto, uvloop, asyncio, got 'tokio'"

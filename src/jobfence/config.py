@@ -78,35 +78,33 @@ def jwt_audience_from_env(environ: Mapping[str, str] | None = None) -> str | Non
     return _optional(os.environ if environ is None else environ, ENV_JWT_AUDIENCE)
 
 
-# Logs (``jobfence --log-format``): text for people, json for log pipelines.
+def _choice_from_env(environ: Mapping[str, str] | None, name: str, choices: tuple[str, ...]) -> str:
+    """The variable's value, case-insensitive, one of ``choices`` (unset or empty: the first)."""
+    env = os.environ if environ is None else environ
+    value = env.get(name, "").strip().lower() or choices[0]
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
+# The event loop of every command: uvloop where it is installed, unless told otherwise.
 ENV_EVENT_LOOP = "JOBFENCE_EVENT_LOOP"
 EVENT_LOOPS = ("auto", "uvloop", "asyncio")
 
 
 def event_loop_from_env(environ: Mapping[str, str] | None = None) -> str:
     """``auto`` (the default: uvloop where it is installed), ``uvloop`` or ``asyncio``."""
-    env = os.environ if environ is None else environ
-    value = env.get(ENV_EVENT_LOOP, "").strip().lower() or "auto"
-    if value not in EVENT_LOOPS:
-        raise ConfigError(
-            f"{ENV_EVENT_LOOP} must be one of {', '.join(EVENT_LOOPS)}, got {value!r}"
-        )
-    return value
+    return _choice_from_env(environ, ENV_EVENT_LOOP, EVENT_LOOPS)
 
 
+# Logs (``jobfence --log-format``): text for people, json for log pipelines.
 ENV_LOG_FORMAT = "JOBFENCE_LOG_FORMAT"
 LOG_FORMATS = ("text", "json")
 
 
 def log_format_from_env(environ: Mapping[str, str] | None = None) -> str:
     """``text`` (the default) or ``json``."""
-    env = os.environ if environ is None else environ
-    value = env.get(ENV_LOG_FORMAT, "").strip().lower() or "text"
-    if value not in LOG_FORMATS:
-        raise ConfigError(
-            f"{ENV_LOG_FORMAT} must be one of {', '.join(LOG_FORMATS)}, got {value!r}"
-        )
-    return value
+    return _choice_from_env(environ, ENV_LOG_FORMAT, LOG_FORMATS)
 
 
 def secrets_from_env(environ: Mapping[str, str] | None = None) -> list[str]:
