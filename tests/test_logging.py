@@ -75,22 +75,15 @@ def json_lines(stderr: str) -> list[dict[str, Any]]:
 async def enqueue_one_of_each_outcome(conn: psycopg.AsyncConnection[Any]) -> None:
     await conn.execute(pointsapp.SCHEMA_SQL)
     app = observed.app
-    await app.enqueue(
-        conn,
-        "award_points",
-        {"account_id": 1, "points": 5},
-        job_id="ok-1",
-        tenant_id="tenant-a",
-        correlation_id="corr-1",
-    )
-    await app.enqueue(
-        conn,
-        "award_points",
-        {"account_id": 1, "points": 5},
-        job_id="ok-1",
-        tenant_id="tenant-a",
-        correlation_id="corr-1",
-    )
+    for _ in range(2):  # the same job twice: one success, one duplicate
+        await app.enqueue(
+            conn,
+            "award_points",
+            {"account_id": 1, "points": 5},
+            job_id="ok-1",
+            tenant_id="tenant-a",
+            correlation_id="corr-1",
+        )
     await app.enqueue(
         conn,
         "award_points",
