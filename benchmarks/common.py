@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import procrastinate
+import psutil
 import psycopg
 from psycopg.conninfo import make_conninfo
 from pydantic import BaseModel
@@ -203,3 +204,20 @@ def build_procrastinate_app(
             await work(points, account_id)
 
     return app
+
+
+def server_cpu() -> dict[int, float]:
+    """CPU seconds of every PostgreSQL process on this machine (a local server is assumed),
+    including the backends that have exited: the postmaster's children times hold those."""
+    found = {}
+    for proc in psutil.process_iter(["name", "cpu_times"]):
+        if proc.info["name"] in ("postgres", "postmaster") and proc.info["cpu_times"]:
+            t = proc.info["cpu_times"]
+            found[proc.pid] = t.user + t.system + t.children_user + t.children_system
+    return found
+
+
+def cpu_used(before: dict[int, float], after: dict[int, float]) -> float:
+    """CPU seconds used between two :func:`server_cpu`-like readings (by pid; a process that
+    started meanwhile counts whole)."""
+    return sum(t - before.get(pid, 0.0) for pid, t in after.items())

@@ -22,7 +22,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import psutil
 import psycopg
 from common import (
     CEILING_CONSUMER,
@@ -31,10 +30,12 @@ from common import (
     Tracker,
     admin_url_from_env,
     build_jobfence_app,
+    cpu_used,
     create_database,
     drop_database,
     enqueue_jobfence,
     job_work,
+    server_cpu,
 )
 
 from jobfence import PgQueue, Worker, open_pool, runtime
@@ -86,16 +87,6 @@ class RoundTrips:
         psycopg.AsyncConnection.wait = self._original  # type: ignore[method-assign]
 
 
-def server_cpu() -> dict[int, float]:
-    """CPU seconds of every PostgreSQL process on this machine (a local server is assumed)."""
-    found = {}
-    for proc in psutil.process_iter(["name", "cpu_times"]):
-        if proc.info["name"] in ("postgres", "postmaster") and proc.info["cpu_times"]:
-            times = proc.info["cpu_times"]
-            found[proc.pid] = times.user + times.system
-    return found
-
-
 class Meter:
     """Wall time, round trips, client and server CPU of one run."""
 
@@ -110,7 +101,7 @@ class Meter:
         self.wall = (last_job_at or time.monotonic()) - self.wall
         self.client = time.process_time() - self.client
         after = server_cpu()
-        self.server = sum(t - self.server.get(pid, 0.0) for pid, t in after.items())
+        self.server = cpu_used(self.server, after)
         self.trips.__exit__()
 
     def __exit__(self, *exc: object) -> None:

@@ -14,10 +14,12 @@ id = %s``:
                    transactions/s on one connection" matches this one, not the async loop.
 
 "1 worker" and "4 workers" are 1 and 4 OS processes (multiprocessing, spawn), each handling one
-job at a time, so the systems are comparable. An extra line runs jobfence in one process
-with ``concurrency=4``. Rounds alternate the systems (and rotate their order) so that drift on a
-shared machine hits all of them alike; the table gives the medians of the rounds (min-max) and
-the ratio lines the median of the per-round ratios.
+job at a time, so the systems are comparable. An extra column runs jobfence and Procrastinate
+in one process with ``concurrency=4`` each (Procrastinate's tasks then get one work connection
+each from a pool, as jobfence's processors do), for information. Rounds alternate the systems
+(and rotate their order) so that drift on a shared machine hits all of them alike; the table
+gives the medians of the rounds (min-max) and the ratio lines the median of the per-round
+ratios. CPU per job is that of the worker processes and of every PostgreSQL process.
 
 Timing: the worker processes connect and get ready first; the clock starts when the main process
 releases them all at once and stops when the last job's work statement has run in any process.
@@ -47,6 +49,7 @@ from multiprocessing.synchronize import Event
 from typing import Any
 
 import procrastinate
+import psutil
 import psycopg
 from common import (
     CEILING_CONSUMER,
@@ -58,6 +61,7 @@ from common import (
     admin_url_from_env,
     build_jobfence_app,
     build_procrastinate_app,
+    cpu_used,
     create_database,
     drop_database,
     enqueue_jobfence,
@@ -65,9 +69,11 @@ from common import (
     job_work,
     machine_notes,
     scalar,
+    server_cpu,
     server_notes,
     versions,
 )
+from psycopg_pool import AsyncConnectionPool
 
 from jobfence import PgQueue, Worker, open_pool, runtime
 from jobfence.schema import migrate
@@ -113,6 +119,8 @@ class Measurement:
     seconds: float
     ok: bool
     problems: list[str] = field(default_factory=list)
+    client_cpu: float = 0.0  # CPU seconds of the worker processes during the run
+    server_cpu: float = 0.0  # CPU seconds of the PostgreSQL processes during the run
 
     @property
     def rate(self) -> float:
@@ -183,10 +191,20 @@ async def _child_jobfence(cmd: dict[str, Any], pipe: Connection, go: Event) -> T
 
 async def _child_procrastinate(cmd: dict[str, Any], pipe: Connection, go: Event) -> Tracker:
     tracker = Tracker()
-    async with await psycopg.AsyncConnection.connect(cmd["url"], autocommit=True) as work_conn:
+    concurrency = cmd["concurrency"]
+    # One work connection per concurrent job, as jobfence's processors each hold one.
+    async with AsyncConnectionPool(
+        cmd["url"],
+        min_size=concurrency,
+        max_size=concurrency,
+        kwargs={"autocommit": True},
+        open=False,
+    ) as work_pool:
+        await work_pool.wait()
 
         async def work(points: int, account_id: int) -> None:
-            await work_conn.execute(WORK_SQL, (points, account_id))
+            async with work_pool.connection() as work_conn:
+                await work_conn.execute(WORK_SQL, (points, account_id))
             tracker.done()
 
         app = build_procrastinate_app(cmd["url"], work)
@@ -195,7 +213,7 @@ async def _child_procrastinate(cmd: dict[str, Any], pipe: Connection, go: Event)
             await _released(go)
             await app.run_worker_async(
                 queues=[QUEUE],
-                concurrency=cmd["concurrency"],
+                concurrency=concurrency,
                 wait=False,
                 install_signal_handlers=False,
                 name=f"bench-{cmd['index']}",
@@ -295,6 +313,7 @@ class Bench:
     pipes: list[Connection]
     go: Event
     loop: str
+    workers: list[psutil.Process]
 
 
 async def measure(bench: Bench, config: Config, jobs: int, round_no: int) -> Measurement:
@@ -323,9 +342,14 @@ async def measure(bench: Bench, config: Config, jobs: int, round_no: int) -> Mea
             reply = await asyncio.to_thread(pipe.recv)
             if reply != "ready":
                 errors.append(reply.get("error", repr(reply)))
+        workers = bench.workers[: config.procs]
+        client_before = _cpu_of(workers)
+        server_before = server_cpu()
         started = time.monotonic()
         go.set()
         results = [await asyncio.to_thread(pipe.recv) for pipe in used if not errors]
+        client = cpu_used(client_before, _cpu_of(workers))
+        server = cpu_used(server_before, server_cpu())
         errors += [r["error"] for r in results if "error" in r]
         if errors:
             raise RuntimeError(f"{config.key} failed in a worker process:\n" + "\n".join(errors))
@@ -335,7 +359,13 @@ async def measure(bench: Bench, config: Config, jobs: int, round_no: int) -> Mea
         problems = await verify(conn, config, jobs, points_after - points_before)
         if handled != jobs:
             problems.append(f"{handled} jobs handled, expected {jobs}")
-    return Measurement(config, round_no, jobs, finished - started, not problems, problems)
+    return Measurement(
+        config, round_no, jobs, finished - started, not problems, problems, client, server
+    )
+
+
+def _cpu_of(procs: list[psutil.Process]) -> dict[int, float]:
+    return {p.pid: (t := p.cpu_times()).user + t.system for p in procs}
 
 
 def _fmt_rate(values: list[float]) -> str:
@@ -345,6 +375,61 @@ def _fmt_rate(values: list[float]) -> str:
     if len(values) == 1:
         return f"{med:,.0f}"
     return f"{med:,.0f} ({min(values):,.0f}-{max(values):,.0f})"
+
+
+def _print_cpu(
+    by_key: dict[str, list[Measurement]], configs: list[Config], columns: list[str], width: int
+) -> None:
+    print()
+    print("CPU ms per job, worker processes + PostgreSQL (median of the rounds)")
+    print(f"{'':<20}" + "".join(f"{col:>{width}}" for col in columns))
+    for system in SYSTEMS:
+        row = f"{LABELS[system]:<20}"
+        for col in columns:
+            cfg = next((c for c in configs if c.system == system and c.column == col), None)
+            runs = by_key.get(cfg.key, []) if cfg else []
+            if runs:
+                client = statistics.median(1000 * m.client_cpu / m.jobs for m in runs)
+                server = statistics.median(1000 * m.server_cpu / m.jobs for m in runs)
+                row += f"{f'{client:.3f} + {server:.3f}':>{width}}"
+            else:
+                row += f"{'-':>{width}}"
+        print(row)
+
+
+def _print_ratios(by_key: dict[str, list[Measurement]], rounds: int) -> dict[str, dict[str, Any]]:
+    ratios: dict[str, dict[str, Any]] = {}
+    print()
+    print("ratios: median of the per-round ratios (min-max); targets (b)/(a) >= 0.60, (b)/(c) >= 4")
+    comparisons: list[tuple[int, int, str, float | None, str]] = []
+    for procs in (1, 4):
+        comparisons += [
+            (procs, 1, CEILING, 0.60, "(b)/(a)"),
+            (procs, 1, PROCRASTINATE, 4.0, "(b)/(c)"),
+            (procs, 1, CEILING_SYNC, None, "(b)/(a')"),
+        ]
+    comparisons.append((1, 4, PROCRASTINATE, None, "(b)/(c)"))
+    for procs, concurrency, other, target, label in comparisons:
+        mine, theirs = Config(JOBFENCE, procs, concurrency), Config(other, procs, concurrency)
+        col = mine.column
+        per_round = []
+        for r in range(rounds):
+            b = [m for m in by_key.get(mine.key, []) if m.round == r]
+            o = [m for m in by_key.get(theirs.key, []) if m.round == r]
+            if b and o and o[0].rate:
+                per_round.append(b[0].rate / o[0].rate)
+        if per_round:
+            med = statistics.median(per_round)
+            spread = f"({min(per_round):.2f}-{max(per_round):.2f})"
+            if other == CEILING_SYNC:
+                verdict = "for information: the blocking-API ceiling"
+            elif target is None:
+                verdict = "for information: both in one process, 4 jobs at a time"
+            else:
+                verdict = f"target >= {target:g}: " + ("met" if med >= target else "NOT met")
+            print(f"  {label:<8} at {col:<10} {med:6.2f} {spread:<14} {verdict}")
+            ratios[f"{label} {col}"] = {"median": med, "per_round": per_round, "target": target}
+    return ratios
 
 
 def report(
@@ -366,32 +451,9 @@ def report(
             row += f"{_fmt_rate(rates):>{width}}"
         print(row)
 
-    ratios: dict[str, dict[str, Any]] = {}
-    print()
-    print("ratios: median of the per-round ratios (min-max); targets (b)/(a) >= 0.60, (b)/(c) >= 4")
-    for procs in (1, 4):
-        col = Config(JOBFENCE, procs, 1).column
-        for other, target, label in (
-            (CEILING, 0.60, "(b)/(a)"),
-            (PROCRASTINATE, 4.0, "(b)/(c)"),
-            (CEILING_SYNC, None, "(b)/(a')"),
-        ):
-            per_round = []
-            for r in range(args.rounds):
-                b = [m for m in by_key.get(Config(JOBFENCE, procs, 1).key, []) if m.round == r]
-                o = [m for m in by_key.get(Config(other, procs, 1).key, []) if m.round == r]
-                if b and o and o[0].rate:
-                    per_round.append(b[0].rate / o[0].rate)
-            if not per_round:
-                continue
-            med = statistics.median(per_round)
-            spread = f"({min(per_round):.2f}-{max(per_round):.2f})"
-            if target is None:
-                verdict = "for information: the blocking-API ceiling"
-            else:
-                verdict = f"target >= {target:g}: " + ("met" if med >= target else "NOT met")
-            print(f"  {label:<8} at {col:<10} {med:6.2f} {spread:<14} {verdict}")
-            ratios[f"{label} {col}"] = {"median": med, "per_round": per_round, "target": target}
+    _print_cpu(by_key, configs, columns, width)
+
+    ratios = _print_ratios(by_key, args.rounds)
     failed = [m for m in results if not m.ok]
     for m in failed:
         print(f"CHECK FAILED: round {m.round + 1} {m.config.key}: {'; '.join(m.problems)}")
@@ -403,7 +465,15 @@ def report(
         "jobs": args.jobs,
         "rounds": args.rounds,
         "runs": [
-            {**asdict(m.config), "round": m.round, "seconds": m.seconds, "rate": m.rate, "ok": m.ok}
+            {
+                **asdict(m.config),
+                "round": m.round,
+                "seconds": m.seconds,
+                "rate": m.rate,
+                "ok": m.ok,
+                "client_cpu_ms_per_job": 1000 * m.client_cpu / m.jobs,
+                "server_cpu_ms_per_job": 1000 * m.server_cpu / m.jobs,
+            }
             for m in results
         ],
         "ratios": ratios,
@@ -424,8 +494,8 @@ async def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
 
         systems = [s for s in SYSTEMS if s in args.systems]
         configs = [Config(s, p, 1) for p in (1, 4) for s in systems]
-        if JOBFENCE in systems and not args.no_extra:
-            configs.append(Config(JOBFENCE, 1, 4))
+        if not args.no_extra:  # one process running 4 jobs at a time, for information
+            configs += [Config(s, 1, 4) for s in (JOBFENCE, PROCRASTINATE) if s in systems]
         ctx = mp.get_context("spawn")
         go = ctx.Event()
         pipes, procs = [], []
@@ -435,7 +505,8 @@ async def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
             proc.start()
             pipes.append(parent)
             procs.append(proc)
-        bench = Bench(url, papp, pipes, go, args.loop)
+        workers = [psutil.Process(proc.pid) for proc in procs]
+        bench = Bench(url, papp, pipes, go, args.loop, workers)
         results: list[Measurement] = []
         try:
             for r in range(args.rounds):

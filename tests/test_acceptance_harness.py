@@ -40,6 +40,7 @@ from jobfence import (
     open_pool,
     replay_dead_letter,
 )
+from jobfence.pgtx import Tx
 from jobfence.worker import RunUntil
 from support import scalar, wait_until
 
@@ -838,3 +839,67 @@ async def test_handler_raising_after_its_work_rolls_back_everything_and_schedule
     assert 30.0 <= (run_at - clock.now()).total_seconds() <= 37.5
     assert last_error.startswith("pointsapp.Flaky: ledger went away after the write")
     assert metrics.count("retried") == 1
+
+
+# -- one round trip between two jobs: a COMMIT that fails while the next job waits ---------------
+
+
+async def test_a_commit_that_fails_while_the_next_job_waits_fails_that_job_alone(
+    pool: AsyncConnectionPool[Any],
+    points: AsyncConnection[Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A deferred foreign key is checked at COMMIT: job "bad-4" passes its handler and fails at
+    # its COMMIT, which travels with the next job's BEGIN and fence insert.
+    await points.execute(
+        "CREATE TABLE public.audit (account_id integer"
+        " REFERENCES public.accounts (id) DEFERRABLE INITIALLY DEFERRED)"
+    )
+
+    async def award(payload: pointsapp.Award, job: JobMeta, tx: AsyncConnection[Any]) -> None:
+        await pointsapp.apply_award(payload, job, tx)
+        account = 999 if job.job_id == "bad-4" else payload.account_id
+        await tx.execute("INSERT INTO public.audit VALUES (%s)", (account,))
+
+    chained: list[str] = []  # how each chained COMMIT ended
+    original = Tx.commit_then_begin
+
+    async def observed(self: Tx, query: Any, params: Any) -> Any:
+        try:
+            result = await original(self, query, params)
+        except Exception as exc:
+            chained.append(type(exc).__name__)
+            raise
+        chained.append("ok")
+        return result
+
+    monkeypatch.setattr(Tx, "commit_then_begin", observed)
+
+    app = make_app(award, retry=RetryPolicy(permanent=(errors.ForeignKeyViolation,)))
+    job_ids = [f"{'bad' if i == 4 else 'ok'}-{i}" for i in range(10)]
+    for i, job_id in enumerate(job_ids):
+        await app.enqueue(
+            points, "award_points", {"account_id": 1 + i % 10, "points": 1}, job_id=job_id
+        )
+    metrics = PrometheusMetrics()
+    queue = PgQueue(pool, poll_interval_seconds=0.05)
+    try:
+        stats = await asyncio.wait_for(
+            worker(app, pool, queue, metrics).run(until="idle"), timeout=20
+        )
+    finally:
+        await queue.close()
+
+    assert "ForeignKeyViolation" in chained, "the failing COMMIT was sent with the next BEGIN"
+    assert "ok" in chained, chained
+    assert stats.outcomes == {"succeeded": 9, "dead_lettered": 1}
+    for job_id in job_ids:
+        expected = 0 if job_id == "bad-4" else 1
+        assert await awards(points, job_id) == expected, job_id
+        assert await fences(points, job_id) == expected, job_id
+    [dl_id] = await dead_letter_ids(points, "bad-4")
+    dl = await get_dead_letter(points, dl_id)
+    assert dl.error_class == "psycopg.errors.ForeignKeyViolation"
+    assert await count(points, "SELECT count(*) FROM public.audit") == 9
+    assert await queued(points) == 0
+    assert metrics.count("succeeded") == 9

@@ -1,7 +1,9 @@
-"""``begin_with``: BEGIN and the first statement in one round trip, then a normal transaction.
+"""``begin_with`` and ``Tx``: BEGIN and the first statement in one round trip, then a normal
+transaction; COMMIT, the next BEGIN and its first statement in one round trip.
 
-The job path relies on it for every job, so each property a handler may depend on is checked on
-a real server: rowcounts, results, the refusal of ``commit()``, savepoints, commit and rollback.
+The job path relies on them for every job, so each property a handler may depend on is checked
+on a real server: rowcounts, results, the refusal of ``commit()``, savepoints, commit and
+rollback, and which transaction an error belongs to when a COMMIT and a BEGIN travel together.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import pytest
 from psycopg import AsyncConnection
 from psycopg.pq import TransactionStatus
 
-from jobfence.pgtx import begin_with
+from jobfence.pgtx import NextBeginFailed, Tx, begin_with
 from support import scalar
 
 INSERT = "INSERT INTO t (id) VALUES (%(id)s) ON CONFLICT DO NOTHING RETURNING id"
@@ -91,3 +93,81 @@ async def test_a_failing_first_statement_raises_and_leaves_the_connection_usable
     assert table.info.transaction_status == TransactionStatus.IDLE
     assert table._pipeline is None
     assert await scalar(table, "SELECT count(*) FROM t") == 2
+
+
+async def other_sees(database_url: str, query: str) -> Any:
+    async with await AsyncConnection.connect(database_url, autocommit=True) as other:
+        return await scalar(other, query)
+
+
+async def test_commit_then_begin_commits_one_transaction_and_opens_the_next(
+    table: AsyncConnection[Any], database_url: str
+) -> None:
+    first, cur = await Tx.begin(table, INSERT, {"id": 20})
+    assert await cur.fetchone() == (20,)
+    await table.execute("UPDATE t SET v = 1 WHERE id = 1")
+    second, cur = await first.commit_then_begin(INSERT, {"id": 21})
+    assert await cur.fetchone() == (21,)
+    assert await other_sees(database_url, "SELECT count(*) FROM t WHERE id = 20") == 1
+    assert await other_sees(database_url, "SELECT v FROM t WHERE id = 1") == 1
+    assert await other_sees(database_url, "SELECT count(*) FROM t WHERE id = 21") == 0
+    assert table.info.transaction_status == TransactionStatus.INTRANS
+
+    # The chained transaction is an ordinary one: rowcounts, the refused commit(), savepoints.
+    cur = await table.execute("UPDATE t SET v = v + 1 WHERE id = ANY(%s)", ([1, 2],))
+    assert cur.rowcount == 2
+    with pytest.raises(psycopg.ProgrammingError, match="commit"):
+        await table.commit()
+    with pytest.raises(ZeroDivisionError):
+        async with table.transaction():
+            await table.execute("UPDATE t SET v = 100 WHERE id = 2")
+            raise ZeroDivisionError
+    await second.commit()
+    assert table.info.transaction_status == TransactionStatus.IDLE
+    assert await scalar(table, "SELECT count(*) FROM t WHERE id = 21") == 1
+    assert await scalar(table, "SELECT v FROM t WHERE id = 2") == 1, "the savepoint rolled back"
+
+
+async def test_a_chained_transaction_rolls_back_alone(table: AsyncConnection[Any]) -> None:
+    first, _ = await Tx.begin(table, INSERT, {"id": 30})
+    second, _ = await first.commit_then_begin(INSERT, {"id": 31})
+    await table.execute("UPDATE t SET v = 7 WHERE id = 1")
+    assert not await second.rollback(RuntimeError("handler failed"))
+    assert table.info.transaction_status == TransactionStatus.IDLE
+    assert await scalar(table, "SELECT array_agg(id ORDER BY id) FROM t") == [1, 2, 30]
+    assert await scalar(table, "SELECT v FROM t WHERE id = 1") == 0
+
+
+async def test_when_the_next_first_statement_fails_the_commit_stands(
+    table: AsyncConnection[Any],
+) -> None:
+    first, _ = await Tx.begin(table, INSERT, {"id": 40})
+    with pytest.raises(NextBeginFailed) as caught:
+        await first.commit_then_begin("INSERT INTO missing VALUES (%(id)s)", {"id": 1})
+    assert isinstance(caught.value.__cause__, psycopg.errors.UndefinedTable)
+    assert table.info.transaction_status == TransactionStatus.IDLE
+    assert table._pipeline is None
+    assert await scalar(table, "SELECT count(*) FROM t WHERE id = 40") == 1
+    async with begin_with(table, INSERT, {"id": 41}):  # the connection goes on as usual
+        pass
+    assert await scalar(table, "SELECT count(*) FROM t WHERE id = 41") == 1
+
+
+async def test_when_the_commit_fails_its_error_is_raised_and_nothing_is_begun(
+    table: AsyncConnection[Any],
+) -> None:
+    # A deferred constraint is checked at COMMIT: the COMMIT itself fails.
+    await table.execute(
+        "CREATE TABLE child (parent int REFERENCES t (id) DEFERRABLE INITIALLY DEFERRED)"
+    )
+    first, _ = await Tx.begin(table, INSERT, {"id": 50})
+    await table.execute("INSERT INTO child VALUES (999)")
+    with pytest.raises(psycopg.errors.ForeignKeyViolation):
+        await first.commit_then_begin(INSERT, {"id": 51})
+    assert table.info.transaction_status == TransactionStatus.IDLE
+    assert table._pipeline is None
+    assert await scalar(table, "SELECT count(*) FROM t WHERE id IN (50, 51)") == 0
+    assert await scalar(table, "SELECT count(*) FROM child") == 0
+    async with begin_with(table, INSERT, {"id": 52}):
+        pass
+    assert await scalar(table, "SELECT count(*) FROM t WHERE id = 52") == 1

@@ -17,7 +17,8 @@ import logging
 import random
 import time
 import traceback
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
@@ -32,7 +33,7 @@ from jobfence.app import App, Consumer
 from jobfence.codec import decode_body, stored_payload
 from jobfence.errors import HardFailure, PoisonMessage
 from jobfence.model import Delivery, JobMeta
-from jobfence.pgtx import begin_with
+from jobfence.pgtx import NextBeginFailed, Tx
 from jobfence.ports import MetricsSink, QueuePort
 from jobfence.retry import RetryPolicy
 
@@ -121,6 +122,83 @@ def _is_permanent(exc: BaseException, policy: RetryPolicy) -> bool:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class Job:
+    """A delivery decoded and validated, ready to run."""
+
+    delivery: Delivery
+    consumer: Consumer[Any]
+    payload: BaseModel
+    meta: JobMeta
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    """A job whose transaction is open with its fence insert done (``fresh``: inserted)."""
+
+    job: Job
+    tx: Tx
+    fresh: bool
+
+
+class Lookahead:
+    """What a worker's processor lends the harness while it holds a connection across jobs:
+    ``take`` gives the next waiting delivery (or None), already counted as the processor's.
+
+    When a job commits and another is waiting, the harness sends the COMMIT together with the
+    next job's BEGIN and fence insert (one round trip instead of two) and holds the next job
+    here, started or not; the processor handles :meth:`next` right after, on the same
+    connection, and gives it back if it cannot."""
+
+    __slots__ = ("_held", "_started", "_take")
+
+    def __init__(self, take: Callable[[], Delivery | None]) -> None:
+        self._take = take
+        self._held: Delivery | None = None
+        self._started: Started | None = None
+
+    def take(self) -> Delivery | None:
+        if self._held is not None:
+            return None  # one job ahead at most
+        return self._take()
+
+    def hold(self, delivery: Delivery, started: Started | None = None) -> None:
+        self._held = delivery
+        self._started = started
+
+    def next(self) -> Delivery | None:
+        """The delivery held for the processor to handle next (it stays held until then)."""
+        return self._held
+
+    def resume(self, delivery: Delivery) -> Started | None:
+        """Hand ``delivery`` over for handling: its open transaction, when it has one."""
+        if self._held is not delivery:
+            return None
+        started = self._started
+        self._held = self._started = None
+        return started
+
+    async def abandon(self) -> Delivery | None:
+        """Give up the held delivery, rolling back its open transaction if it has one (quietly:
+        this runs when the connection is lost or the processor is stopping)."""
+        held, started = self._held, self._started
+        self._held = self._started = None
+        if started is not None:
+            with contextlib.suppress(Exception):
+                await started.tx.rollback()
+        return held
+
+
+def _fence_params(job: Job) -> dict[str, Any]:
+    meta = job.meta
+    return {
+        "job_id": meta.job_id,
+        "consumer": meta.consumer,
+        "tenant_id": meta.tenant_id,
+        "ttl": job.consumer.fence_ttl,
+    }
+
+
 class Harness:
     """Runs deliveries through the fence, the handler and the failure policy."""
 
@@ -144,54 +222,38 @@ class Harness:
         self._acks = acks
         self._transactional = queue.capabilities.transactional
 
-    async def handle(self, delivery: Delivery, conn: AsyncConnection[Any] | None = None) -> Outcome:
+    async def handle(
+        self,
+        delivery: Delivery,
+        conn: AsyncConnection[Any] | None = None,
+        ahead: Lookahead | None = None,
+    ) -> Outcome:
         """Process one delivery; raises :class:`InfrastructureError` if the database is gone.
 
         The work transaction runs on ``conn`` when given (an idle autocommit connection the
-        caller holds across jobs), else on a connection from the pool."""
-        message = delivery.message
-        consumer = self._app.get(message.consumer)
-        if consumer is None:
-            return await self._poison(
-                conn,
-                delivery,
-                PoisonMessage(
-                    f"no consumer named {message.consumer!r} is registered",
-                    error_class="UnknownConsumer",
-                ),
-            )
-        try:
-            payload = consumer.schema.model_validate(decode_body(message.body))
-        except PoisonMessage as exc:
-            return await self._poison(conn, delivery, exc)
-        except ValidationError as exc:
-            return await self._poison(
-                conn,
-                delivery,
-                PoisonMessage(
-                    f"payload does not match {consumer.schema.__name__}: {exc}",
-                    error_class="SchemaInvalid",
-                ),
-            )
-        meta = JobMeta(
-            job_id=message.job_id,
-            consumer=consumer.name,
-            queue=message.queue,
-            tenant_id=message.tenant_id,
-            correlation_id=message.correlation_id,
-            attempt=delivery.attempt,
-        )
+        caller holds across jobs), else on a connection from the pool. With ``ahead`` (only
+        with ``conn``), a job's COMMIT travels with the next waiting job's BEGIN and fence
+        insert; the caller then handles ``ahead.next()`` on the same connection."""
+        started = ahead.resume(delivery) if ahead is not None else None
+        if started is not None:
+            job = started.job
+        else:
+            prepared = self._prepare(delivery)
+            if isinstance(prepared, PoisonMessage):
+                return await self._poison(conn, delivery, prepared)
+            job = prepared
 
         failure: BaseException | None = None
         for conflict_try in range(CONFLICT_RETRIES + 1):
             try:
-                return await self._run(consumer, delivery, payload, meta, conn)
+                return await self._run(job, conn, ahead, started)
             except (errors.SerializationFailure, errors.DeadlockDetected) as exc:
                 failure = exc
+                started = None
                 if conflict_try < CONFLICT_RETRIES:
                     log.info(
                         "job %s: %s, retrying at once",
-                        meta.job_id,
+                        job.meta.job_id,
                         type(exc).__name__,
                         extra=log_fields(delivery, error_class=type(exc).__name__),
                     )
@@ -202,30 +264,58 @@ class Harness:
                 failure = exc
             break
         assert failure is not None
-        return await self._fail(conn, consumer, delivery, failure)
+        return await self._fail(conn, job.consumer, delivery, failure)
+
+    def _prepare(self, delivery: Delivery) -> Job | PoisonMessage:
+        """Decode and validate: the job to run, or why the delivery is poison (D6)."""
+        message = delivery.message
+        consumer = self._app.get(message.consumer)
+        if consumer is None:
+            return PoisonMessage(
+                f"no consumer named {message.consumer!r} is registered",
+                error_class="UnknownConsumer",
+            )
+        try:
+            payload = consumer.schema.model_validate(decode_body(message.body))
+        except PoisonMessage as exc:
+            return exc
+        except ValidationError as exc:
+            return PoisonMessage(
+                f"payload does not match {consumer.schema.__name__}: {exc}",
+                error_class="SchemaInvalid",
+            )
+        meta = JobMeta(
+            job_id=message.job_id,
+            consumer=consumer.name,
+            queue=message.queue,
+            tenant_id=message.tenant_id,
+            correlation_id=message.correlation_id,
+            attempt=delivery.attempt,
+        )
+        return Job(delivery, consumer, payload, meta)
 
     async def _run(
         self,
-        consumer: Consumer[Any],
-        delivery: Delivery,
-        payload: BaseModel,
-        meta: JobMeta,
+        job: Job,
         held: AsyncConnection[Any] | None,
+        ahead: Lookahead | None,
+        started: Started | None,
     ) -> Outcome:
         conn = held
         try:
             if conn is not None:
-                fresh = await self._transaction(consumer, payload, meta, conn)
+                fresh = await self._transaction(job, conn, ahead, started)
             else:
                 async with self._pool.connection() as conn:
-                    fresh = await self._transaction(consumer, payload, meta, conn)
+                    fresh = await self._transaction(job, conn, None, None)
         except Exception as exc:
             if is_connection_loss(exc, conn):
                 raise InfrastructureError(str(exc)) from exc
             raise
         # Committed: now the message can go ("commit; ack"). A crash before the ack lands
         # redelivers it after its lease, and the fence turns that delivery into a duplicate.
-        await self._ack(delivery)
+        await self._ack(job.delivery)
+        meta = job.meta
         outcome = Outcome.SUCCEEDED if fresh else Outcome.DUPLICATE
         self._metrics.job_outcome(meta.queue, meta.consumer, outcome)
         # A duplicate is normal operation (spec behaviour 2): DEBUG, like a success. The hot
@@ -236,31 +326,68 @@ class Harness:
                 meta.job_id,
                 meta.consumer,
                 "succeeded" if fresh else "already processed: skipped",
-                extra=log_fields(delivery, outcome),
+                extra=log_fields(job.delivery, outcome),
             )
         return outcome
 
     async def _transaction(
-        self, consumer: Consumer[Any], payload: BaseModel, meta: JobMeta, conn: AsyncConnection[Any]
+        self,
+        job: Job,
+        conn: AsyncConnection[Any],
+        ahead: Lookahead | None,
+        started: Started | None,
     ) -> bool:
-        """Fence, handler, commit; True if the handler ran (False: a duplicate)."""
-        fence = {
-            "job_id": meta.job_id,
-            "consumer": meta.consumer,
-            "tenant_id": meta.tenant_id,
-            "ttl": consumer.fence_ttl,
-        }
-        async with begin_with(conn, SQL["fence_insert"], fence) as cur:
+        """Fence, handler, commit; True if the handler ran (False: a duplicate). ``started``:
+        the transaction and fence result a previous job's commit opened for this one."""
+        if started is not None:
+            tx, fresh = started.tx, started.fresh
+        else:
+            tx, cur = await Tx.begin(conn, SQL["fence_insert"], _fence_params(job))
             fresh = await cur.fetchone() is not None
+        meta = job.meta
+        try:
             if fresh:
-                started = time.perf_counter()
+                begun = time.perf_counter()
                 try:
-                    await consumer.handler(payload, meta, conn)
+                    await job.consumer.handler(job.payload, meta, conn)
                 finally:
                     self._metrics.handler_duration(
-                        meta.queue, meta.consumer, time.perf_counter() - started
+                        meta.queue, meta.consumer, time.perf_counter() - begun
                     )
+        except BaseException as exc:
+            if await tx.rollback(exc):
+                return fresh  # a psycopg.Rollback, swallowed as conn.transaction() does
+            raise
+        following = self._next_job(ahead)
+        if following is None:
+            await tx.commit()
+            return fresh
+        assert ahead is not None
+        try:
+            next_tx, cur = await tx.commit_then_begin(SQL["fence_insert"], _fence_params(following))
+            next_fresh = await cur.fetchone() is not None
+        except NextBeginFailed:
+            ahead.hold(following.delivery)  # committed; the next job starts on its own
+            return fresh
+        except BaseException:
+            ahead.hold(following.delivery)
+            raise  # this job's COMMIT failed, or its outcome went with the connection
+        ahead.hold(following.delivery, Started(following, next_tx, next_fresh))
         return fresh
+
+    def _next_job(self, ahead: Lookahead | None) -> Job | None:
+        """The next waiting job, valid, to start with this one's commit; a poison one is held
+        for the caller to handle on its own."""
+        if ahead is None:
+            return None
+        delivery = ahead.take()
+        if delivery is None:
+            return None
+        prepared = self._prepare(delivery)
+        if isinstance(prepared, PoisonMessage):
+            ahead.hold(delivery)
+            return None
+        return prepared
 
     async def _ack(self, delivery: Delivery) -> None:
         if self._acks is not None:

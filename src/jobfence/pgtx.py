@@ -1,16 +1,25 @@
-"""A transaction whose BEGIN travels with its first statement, in one round trip.
+"""Transactions whose BEGIN travels with their first statement, and whose COMMIT can travel with
+the next transaction's BEGIN: fewer round trips on the job path.
 
-``conn.transaction()`` sends BEGIN and waits for the answer before the first statement goes out.
-On the job path that is one round trip per job for nothing: :func:`begin_with` queues BEGIN and
-the first statement in psycopg's pipeline mode, leaves the pipeline once both have answered, and
-from there on behaves like ``conn.transaction()``: statements run one at a time as usual (their
-``rowcount`` and results as usual), ``conn.commit()`` inside it is refused, a nested
-``conn.transaction()`` is a savepoint, and leaving the block commits, or rolls back on an
-exception.
+``conn.transaction()`` sends BEGIN and waits for the answer before the first statement goes out,
+and sends COMMIT alone at the end. On the job path both are round trips for nothing:
+
+- :meth:`Tx.begin` queues BEGIN and the first statement in psycopg's pipeline mode and leaves
+  the pipeline once both have answered;
+- :meth:`Tx.commit_then_begin` queues this transaction's COMMIT, the next one's BEGIN and its
+  first statement in one pipeline: a worker with another job waiting finishes one job and starts
+  the next in a single round trip. Each job still has its own transaction.
+
+In between, a :class:`Tx` behaves like ``conn.transaction()``: statements run one at a time as
+usual (their ``rowcount`` and results as usual), ``conn.commit()`` inside it is refused, a nested
+``conn.transaction()`` is a savepoint. :func:`begin_with` wraps it as a context manager that
+commits on leaving, or rolls back on an exception.
 
 It enters psycopg's :class:`~psycopg.AsyncTransaction` itself: entering ``conn.transaction()``
 inside a pipeline would also open nested pipelines that outlive ours, and every later statement
-would then run pipelined (``rowcount`` of -1).
+would then run pipelined (``rowcount`` of -1). A chained BEGIN is queued before the server has
+seen the COMMIT before it, so :class:`_Chained` tells psycopg it is a main transaction, not a
+savepoint (``tests/test_pgtx.py`` holds this to psycopg's behaviour).
 """
 
 from __future__ import annotations
@@ -21,25 +30,112 @@ from typing import Any
 
 import psycopg
 from psycopg import AsyncConnection, AsyncCursor
+from psycopg.pq import TransactionStatus
 from psycopg.sql import SQL, Composed
+
+Query = str | bytes | SQL | Composed
+
+
+class NextBeginFailed(Exception):
+    """:meth:`Tx.commit_then_begin` committed, but the next transaction's first statement
+    failed (it was rolled back); ``__cause__`` is that statement's error."""
+
+
+class _Chained(psycopg.AsyncTransaction):
+    """A main transaction whose BEGIN is queued right after the previous one's COMMIT, in the
+    same pipeline: the connection still reports "in transaction", which psycopg would otherwise
+    read as "open a savepoint"."""
+
+    def _push_savepoint(self) -> None:
+        if self._conn._num_transactions:
+            raise psycopg.ProgrammingError("a chained transaction needs the previous one ended")
+        self._outer_transaction = True
+        self._stack_index = 0
+        self._conn._num_transactions = 1
+
+
+class Tx:
+    """An open transaction on an autocommit connection, started with its first statement.
+
+    End it with exactly one of :meth:`commit`, :meth:`commit_then_begin` or :meth:`rollback`."""
+
+    __slots__ = ("_conn", "_tx")
+
+    def __init__(self, conn: AsyncConnection[Any], tx: psycopg.AsyncTransaction) -> None:
+        self._conn = conn
+        self._tx = tx
+
+    @classmethod
+    async def begin(
+        cls, conn: AsyncConnection[Any], query: Query, params: Mapping[str, Any]
+    ) -> tuple[Tx, AsyncCursor[Any]]:
+        """Open a transaction on ``conn`` with ``query`` as its first statement, in one round
+        trip; if the statement fails, the transaction is rolled back and the error raised."""
+        return await cls._start(conn, psycopg.AsyncTransaction(conn), None, query, params)
+
+    async def commit(self) -> None:
+        await self._tx.__aexit__(None, None, None)
+
+    async def rollback(self, exc: BaseException | None = None) -> bool:
+        """Roll back; True when psycopg swallows ``exc`` (a :class:`psycopg.Rollback`)."""
+        if exc is None:
+            exc = psycopg.Rollback()
+        return await self._tx.__aexit__(type(exc), exc, exc.__traceback__)
+
+    async def commit_then_begin(
+        self, query: Query, params: Mapping[str, Any]
+    ) -> tuple[Tx, AsyncCursor[Any]]:
+        """Commit this transaction and open the next one with ``query`` as its first
+        statement, all in one round trip.
+
+        If it raises :class:`NextBeginFailed`, this transaction committed and the next one
+        was rolled back. Any other exception leaves this transaction's outcome to the error:
+        the COMMIT failed (or the connection was lost, and with it the knowledge)."""
+        return await self._start(self._conn, _Chained(self._conn), self._tx, query, params)
+
+    @classmethod
+    async def _start(
+        cls,
+        conn: AsyncConnection[Any],
+        tx: psycopg.AsyncTransaction,
+        previous: psycopg.AsyncTransaction | None,
+        query: Query,
+        params: Mapping[str, Any],
+    ) -> tuple[Tx, AsyncCursor[Any]]:
+        entered = False
+        try:
+            async with conn.pipeline():
+                if previous is not None:
+                    await previous.__aexit__(None, None, None)  # queues COMMIT
+                await tx.__aenter__()  # queues BEGIN
+                entered = True
+                cur = await conn.execute(query, params)
+        except BaseException as exc:
+            # COMMIT done and BEGIN done: only the first statement failed. A failed COMMIT
+            # ends the transaction and the pipeline skips what follows: the connection is idle.
+            committed = (
+                previous is not None and conn.info.transaction_status == TransactionStatus.INERROR
+            )
+            if entered:
+                await tx.__aexit__(type(exc), exc, exc.__traceback__)
+            if committed and isinstance(exc, Exception):
+                raise NextBeginFailed(str(exc)) from exc
+            raise
+        return cls(conn, tx), cur
 
 
 @asynccontextmanager
 async def begin_with(
-    conn: AsyncConnection[Any], query: str | bytes | SQL | Composed, params: Mapping[str, Any]
+    conn: AsyncConnection[Any], query: Query, params: Mapping[str, Any]
 ) -> AsyncIterator[AsyncCursor[Any]]:
     """Open a transaction on ``conn`` (an autocommit connection) with ``query`` as its first
-    statement; yield that statement's cursor."""
-    tx = psycopg.AsyncTransaction(conn)
-    entered = False
+    statement; yield that statement's cursor. Leaving the block commits; an exception rolls
+    back (a :class:`psycopg.Rollback` is swallowed, as with ``conn.transaction()``)."""
+    tx, cur = await Tx.begin(conn, query, params)
     try:
-        async with conn.pipeline():
-            await tx.__aenter__()
-            entered = True
-            cur = await conn.execute(query, params)
         yield cur
     except BaseException as exc:
-        if entered and await tx.__aexit__(type(exc), exc, exc.__traceback__):
+        if await tx.rollback(exc):
             return
         raise
-    await tx.__aexit__(None, None, None)
+    await tx.commit()

@@ -17,7 +17,13 @@ from jobfence.acks import AckBatcher
 from jobfence.adapters.prometheus import PrometheusMetrics
 from jobfence.app import App
 from jobfence.errors import ConfigError
-from jobfence.harness import Harness, InfrastructureError, is_connection_loss, log_fields
+from jobfence.harness import (
+    Harness,
+    InfrastructureError,
+    Lookahead,
+    is_connection_loss,
+    log_fields,
+)
 from jobfence.model import Delivery
 from jobfence.ports import MetricsSink, QueuePort
 from jobfence.schema import ensure_migrated
@@ -221,36 +227,56 @@ class Worker:
     async def _process_loop(self) -> None:
         """Take deliveries from the buffer and run them. A processor holds one pooled connection
         while deliveries are waiting in the buffer and gives it back when it would wait, so a
-        run of jobs costs one pool checkout and the fetch never starves."""
+        run of jobs costs one pool checkout and the fetch never starves. While it holds the
+        connection, the harness may start the next waiting job together with one's commit
+        (:class:`~jobfence.harness.Lookahead`)."""
         while True:
             waiting: Delivery | None = self._take(await self._buffer.get())
+            ahead = Lookahead(self._take_waiting)
             try:
                 async with self._pool.connection() as conn:
                     while waiting is not None:
                         delivery, waiting = waiting, None
-                        if not await self._process(delivery, conn):
+                        if not await self._process(delivery, conn, ahead):
                             break
-                        with contextlib.suppress(asyncio.QueueEmpty):
-                            waiting = self._take(self._buffer.get_nowait())
+                        waiting = ahead.next() or self._take_waiting()
+                    if (left := await ahead.abandon()) is not None:  # the connection broke
+                        self._done(left)
+                        self._lost(left, ConnectionError("the connection was lost"))
             except BaseException as exc:
-                if waiting is None:  # not about a delivery: returning the connection failed
-                    if not isinstance(exc, Exception):
-                        raise
-                    log.warning("could not return a connection to the pool: %s", exc)
-                    continue
-                self._busy -= 1
-                self._buffer.task_done()
-                self._progress.set()
-                if not isinstance(exc, Exception):  # cancelled (shutdown) before it started
-                    self._unreleased.append(waiting)
+                left = await ahead.abandon()
+                for held in (waiting, left):
+                    if held is None:
+                        continue
+                    self._done(held)
+                    if isinstance(exc, Exception):
+                        self._lost(held, exc)  # no connection to run it on: the database is away
+                    else:  # cancelled (shutdown) before it started
+                        self._unreleased.append(held)
+                if not isinstance(exc, Exception):
                     raise
-                self._lost(waiting, exc)  # no connection to run it on: the database is away
+                if waiting is None and left is None:
+                    # not about a delivery: returning the connection failed
+                    log.warning("could not return a connection to the pool: %s", exc)
 
-    async def _process(self, delivery: Delivery, conn: Any) -> bool:
+    def _take_waiting(self) -> Delivery | None:
+        """The next delivery in the buffer, if one is there now, counted as busy."""
+        try:
+            return self._take(self._buffer.get_nowait())
+        except asyncio.QueueEmpty:
+            return None
+
+    def _done(self, delivery: Delivery) -> None:
+        """``delivery`` taken with :meth:`_take` is no longer this processor's."""
+        self._busy -= 1
+        self._buffer.task_done()
+        self._progress.set()
+
+    async def _process(self, delivery: Delivery, conn: Any, ahead: Lookahead) -> bool:
         """Run one delivery on ``conn``; False when ``conn`` should go back to the pool (the
         database went away)."""
         try:
-            outcome = await self.harness.handle(delivery, conn)
+            outcome = await self.harness.handle(delivery, conn, ahead)
             self.stats.outcomes[outcome] += 1
         except InfrastructureError as exc:
             self._lost(delivery, exc)
@@ -266,9 +292,7 @@ class Worker:
                 extra=log_fields(delivery),
             )
         finally:
-            self._busy -= 1
-            self._buffer.task_done()
-            self._progress.set()
+            self._done(delivery)
         return not conn.broken
 
     def _take(self, delivery: Delivery) -> Delivery:
