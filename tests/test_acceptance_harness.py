@@ -9,6 +9,7 @@ is ``pointsapp``'s: one ``public.awards`` row and the account balance, per appli
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import random
@@ -903,3 +904,42 @@ async def test_a_commit_that_fails_while_the_next_job_waits_fails_that_job_alone
     assert await count(points, "SELECT count(*) FROM public.audit") == 9
     assert await queued(points) == 0
     assert metrics.count("succeeded") == 9
+
+
+async def test_a_handler_that_swallows_a_database_error_fails_instead_of_looking_done(
+    pool: AsyncConnectionPool[Any], points: AsyncConnection[Any]
+) -> None:
+    # PostgreSQL answers COMMIT on an aborted transaction with a silent ROLLBACK: without the
+    # check, the job would be acked as succeeded with nothing written.
+    async def award(payload: pointsapp.Award, job: JobMeta, tx: AsyncConnection[Any]) -> None:
+        await pointsapp.apply_award(payload, job, tx)
+        if job.attempt == 1:
+            with contextlib.suppress(psycopg.errors.UndefinedTable):
+                await tx.execute("UPDATE public.missing SET x = 1")
+
+    app = make_app(award)
+    for i in range(3):
+        await app.enqueue(points, "award_points", {"account_id": 2, "points": 5}, job_id=f"s-{i}")
+    metrics = PrometheusMetrics()
+    queue = PgQueue(pool, poll_interval_seconds=0.05)
+    try:
+        stats = await asyncio.wait_for(
+            worker(app, pool, queue, metrics).run(until="idle"), timeout=20
+        )
+    finally:
+        await queue.close()
+    assert stats.outcomes == {"retried": 3}
+    assert await awards(points) == 0
+    assert await balance(points, 2) == 0
+    assert await count(points, "SELECT count(*) FROM core.processed_jobs") == 0
+    cur = await points.execute(
+        "SELECT job_id, attempts, last_error FROM jobfence_queue.messages ORDER BY job_id"
+    )
+    rows = await cur.fetchall()
+    assert [(job_id, attempts) for job_id, attempts, _ in rows] == [
+        ("s-0", 1),
+        ("s-1", 1),
+        ("s-2", 1),
+    ]
+    for _, _, last_error in rows:
+        assert last_error.startswith("jobfence.errors.TransactionAborted: the handler returned")

@@ -13,6 +13,7 @@ import pytest
 from psycopg import AsyncConnection
 
 from jobfence.cli import main
+from support import scalar, wait_until
 from test_api_support import PREFIX, ApiProcess, bearer, insert_dead_letter, make_token
 
 
@@ -73,5 +74,25 @@ async def test_when_a_worker_dies_the_service_stops_with_status_1(
         assert await proc.wait_exit() == 1
         assert "exited (status -9): stopping the others" in proc.output()
         assert not second.is_running() or second.status() == psutil.STATUS_ZOMBIE
+    finally:
+        proc.cleanup()
+
+
+async def test_the_api_opens_its_pool_full_at_start(
+    database_url: str, tmp_path: Path, conn: AsyncConnection[Any]
+) -> None:
+    proc = ApiProcess(database_url, tmp_path, "--pool-size", "3")
+    try:
+        await proc.base_url()  # listening: the pool is open, before any request
+
+        async def three_open() -> bool:
+            opened = await scalar(
+                conn,
+                "SELECT count(*) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND pid <> pg_backend_pid()",
+            )
+            return bool(opened == 3)
+
+        await wait_until(three_open, timeout=10, message="the API's 3 pooled connections")
     finally:
         proc.cleanup()

@@ -25,6 +25,7 @@ from jobfence.errors import (
     HardFailure,
     JobfenceError,
     PoisonMessage,
+    TransactionAborted,
 )
 from jobfence.harness import Outcome
 from jobfence.model import Delivery, JobMeta, Message
@@ -66,6 +67,7 @@ __all__ = [
     "QueueSize",
     "ReplayResult",
     "RetryPolicy",
+    "TransactionAborted",
     "Worker",
     "WorkerStats",
     "cleanup_expired",

@@ -30,6 +30,12 @@ class HardFailure(Exception):
     __module__ = "jobfence"
 
 
+class TransactionAborted(JobfenceError):
+    """A handler returned normally from a transaction that a database error had aborted (it
+    caught the error): PostgreSQL would turn the COMMIT into a ROLLBACK without an error, and
+    the job would look done with nothing written. It fails as a transient error instead."""
+
+
 class PoisonMessage(JobfenceError):
     """A payload that can never be processed: not UTF-8 JSON, or rejected by the schema (D6)."""
 

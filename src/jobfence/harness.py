@@ -23,6 +23,7 @@ from typing import Any
 
 import psycopg
 from psycopg import AsyncConnection, errors
+from psycopg.pq import TransactionStatus
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 from pydantic import BaseModel, ValidationError
 
@@ -31,7 +32,7 @@ from jobfence.acks import AckBatcher
 from jobfence.alerts.outbox import record_dead_letter_alerts
 from jobfence.app import App, Consumer
 from jobfence.codec import decode_body, stored_payload
-from jobfence.errors import HardFailure, PoisonMessage
+from jobfence.errors import HardFailure, PoisonMessage, TransactionAborted
 from jobfence.model import Delivery, JobMeta
 from jobfence.pgtx import NextBeginFailed, Tx
 from jobfence.ports import MetricsSink, QueuePort
@@ -353,6 +354,11 @@ class Harness:
                 finally:
                     self._metrics.handler_duration(
                         meta.queue, meta.consumer, time.perf_counter() - begun
+                    )
+                if conn.info.transaction_status == TransactionStatus.INERROR:
+                    raise TransactionAborted(
+                        "the handler returned after a database error aborted its transaction"
+                        " (caught, not raised): nothing of this job can commit"
                     )
         except BaseException as exc:
             if await tx.rollback(exc):

@@ -66,7 +66,11 @@ async def serve(
     # The verifying key first: without one the API refuses to start, before any database work.
     settings = ApiSettings.from_env(bulk_chunk_size=options.bulk_chunk_size)
     url = url or db.resolve_database_url()
-    pool = await db.open_pool(url, max_size=options.pool_size, name="jobfence-api")
+    # Opened full: the first burst of requests finds its connections ready instead of waiting
+    # for the pool to grow one connection at a time.
+    pool = await db.open_pool(
+        url, min_size=options.pool_size, max_size=options.pool_size, name="jobfence-api"
+    )
     queue = PgQueue(pool)
     try:
         if sock is None:
