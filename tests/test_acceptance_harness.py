@@ -42,7 +42,7 @@ from jobfence import (
     replay_dead_letter,
 )
 from jobfence.pgtx import Tx
-from jobfence.worker import RunUntil
+from jobfence.worker import RunUntil, WorkerStats
 from support import scalar, wait_until
 
 Handler = Callable[[pointsapp.Award, JobMeta, AsyncConnection[Any]], Awaitable[None]]
@@ -845,6 +845,19 @@ async def test_handler_raising_after_its_work_rolls_back_everything_and_schedule
 # -- one round trip between two jobs: a COMMIT that fails while the next job waits ---------------
 
 
+async def run_until_idle(
+    app: App, pool: AsyncConnectionPool[Any], metrics: PrometheusMetrics
+) -> WorkerStats:
+    """Run one worker over a PostgreSQL queue until no job is due (20 s at most)."""
+    queue = PgQueue(pool, poll_interval_seconds=0.05)
+    try:
+        return await asyncio.wait_for(
+            worker(app, pool, queue, metrics).run(until="idle"), timeout=20
+        )
+    finally:
+        await queue.close()
+
+
 async def test_a_commit_that_fails_while_the_next_job_waits_fails_that_job_alone(
     pool: AsyncConnectionPool[Any],
     points: AsyncConnection[Any],
@@ -883,13 +896,7 @@ async def test_a_commit_that_fails_while_the_next_job_waits_fails_that_job_alone
             points, "award_points", {"account_id": 1 + i % 10, "points": 1}, job_id=job_id
         )
     metrics = PrometheusMetrics()
-    queue = PgQueue(pool, poll_interval_seconds=0.05)
-    try:
-        stats = await asyncio.wait_for(
-            worker(app, pool, queue, metrics).run(until="idle"), timeout=20
-        )
-    finally:
-        await queue.close()
+    stats = await run_until_idle(app, pool, metrics)
 
     assert "ForeignKeyViolation" in chained, "the failing COMMIT was sent with the next BEGIN"
     assert "ok" in chained, chained
@@ -921,13 +928,7 @@ async def test_a_handler_that_swallows_a_database_error_fails_instead_of_looking
     for i in range(3):
         await app.enqueue(points, "award_points", {"account_id": 2, "points": 5}, job_id=f"s-{i}")
     metrics = PrometheusMetrics()
-    queue = PgQueue(pool, poll_interval_seconds=0.05)
-    try:
-        stats = await asyncio.wait_for(
-            worker(app, pool, queue, metrics).run(until="idle"), timeout=20
-        )
-    finally:
-        await queue.close()
+    stats = await run_until_idle(app, pool, metrics)
     assert stats.outcomes == {"retried": 3}
     assert await awards(points) == 0
     assert await balance(points, 2) == 0
