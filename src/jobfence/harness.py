@@ -183,10 +183,11 @@ class Lookahead:
         """Give up the held delivery, rolling back its open transaction if it has one (quietly:
         this runs when the connection is lost or the processor is stopping)."""
         held, started = self._held, self._started
-        self._held = self._started = None
         if started is not None:
+            # Cancelled here, it stays held: the caller's cleanup abandons it again.
             with contextlib.suppress(Exception):
                 await started.tx.rollback()
+        self._held = self._started = None
         return held
 
 
@@ -355,7 +356,7 @@ class Harness:
                     self._metrics.handler_duration(
                         meta.queue, meta.consumer, time.perf_counter() - begun
                     )
-                if conn.info.transaction_status == TransactionStatus.INERROR:
+                if conn.pgconn.transaction_status == TransactionStatus.INERROR:
                     raise TransactionAborted(
                         "the handler returned after a database error aborted its transaction"
                         " (caught, not raised): nothing of this job can commit"
