@@ -15,6 +15,8 @@ from datetime import datetime
 from typing import Any
 
 from psycopg import AsyncConnection, sql
+from psycopg.abc import AdaptContext, Buffer
+from psycopg.adapt import Loader
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
@@ -297,17 +299,43 @@ async def list_dead_letters_json(
     *,
     limit: int = DEFAULT_PAGE,
     cursor: str | None = None,
-) -> str:
+) -> bytes:
     """The page :func:`list_dead_letters` reads, as the API's JSON (``{"items": [...],
     "next_cursor": ...}``), rendered by PostgreSQL: no row becomes a Python object, and each
     payload is the text jsonb stores, exactly (numbers beyond a float, deep nesting)."""
     query, params = _list_query("list_json_base", flt, limit=limit, cursor=cursor)
-    cur = await conn.execute(query, params)
-    rows = await cur.fetchall()
-    more = len(rows) > limit
-    rows = rows[:limit]
-    next_cursor = json.dumps(encode_cursor(rows[-1][1], rows[-1][0])) if more else "null"
-    return '{"items":[' + ",".join(row[2] for row in rows) + '],"next_cursor":' + next_cursor + "}"
+    cur = conn.cursor()
+    cur.adapters.register_loader("text", _Utf8TextLoader)
+    await cur.execute(query, params)
+    items = [row[0] for row in await cur.fetchall()]
+    next_cursor = b"null"
+    if len(items) > limit:
+        del items[limit:]  # the row that only says there is a next page
+        last = json.loads(items[-1])
+        created_at = datetime.fromisoformat(last["created_at"])
+        next_cursor = json.dumps(encode_cursor(created_at, last["id"])).encode()
+    # One join, so the page is copied once: the envelope rides on the first and last items.
+    head, tail = b'{"items":[', b'],"next_cursor":' + next_cursor + b"}"
+    if not items:
+        return head + tail
+    items[0] = head + items[0]
+    items[-1] += tail
+    return b",".join(items)
+
+
+class _Utf8TextLoader(Loader):
+    """``text`` as UTF-8 bytes: the bytes received on a UTF-8 connection (the usual case), with
+    no str made of them on the way to the HTTP response; transcoded on any other."""
+
+    def __init__(self, oid: int, context: AdaptContext | None = None) -> None:
+        super().__init__(oid, context)
+        conn = self.connection
+        self._encoding = conn.info.encoding if conn is not None else "utf-8"
+
+    def load(self, data: Buffer) -> bytes:
+        if self._encoding == "utf-8":
+            return bytes(data)
+        return bytes(data).decode(self._encoding).encode()
 
 
 async def count_dead_letters(conn: AsyncConnection[Any], flt: DeadLetterFilter) -> int:

@@ -472,7 +472,7 @@ async def _show(services: Services, dead_letter_id: int) -> Response:
         return _json(await ops.show_dead_letter_json(conn, dead_letter_id))
 
 
-def _json(text: str) -> Response:
+def _json(text: str | bytes) -> Response:
     """A body PostgreSQL rendered (see ``ops.list_dead_letters_json``), sent as it is: the
     route's ``response_model`` documents it, and the tests hold the two to each other."""
     return Response(text, media_type="application/json")

@@ -11,44 +11,30 @@ SELECT id, job_id, queue, consumer, tenant_id, payload_encoding, attempts, last_
 FROM core.dead_letters
 
 -- name: list_json_base
--- Each dead letter as the API lists it: its keyset, and the item as JSON text, compact, with
--- the fields in the order of jobfence.api.schemas.DeadLetterItemOut (the tests hold the two to
--- each other). Strings go through to_json (JSON escapes); the payload is jsonb's own text,
--- computed once per row (OFFSET 0 keeps the subquery from being inlined three times);
--- timestamps are rendered as that model renders them: UTC with "Z", microseconds only when
--- there are any. jobfence.ops appends the WHERE clause, the order and the limit.
-SELECT id, created_at,
-    '{"id":' || id
-    || ',"job_id":' || to_json(job_id)
-    || ',"queue":' || to_json(queue)
-    || ',"consumer":' || to_json(consumer)
-    || ',"tenant_id":' || coalesce(to_json(tenant_id)::text, 'null')
-    || ',"payload":' || CASE WHEN p.payload_size <= %(payload_limit)s THEN p.payload_text ELSE 'null' END
-    || ',"payload_encoding":' || to_json(payload_encoding)
-    || ',"payload_truncated":' || (p.payload_size > %(payload_limit)s)
-    || ',"payload_summary":' || CASE WHEN p.payload_size > %(payload_limit)s
-                                     THEN to_json(left(p.payload_text, %(summary_chars)s))::text
-                                     ELSE 'null' END
-    || ',"payload_size":' || p.payload_size
-    || ',"attempts":' || attempts
-    || ',"last_error":' || to_json(last_error)
-    || ',"error_class":' || to_json(error_class)
-    || ',"correlation_id":' || coalesce(to_json(correlation_id)::text, 'null')
-    || ',"status":' || to_json(status)
-    || ',"discard_reason":' || coalesce(to_json(discard_reason)::text, 'null')
-    || ',"created_at":' || to_json(to_char(created_at AT TIME ZONE 'UTC',
-                   CASE WHEN date_trunc('second', created_at) = created_at
-                        THEN 'YYYY-MM-DD"T"HH24:MI:SS"Z"'
-                        ELSE 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"' END))
-    || ',"resolved_at":' || coalesce(to_json(to_char(resolved_at AT TIME ZONE 'UTC',
-                   CASE WHEN date_trunc('second', resolved_at) = resolved_at
-                        THEN 'YYYY-MM-DD"T"HH24:MI:SS"Z"'
-                        ELSE 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"' END))::text, 'null')
-    || ',"resolved_by":' || coalesce(to_json(resolved_by)::text, 'null')
-    || '}' AS item
-FROM core.dead_letters
-CROSS JOIN LATERAL (SELECT t AS payload_text, octet_length(t) AS payload_size
-                    FROM (SELECT payload::text AS t OFFSET 0) AS rendered) AS p
+-- Each dead letter as the API lists it: the item as compact JSON text with the fields in the
+-- order of jobfence.api.schemas.DeadLetterItemOut (the tests hold the two to each other). The
+-- immutable fields were rendered when the row was inserted (migration 0008,
+-- jobfence.dead_letter_renderings; rendered here instead for a row that has none); the fields
+-- a resolution changes are rendered now, so an item is never stale. status needs no escaping
+-- (a CHECK constraint holds it to three words). Only the item is selected: jobfence.ops takes
+-- the next page's keyset from the last item itself. It appends the WHERE clause, the order
+-- and the limit.
+SELECT coalesce(r.head, jobfence.render_dead_letter_head(d))
+    || CASE WHEN d.status = 'pending_review'
+            -- Most rows listed; 0001's constraints hold the other three fields NULL.
+            THEN ',"status":"pending_review","discard_reason":null,"created_at":'
+                 || coalesce(r.created_at_json, jobfence.render_timestamp(d.created_at))
+                 || ',"resolved_at":null,"resolved_by":null}'
+            ELSE ',"status":"' || d.status || '"'
+                 || ',"discard_reason":' || coalesce(to_json(d.discard_reason)::text, 'null')
+                 || ',"created_at":' || coalesce(r.created_at_json,
+                                                 jobfence.render_timestamp(d.created_at))
+                 || ',"resolved_at":' || coalesce(jobfence.render_timestamp(d.resolved_at),
+                                                  'null')
+                 || ',"resolved_by":' || coalesce(to_json(d.resolved_by)::text, 'null')
+                 || '}' END AS item
+FROM core.dead_letters d
+LEFT JOIN jobfence.dead_letter_renderings r ON r.dead_letter_id = d.id
 
 -- name: show_json
 -- One dead letter whole as the API shows it (jobfence.api.schemas.DeadLetterDetailOut,
