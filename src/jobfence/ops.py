@@ -19,6 +19,7 @@ from psycopg.abc import AdaptContext, Buffer
 from psycopg.adapt import Loader
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
+from psycopg.types.string import ByteaBinaryLoader
 from psycopg_pool import AsyncConnectionPool
 
 from jobfence._sql import Queries
@@ -304,8 +305,13 @@ async def list_dead_letters_json(
     "next_cursor": ...}``), rendered by PostgreSQL: no row becomes a Python object, and each
     payload is the text jsonb stores, exactly (numbers beyond a float, deep nesting)."""
     query, params = _list_query("list_json_base", flt, limit=limit, cursor=cursor)
-    cur = conn.cursor()
-    cur.adapters.register_loader("text", _Utf8TextLoader)
+    # Each item as the bytes received, no str made of them on the way to the HTTP response:
+    # a text column in binary format is its text in the connection's encoding, which
+    # psycopg's (C) bytea loader hands over as they are. Another encoding than UTF-8 is
+    # transcoded.
+    utf8 = conn.info.encoding == "utf-8"
+    cur = conn.cursor(binary=utf8)
+    cur.adapters.register_loader("text", ByteaBinaryLoader if utf8 else _Utf8TextLoader)
     await cur.execute(query, params)
     items = [row[0] for row in await cur.fetchall()]
     next_cursor = b"null"
@@ -324,8 +330,7 @@ async def list_dead_letters_json(
 
 
 class _Utf8TextLoader(Loader):
-    """``text`` as UTF-8 bytes: the bytes received on a UTF-8 connection (the usual case), with
-    no str made of them on the way to the HTTP response; transcoded on any other."""
+    """``text`` received in another encoding than UTF-8, as UTF-8 bytes."""
 
     def __init__(self, oid: int, context: AdaptContext | None = None) -> None:
         super().__init__(oid, context)
@@ -333,8 +338,6 @@ class _Utf8TextLoader(Loader):
         self._encoding = conn.info.encoding if conn is not None else "utf-8"
 
     def load(self, data: Buffer) -> bytes:
-        if self._encoding == "utf-8":
-            return bytes(data)
         return bytes(data).decode(self._encoding).encode()
 
 
