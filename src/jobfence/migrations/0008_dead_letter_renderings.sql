@@ -58,8 +58,10 @@ CREATE TABLE jobfence.dead_letter_renderings (
     created_at_json text   NOT NULL
 );
 
+-- SECURITY DEFINER: a role that may insert dead letters needs no grant on the renderings (the
+-- API's role reads them: docs/operations.md, "Database roles").
 CREATE FUNCTION jobfence.render_new_dead_letters() RETURNS trigger
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     INSERT INTO jobfence.dead_letter_renderings (dead_letter_id, head, created_at_json)
     SELECT n.id, jobfence.render_dead_letter_head(n), jobfence.render_timestamp(n.created_at)
