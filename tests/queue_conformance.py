@@ -202,8 +202,8 @@ class QueueConformance:
         got = await env.receive(max_messages=1)
         assert job_ids(got) == ["done"]
 
-        await env.queue.ack(got[0])
-        await env.queue.ack(got[0])  # a second ack is a no-op
+        assert await env.queue.ack(got[0]) is True
+        assert await env.queue.ack(got[0]) is False  # a second ack is a no-op, and says so
 
         assert await env.queue.size([QUEUE]) == QueueSize(due=1, total=1)
         await env.elapse(env.lease_seconds + 1)
@@ -240,8 +240,8 @@ class QueueConformance:
         (current,) = await env.receive_soon()
         assert current.attempt == 2
 
-        await env.queue.ack(stale)
-        await env.queue.retry(stale, delay_seconds=0.0, error="stale worker")
+        assert await env.queue.ack(stale) is False, "a lost lease is reported"
+        assert await env.queue.retry(stale, delay_seconds=0.0, error="stale worker") is False
         await env.queue.release(stale)
 
         held = await env.queue.size([QUEUE])
@@ -257,7 +257,10 @@ class QueueConformance:
         (first,) = await env.receive()
         assert first.attempt == 1
 
-        await env.queue.retry(first, delay_seconds=env.delay_seconds, error="Flaky: timeout")
+        scheduled = await env.queue.retry(
+            first, delay_seconds=env.delay_seconds, error="Flaky: timeout"
+        )
+        assert scheduled is True
         assert await env.queue.size([QUEUE]) == QueueSize(due=0, total=1)
         assert await env.receive() == []
         await env.elapse(env.delay_seconds * 0.5)
@@ -405,7 +408,7 @@ class QueueConformance:
         assert (await env.queue.size([QUEUE])).total == 1, "a rolled-back ack must not remove"
 
         async with conn.transaction():
-            await env.queue.ack(delivery, tx=conn)
+            assert await env.queue.ack(delivery, tx=conn) is True
         assert (await env.queue.size([QUEUE])).total == 0
 
     async def test_close_wakes_a_waiting_receiver(self, env: QueueEnv) -> None:

@@ -19,7 +19,7 @@ import time
 import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 from psycopg import AsyncConnection, errors
@@ -48,6 +48,8 @@ MAX_TRACEBACK_FRAMES = 15
 CONFLICT_RETRIES = 3
 UNKNOWN_CONSUMER_LABEL = "<unknown>"
 
+T = TypeVar("T")
+
 
 class Outcome(enum.StrEnum):
     SUCCEEDED = "succeeded"
@@ -55,6 +57,9 @@ class Outcome(enum.StrEnum):
     RETRIED = "retried"
     DEAD_LETTERED = "dead_lettered"
     POISON = "poison"
+    # The job failed after its lease ran out and another worker took it: its failure is left to
+    # that worker (no retry scheduled, no dead letter written by this one).
+    LEASE_LOST = "lease_lost"
 
 
 class InfrastructureError(Exception):
@@ -414,7 +419,8 @@ class Harness:
         text = describe_error(exc)
         if not _is_permanent(exc, policy) and delivery.attempt < policy.max_deliveries:
             delay = policy.delay(delivery.attempt, self._rng)
-            await self._guard(self._queue.retry(delivery, delay_seconds=delay, error=text))
+            if not await self._guard(self._queue.retry(delivery, delay_seconds=delay, error=text)):
+                return self._lease_lost(delivery, exc)
             self._metrics.job_outcome(message.queue, message.consumer, Outcome.RETRIED)
             log.info(
                 "job %s for %s failed (attempt %d of %d), retrying in %.1fs: %s",
@@ -432,7 +438,8 @@ class Harness:
                 ),
             )
             return Outcome.RETRIED
-        await self._write_dead_letter(conn, delivery, error_class_of(exc), text)
+        if not await self._write_dead_letter(conn, delivery, error_class_of(exc), text):
+            return self._lease_lost(delivery, exc)
         self._metrics.job_outcome(message.queue, message.consumer, Outcome.DEAD_LETTERED)
         log.warning(
             "job %s for %s dead-lettered after %d attempt(s): %s",
@@ -448,11 +455,13 @@ class Harness:
         self, conn: AsyncConnection[Any] | None, delivery: Delivery, exc: PoisonMessage
     ) -> Outcome:
         message = delivery.message
-        await self._write_dead_letter(
+        written = await self._write_dead_letter(
             conn, delivery, exc.error_class, f"{exc.error_class}: {exc.reason}"
         )
         # Metric labels stay bounded: a message may name any consumer, registered or not.
         label = message.consumer if self._app.get(message.consumer) else UNKNOWN_CONSUMER_LABEL
+        if not written:
+            return self._lease_lost(delivery, exc, label=label)
         self._metrics.job_outcome(message.queue, label, Outcome.POISON)
         log.warning(
             "job %s for %s is poison, dead-lettered without retry: %s",
@@ -463,11 +472,31 @@ class Harness:
         )
         return Outcome.POISON
 
+    def _lease_lost(
+        self, delivery: Delivery, exc: BaseException, *, label: str | None = None
+    ) -> Outcome:
+        message = delivery.message
+        self._metrics.job_outcome(message.queue, label or message.consumer, Outcome.LEASE_LOST)
+        log.warning(
+            "job %s for %s failed after its lease ran out (%s): another worker holds it now,"
+            " so this one neither retries nor dead-letters it; raise --lease-seconds above the"
+            " handler's longest run",
+            message.job_id,
+            message.consumer,
+            error_class_of(exc),
+            extra=log_fields(delivery, Outcome.LEASE_LOST, error_class=error_class_of(exc)),
+        )
+        return Outcome.LEASE_LOST
+
     async def _write_dead_letter(
         self, held: AsyncConnection[Any] | None, delivery: Delivery, error_class: str, text: str
-    ) -> None:
+    ) -> bool:
         """Write the dead letter (and its alert, and the ack with a transactional queue) in one
-        transaction, on ``held`` when the caller holds a connection, else on a pooled one."""
+        transaction, on ``held`` when the caller holds a connection, else on a pooled one.
+
+        With a transactional queue the ack goes first: if this delivery's lease was lost (the
+        message went to another worker), nothing is written and it returns False. Another
+        queue is acked after the commit, and a lost lease there is not seen."""
         message = delivery.message
         payload_text, encoding = stored_payload(message.body)
         params = {
@@ -483,26 +512,27 @@ class Harness:
             "correlation_id": message.correlation_id,
         }
 
-        async def write() -> None:
+        async def write() -> bool:
             lease = self._pool.connection() if held is None else contextlib.nullcontext(held)
             async with lease as conn, conn.transaction():
+                if self._transactional and not await self._queue.ack(delivery, tx=conn):
+                    return False
                 cur = await conn.execute(SQL["dead_letter_insert"], params)
                 inserted = await cur.fetchone()
                 if inserted is not None:  # not a redelivered failure already pending (D5)
                     # Behaviour 4: the alert is recorded with the dead letter, same commit.
                     await record_dead_letter_alerts(conn, [inserted[0]])
-                if self._transactional:
-                    await self._queue.ack(delivery, tx=conn)
             if not self._transactional:
                 await self._queue.ack(delivery)
+            return True
 
-        await self._guard(write())
+        return await self._guard(write())
 
     @staticmethod
-    async def _guard(action: Awaitable[None]) -> None:
+    async def _guard(action: Awaitable[T]) -> T:
         """Run a queue or database action; turn a lost connection into InfrastructureError."""
         try:
-            await action
+            return await action
         except Exception as exc:
             if is_connection_loss(exc, None):
                 raise InfrastructureError(str(exc)) from exc

@@ -69,16 +69,21 @@ class QueuePort(Protocol):
         count one higher.
         """
 
-    async def ack(self, delivery: Delivery, *, tx: AsyncConnection[object] | None = None) -> None:
-        """Remove a delivered message for good (within ``tx`` for transactional adapters)."""
+    async def ack(self, delivery: Delivery, *, tx: AsyncConnection[object] | None = None) -> bool:
+        """Remove a delivered message for good (within ``tx`` for transactional adapters).
+
+        False when this delivery's lease was lost (the message was delivered again, or is gone
+        already): nothing is removed. An adapter that cannot tell returns True."""
 
     async def ack_many(self, deliveries: Sequence[Delivery]) -> None:
         """Remove several delivered messages for good, outside any transaction (the worker acks
         finished jobs in batches after their commit). Like :meth:`ack`, a delivery whose lease
         was lost or that was already acked is skipped."""
 
-    async def retry(self, delivery: Delivery, *, delay_seconds: float, error: str) -> None:
-        """Deliver the message again after ``delay_seconds``; the next attempt counts."""
+    async def retry(self, delivery: Delivery, *, delay_seconds: float, error: str) -> bool:
+        """Deliver the message again after ``delay_seconds``; the next attempt counts.
+
+        False, changing nothing, when this delivery's lease was lost (as for :meth:`ack`)."""
 
     async def release(self, delivery: Delivery) -> None:
         """Give the message back at once without counting this delivery (shutdown, outage)."""

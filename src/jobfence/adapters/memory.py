@@ -163,23 +163,27 @@ class MemoryQueue:
             return None
         return entry
 
-    async def ack(self, delivery: Delivery, *, tx: AsyncConnection[Any] | None = None) -> None:
+    async def ack(self, delivery: Delivery, *, tx: AsyncConnection[Any] | None = None) -> bool:
         if tx is not None:
             raise _refuse_tx("ack")
         entry = self._held(delivery)
-        if entry is not None:
-            del self._entries[entry.id]
+        if entry is None:
+            return False
+        del self._entries[entry.id]
+        return True
 
     async def ack_many(self, deliveries: Sequence[Delivery]) -> None:
         for delivery in deliveries:
             await self.ack(delivery)
 
-    async def retry(self, delivery: Delivery, *, delay_seconds: float, error: str) -> None:
+    async def retry(self, delivery: Delivery, *, delay_seconds: float, error: str) -> bool:
         entry = self._held(delivery)
-        if entry is not None:
-            entry.run_at = self._clock.now() + timedelta(seconds=max(delay_seconds, 0.0))
-            entry.lease_token = None
-            self._wakeup.set()
+        if entry is None:
+            return False
+        entry.run_at = self._clock.now() + timedelta(seconds=max(delay_seconds, 0.0))
+        entry.lease_token = None
+        self._wakeup.set()
+        return True
 
     async def release(self, delivery: Delivery) -> None:
         entry = self._held(delivery)

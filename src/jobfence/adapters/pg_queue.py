@@ -171,14 +171,15 @@ class PgQueue:
             ) in sorted(rows, key=lambda r: r[0])
         ]
 
-    async def ack(self, delivery: Delivery, *, tx: AsyncConnection[Any] | None = None) -> None:
+    async def ack(self, delivery: Delivery, *, tx: AsyncConnection[Any] | None = None) -> bool:
         receipt = _receipt(delivery)
         params = {"id": receipt.id, "lease_token": receipt.lease_token}
         if tx is not None:
-            await tx.execute(SQL["ack"], params)
-            return
+            cur = await tx.execute(SQL["ack"], params)
+            return bool(cur.rowcount == 1)
         async with self._pool.connection() as conn:
-            await conn.execute(SQL["ack"], params)
+            cur = await conn.execute(SQL["ack"], params)
+            return bool(cur.rowcount == 1)
 
     async def ack_many(self, deliveries: Sequence[Delivery]) -> None:
         if not deliveries:
@@ -193,10 +194,10 @@ class PgQueue:
                 },
             )
 
-    async def retry(self, delivery: Delivery, *, delay_seconds: float, error: str) -> None:
+    async def retry(self, delivery: Delivery, *, delay_seconds: float, error: str) -> bool:
         receipt = _receipt(delivery)
         async with self._pool.connection() as conn:
-            await conn.execute(
+            cur = await conn.execute(
                 SQL["retry"],
                 {
                     "id": receipt.id,
@@ -206,6 +207,7 @@ class PgQueue:
                     "last_error": error[:4000],
                 },
             )
+            return bool(cur.rowcount == 1)
 
     async def release(self, delivery: Delivery) -> None:
         receipt = _receipt(delivery)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-OUTCOMES = ("succeeded", "duplicate", "retried", "dead_lettered", "poison")
+OUTCOMES = ("succeeded", "duplicate", "retried", "dead_lettered", "poison", "lease_lost")
 
 DURATION_BUCKETS = (
     0.001,
@@ -28,7 +28,8 @@ class PrometheusMetrics:
     """The harness's counters and histogram.
 
     ``jobfence_jobs_total{queue, consumer, outcome}`` counts every delivery's outcome
-    (succeeded, duplicate, retried, dead_lettered, poison); ``jobfence_handler_duration_seconds
+    (succeeded, duplicate, retried, dead_lettered, poison, lease_lost);
+    ``jobfence_handler_duration_seconds
     {queue, consumer}`` times handlers that ran; ``jobfence_retries_scheduled_total{queue,
     consumer}`` counts retries put on the queue (one per ``retried`` outcome). Successes are
     metrics, never rows (D10).
