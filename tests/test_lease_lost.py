@@ -9,6 +9,7 @@ existed. Real PostgreSQL queue, real harness; the lease runs out in real time (0
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import psycopg
@@ -57,6 +58,16 @@ async def stale_and_current(queue: PgQueue, body: bytes) -> tuple[Delivery, Deli
     return stale, current[0]
 
 
+@pytest.fixture
+async def queue(
+    pool: AsyncConnectionPool[Any], conn: psycopg.AsyncConnection[Any]
+) -> AsyncIterator[PgQueue]:
+    await conn.execute("CREATE TABLE public.lease_effects (job_id text NOT NULL)")
+    queue = PgQueue(pool, poll_interval_seconds=0.05)
+    yield queue
+    await queue.close()
+
+
 @pytest.mark.parametrize(
     ("fail_first", "body"),
     [
@@ -68,49 +79,40 @@ async def stale_and_current(queue: PgQueue, body: bytes) -> tuple[Delivery, Deli
 async def test_a_failure_after_the_lease_ran_out_is_left_to_the_worker_holding_the_job(
     pool: AsyncConnectionPool[Any],
     conn: psycopg.AsyncConnection[Any],
+    queue: PgQueue,
     fail_first: type[BaseException],
     body: bytes,
 ) -> None:
-    await conn.execute("CREATE TABLE public.lease_effects (job_id text NOT NULL)")
-    queue = PgQueue(pool, poll_interval_seconds=0.05)
     metrics = PrometheusMetrics()
     harness = Harness(build_app(fail_first), pool, queue, metrics=metrics)
-    try:
-        stale, current = await stale_and_current(queue, body)
+    stale, current = await stale_and_current(queue, body)
 
-        assert await harness.handle(stale) == Outcome.LEASE_LOST
-        assert metrics.count("lease_lost", consumer=CONSUMER) == 1
-        for outcome in ("retried", "dead_lettered", "poison"):
-            assert metrics.count(outcome) == 0, outcome
-        assert await scalar(conn, "SELECT count(*) FROM core.dead_letters") == 0
-        row = await (
-            await conn.execute("SELECT lease_token, last_error FROM jobfence_queue.messages")
-        ).fetchone()
-        assert row == (current.receipt.lease_token, None), "the new holder's lease is untouched"  # type: ignore[attr-defined]
+    assert await harness.handle(stale) == Outcome.LEASE_LOST
+    assert metrics.count("lease_lost", consumer=CONSUMER) == 1
+    for outcome in ("retried", "dead_lettered", "poison"):
+        assert metrics.count(outcome) == 0, outcome
+    assert await scalar(conn, "SELECT count(*) FROM core.dead_letters") == 0
+    row = await (
+        await conn.execute("SELECT lease_token, last_error FROM jobfence_queue.messages")
+    ).fetchone()
+    assert row == (current.receipt.lease_token, None), "the new holder's lease is untouched"  # type: ignore[attr-defined]
 
-        # The current delivery runs as if the stale one had never been.
-        expected = Outcome.POISON if b"not a number" in body else Outcome.SUCCEEDED
-        assert await harness.handle(current) == expected
-        effects = await scalar(conn, "SELECT count(*) FROM public.lease_effects")
-        dead = await scalar(conn, "SELECT count(*) FROM core.dead_letters")
-        assert (effects, dead) == ((0, 1) if expected == Outcome.POISON else (1, 0))
-        assert await scalar(conn, "SELECT count(*) FROM jobfence_queue.messages") == 0
-    finally:
-        await queue.close()
+    # The current delivery runs as if the stale one had never been.
+    expected = Outcome.POISON if b"not a number" in body else Outcome.SUCCEEDED
+    assert await harness.handle(current) == expected
+    effects = await scalar(conn, "SELECT count(*) FROM public.lease_effects")
+    dead = await scalar(conn, "SELECT count(*) FROM core.dead_letters")
+    assert (effects, dead) == ((0, 1) if expected == Outcome.POISON else (1, 0))
+    assert await scalar(conn, "SELECT count(*) FROM jobfence_queue.messages") == 0
 
 
 async def test_a_failure_with_the_lease_still_held_is_retried_and_counted_as_before(
-    pool: AsyncConnectionPool[Any], conn: psycopg.AsyncConnection[Any]
+    pool: AsyncConnectionPool[Any], queue: PgQueue
 ) -> None:
     # The check can fail: the same first delivery, its lease still held, is retried.
-    await conn.execute("CREATE TABLE public.lease_effects (job_id text NOT NULL)")
-    queue = PgQueue(pool, poll_interval_seconds=0.05)
     metrics = PrometheusMetrics()
     harness = Harness(build_app(RuntimeError), pool, queue, metrics=metrics)
-    try:
-        await queue.publish(Message(QUEUE, CONSUMER, "job-1", json.dumps({"n": 1}).encode()))
-        (delivery,) = await queue.receive([QUEUE], max_messages=1, lease_seconds=60)
-        assert await harness.handle(delivery) == Outcome.RETRIED
-        assert metrics.count("retried") == 1 and metrics.count("lease_lost") == 0
-    finally:
-        await queue.close()
+    await queue.publish(Message(QUEUE, CONSUMER, "job-1", json.dumps({"n": 1}).encode()))
+    (delivery,) = await queue.receive([QUEUE], max_messages=1, lease_seconds=60)
+    assert await harness.handle(delivery) == Outcome.RETRIED
+    assert metrics.count("retried") == 1 and metrics.count("lease_lost") == 0

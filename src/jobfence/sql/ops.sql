@@ -38,7 +38,7 @@ LEFT JOIN jobfence.dead_letter_renderings r ON r.dead_letter_id = d.id
 
 -- name: show_json
 -- One dead letter whole as the API shows it (jobfence.api.schemas.DeadLetterDetailOut,
--- rendered as in list_json_base) with whether a fence row exists for its (job_id, consumer).
+-- rendered as in list_json_base, timestamps by migration 0008's function) with whether a fence row exists for its (job_id, consumer).
 -- No row: no such dead letter.
 SELECT '{"id":' || d.id
     || ',"job_id":' || to_json(d.job_id)
@@ -53,14 +53,8 @@ SELECT '{"id":' || d.id
     || ',"correlation_id":' || coalesce(to_json(d.correlation_id)::text, 'null')
     || ',"status":' || to_json(d.status)
     || ',"discard_reason":' || coalesce(to_json(d.discard_reason)::text, 'null')
-    || ',"created_at":' || to_json(to_char(d.created_at AT TIME ZONE 'UTC',
-                   CASE WHEN date_trunc('second', d.created_at) = d.created_at
-                        THEN 'YYYY-MM-DD"T"HH24:MI:SS"Z"'
-                        ELSE 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"' END))
-    || ',"resolved_at":' || coalesce(to_json(to_char(d.resolved_at AT TIME ZONE 'UTC',
-                   CASE WHEN date_trunc('second', d.resolved_at) = d.resolved_at
-                        THEN 'YYYY-MM-DD"T"HH24:MI:SS"Z"'
-                        ELSE 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"' END))::text, 'null')
+    || ',"created_at":' || jobfence.render_timestamp(d.created_at)
+    || ',"resolved_at":' || coalesce(jobfence.render_timestamp(d.resolved_at), 'null')
     || ',"resolved_by":' || coalesce(to_json(d.resolved_by)::text, 'null')
     || ',"fence_exists":' || EXISTS (SELECT 1 FROM core.processed_jobs f
                                      WHERE f.job_id = d.job_id AND f.consumer = d.consumer)
