@@ -7,6 +7,7 @@ microseconds, whatever the session's time zone; rendered from the row stored at 
 from __future__ import annotations
 
 import json
+import os
 from datetime import UTC, datetime
 from typing import Any
 
@@ -243,3 +244,22 @@ async def test_a_page_that_matches_nothing_is_an_empty_list(conn: AsyncConnectio
     nothing = ops.DeadLetterFilter(queue="no such queue")
     assert await ops.list_dead_letters_json(conn, nothing) == b'{"items":[],"next_cursor":null}'
     DeadLetterPageOut.model_validate_json(await ops.list_dead_letters_json(conn, nothing))
+
+
+async def test_a_page_does_not_read_the_large_payload_of_a_row_it_lists(
+    conn: AsyncConnection[Any],
+) -> None:
+    # A listed row's payload summary comes from its stored rendering: the page must not fetch
+    # the payload itself (1 MB here, kept out of line by TOAST, about 500 chunks), which it
+    # would by passing the whole row to the fallback renderer.
+    await _insert(conn, job_id="huge", payload=Jsonb({"blob": os.urandom(512 * 1024).hex()}))
+    await _insert(conn, job_id="small")
+    query, params = ops.list_page_query(ops.DeadLetterFilter(), limit=50)
+    cur = await conn.execute(b"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + query, params)
+    row = await cur.fetchone()
+    assert row is not None
+    plan = row[0][0]["Plan"]
+    blocks = plan["Shared Hit Blocks"] + plan["Shared Read Blocks"]
+    assert blocks < 40, f"listing 2 rows touched {blocks} buffers"
+    items = {item["job_id"]: item for item in (await _page_json(conn))["items"]}
+    assert items["huge"]["payload_truncated"] is True

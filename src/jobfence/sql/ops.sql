@@ -19,7 +19,11 @@ FROM core.dead_letters
 -- (a CHECK constraint holds it to three words). Only the item is selected: jobfence.ops takes
 -- the next page's keyset from the last item itself. It appends the WHERE clause, the order
 -- and the limit.
-SELECT coalesce(r.head, jobfence.render_dead_letter_head(d))
+-- The fallback reads its row again in a subquery, run only for a row without a rendering:
+-- passing `d` itself would make the scan build every listed row as one composite value (a
+-- copy of the whole row, large payloads fetched from TOAST), rendering or not.
+SELECT coalesce(r.head, (SELECT jobfence.render_dead_letter_head(f)
+                         FROM core.dead_letters f WHERE f.id = d.id))
     || CASE WHEN d.status = 'pending_review'
             -- Most rows listed; 0001's constraints hold the other three fields NULL.
             THEN ',"status":"pending_review","discard_reason":null,"created_at":'
