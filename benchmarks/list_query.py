@@ -29,10 +29,7 @@ from common import admin_url_from_env, create_database, drop_database, machine_n
 from jobfence import ops
 
 DB = "jobfence_list_bench"
-CURRENT_FALLBACK = (
-    "(SELECT jobfence.render_dead_letter_head(f)\n"
-    "                         FROM core.dead_letters f WHERE f.id = d.id)"
-)
+CURRENT_FALLBACK = "jobfence.render_dead_letter_head(ROW("
 WHOLE_ROW_FALLBACK = "jobfence.render_dead_letter_head(d)"
 
 SEED = """
@@ -56,7 +53,9 @@ def queries(limit: int) -> dict[str, str]:
         raise SystemExit("the list query's fallback is not the expected form: update this script")
     for name, value in params.items():
         current = current.replace(f"%({name})s", str(value))
-    return {"current": current, "whole row": current.replace(CURRENT_FALLBACK, WHOLE_ROW_FALLBACK)}
+    start = current.index(CURRENT_FALLBACK)
+    end = current.index("::core.dead_letters)", start) + len("::core.dead_letters)")
+    return {"current": current, "whole row": current[:start] + WHOLE_ROW_FALLBACK + current[end:]}
 
 
 def measure(url: str, query: str, connections: int, seconds: float) -> float:

@@ -19,11 +19,15 @@ FROM core.dead_letters
 -- (a CHECK constraint holds it to three words). Only the item is selected: jobfence.ops takes
 -- the next page's keyset from the last item itself. It appends the WHERE clause, the order
 -- and the limit.
--- The fallback reads its row again in a subquery, run only for a row without a rendering:
--- passing `d` itself would make the scan build every listed row as one composite value (a
--- copy of the whole row, large payloads fetched from TOAST), rendering or not.
-SELECT coalesce(r.head, (SELECT jobfence.render_dead_letter_head(f)
-                         FROM core.dead_letters f WHERE f.id = d.id))
+-- The fallback gets its row as a ROW(...) of the columns, in the table's order, built only
+-- for a row without a rendering: passing `d` itself would make the scan build every listed row
+-- as one composite value (a copy of the whole row, large payloads fetched from TOAST),
+-- rendering or not. A column added to core.dead_letters must be added here too (the cast
+-- fails otherwise, and every list test with it).
+SELECT coalesce(r.head, jobfence.render_dead_letter_head(ROW(
+           d.id, d.job_id, d.queue, d.consumer, d.tenant_id, d.payload, d.payload_encoding,
+           d.attempts, d.last_error, d.error_class, d.correlation_id, d.status,
+           d.discard_reason, d.created_at, d.resolved_at, d.resolved_by)::core.dead_letters))
     || CASE WHEN d.status = 'pending_review'
             -- Most rows listed; 0001's constraints hold the other three fields NULL.
             THEN ',"status":"pending_review","discard_reason":null,"created_at":'
