@@ -89,6 +89,28 @@ def worker(
     return Worker(app, pool, queue, metrics=metrics, **kwargs)
 
 
+async def run_worker(
+    app: App,
+    pool: AsyncConnectionPool[Any],
+    metrics: PrometheusMetrics,
+    *,
+    until: RunUntil = "idle",
+    timeout: float = 20,
+    queue: PgQueue | None = None,
+    **kwargs: Any,
+) -> WorkerStats:
+    """Run one worker until ``until`` (``timeout`` seconds at most) over ``queue``, or over a
+    PostgreSQL queue of its own, closed after."""
+    used = PgQueue(pool, poll_interval_seconds=0.05) if queue is None else queue
+    try:
+        return await asyncio.wait_for(
+            worker(app, pool, used, metrics, **kwargs).run(until=until), timeout=timeout
+        )
+    finally:
+        if queue is None:
+            await used.close()
+
+
 async def run_recording_attempts(
     pool: AsyncConnectionPool[Any], until: RunUntil, metrics: PrometheusMetrics | None = None
 ) -> list[tuple[str, int]]:
@@ -99,14 +121,7 @@ async def run_recording_attempts(
         seen.append((job.job_id, job.attempt))
         await pointsapp.apply_award(payload, job, tx)
 
-    queue = PgQueue(pool, poll_interval_seconds=0.05)
-    try:
-        await asyncio.wait_for(
-            worker(make_app(award), pool, queue, metrics or PrometheusMetrics()).run(until=until),
-            timeout=20,
-        )
-    finally:
-        await queue.close()
+    await run_worker(make_app(award), pool, metrics or PrometheusMetrics(), until=until)
     return seen
 
 
@@ -513,7 +528,7 @@ async def test_acceptance_5_replay_with_same_job_id_produces_no_second_effect(
     queue = PgQueue(pool, poll_interval_seconds=0.05)
 
     async def drain() -> None:
-        await asyncio.wait_for(worker(app, pool, queue, metrics).run(until="idle"), timeout=20)
+        await run_worker(app, pool, metrics, queue=queue)
 
     try:
         await app.enqueue(
@@ -579,7 +594,7 @@ async def test_acceptance_5_replay_of_job_already_fenced_by_redelivery_has_no_se
     queue = PgQueue(pool, poll_interval_seconds=0.05)
 
     async def drain() -> None:
-        await asyncio.wait_for(worker(app, pool, queue, metrics).run(until="idle"), timeout=20)
+        await run_worker(app, pool, metrics, queue=queue)
 
     try:
         await app.enqueue(points, "award_points", {"account_id": 5, "points": 17}, job_id="r2")
@@ -646,13 +661,7 @@ async def test_acceptance_8_successful_jobs_write_no_row_beyond_their_fence(
             correlation_id=f"c-{i}",
         )
     metrics = PrometheusMetrics()
-    queue = PgQueue(pool, poll_interval_seconds=0.05)
-    try:
-        stats = await asyncio.wait_for(
-            worker(app, pool, queue, metrics, concurrency=4).run(until="idle"), timeout=30
-        )
-    finally:
-        await queue.close()
+    stats = await run_worker(app, pool, metrics, concurrency=4, timeout=30)
     assert stats.outcomes == {"succeeded": n}
     assert metrics.count("succeeded") == n
 
@@ -688,13 +697,7 @@ async def test_hard_failure_and_permanent_error_type_dead_letter_at_once_without
             points, "award_points", {"account_id": 6, "points": 1, "mode": mode}, job_id=job_id
         )
     metrics = PrometheusMetrics()
-    queue = PgQueue(pool, poll_interval_seconds=0.05)
-    try:
-        stats = await asyncio.wait_for(
-            worker(app, pool, queue, metrics).run(until="idle"), timeout=20
-        )
-    finally:
-        await queue.close()
+    stats = await run_worker(app, pool, metrics)
     assert stats.outcomes == {"dead_lettered": 2, "retried": 1}
 
     for job_id, error_class, text in (
@@ -732,13 +735,7 @@ async def test_d7_serialization_failure_is_retried_at_once_without_counting_an_a
     app = make_app(award)
     await app.enqueue(points, "award_points", {"account_id": 7, "points": 19}, job_id="ser-1")
     metrics = PrometheusMetrics()
-    queue = PgQueue(pool, poll_interval_seconds=0.05)
-    try:
-        stats = await asyncio.wait_for(
-            worker(app, pool, queue, metrics).run(until="idle"), timeout=20
-        )
-    finally:
-        await queue.close()
+    stats = await run_worker(app, pool, metrics)
 
     assert calls == [1, 1, 1]  # three runs within one delivery
     assert stats.outcomes == {"succeeded": 1}
@@ -821,9 +818,7 @@ async def test_handler_raising_after_its_work_rolls_back_everything_and_schedule
     await queue.publish(app.message("award_points", {"account_id": 9, "points": 23}, job_id="rb-1"))
     metrics = PrometheusMetrics()
     try:
-        stats = await asyncio.wait_for(
-            worker(app, pool, queue, metrics).run(until="idle"), timeout=20
-        )
+        stats = await run_worker(app, pool, metrics, queue=queue)
     finally:
         await queue.close()
 
@@ -843,19 +838,6 @@ async def test_handler_raising_after_its_work_rolls_back_everything_and_schedule
 
 
 # -- one round trip between two jobs: a COMMIT that fails while the next job waits ---------------
-
-
-async def run_until_idle(
-    app: App, pool: AsyncConnectionPool[Any], metrics: PrometheusMetrics
-) -> WorkerStats:
-    """Run one worker over a PostgreSQL queue until no job is due (20 s at most)."""
-    queue = PgQueue(pool, poll_interval_seconds=0.05)
-    try:
-        return await asyncio.wait_for(
-            worker(app, pool, queue, metrics).run(until="idle"), timeout=20
-        )
-    finally:
-        await queue.close()
 
 
 async def test_a_commit_that_fails_while_the_next_job_waits_fails_that_job_alone(
@@ -896,7 +878,7 @@ async def test_a_commit_that_fails_while_the_next_job_waits_fails_that_job_alone
             points, "award_points", {"account_id": 1 + i % 10, "points": 1}, job_id=job_id
         )
     metrics = PrometheusMetrics()
-    stats = await run_until_idle(app, pool, metrics)
+    stats = await run_worker(app, pool, metrics)
 
     assert "ForeignKeyViolation" in chained, "the failing COMMIT was sent with the next BEGIN"
     assert "ok" in chained, chained
@@ -928,7 +910,7 @@ async def test_a_handler_that_swallows_a_database_error_fails_instead_of_looking
     for i in range(3):
         await app.enqueue(points, "award_points", {"account_id": 2, "points": 5}, job_id=f"s-{i}")
     metrics = PrometheusMetrics()
-    stats = await run_until_idle(app, pool, metrics)
+    stats = await run_worker(app, pool, metrics)
     assert stats.outcomes == {"retried": 3}
     assert await awards(points) == 0
     assert await balance(points, 2) == 0
