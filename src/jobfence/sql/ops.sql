@@ -46,7 +46,8 @@ LEFT JOIN jobfence.dead_letter_renderings r ON r.dead_letter_id = d.id
 
 -- name: show_json
 -- One dead letter whole as the API shows it (jobfence.api.schemas.DeadLetterDetailOut,
--- rendered as in list_json_base, timestamps by migration 0008's function) with whether a fence row exists for its (job_id, consumer).
+-- rendered as in list_json_base, timestamps by migration 0008's function) with whether a
+-- fence row exists for its (job_id, consumer).
 -- No row: no such dead letter.
 SELECT '{"id":' || d.id
     || ',"job_id":' || to_json(d.job_id)
