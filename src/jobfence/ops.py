@@ -138,7 +138,7 @@ class DeadLetterFilter:
         }
 
     def where(
-        self, *, extra: sql.Composable | None = None
+        self, *, extra: sql.Composable | Sequence[sql.Composable] = ()
     ) -> tuple[sql.Composable, dict[str, Any]]:
         """A ``WHERE`` clause (possibly empty) and its parameters."""
         params = self.params()
@@ -162,9 +162,11 @@ _RANGE = {
 }
 
 
-def where_clause(params: Sequence[str], *, extra: sql.Composable | None = None) -> sql.Composable:
+def where_clause(
+    params: Sequence[str], *, extra: sql.Composable | Sequence[sql.Composable] = ()
+) -> sql.Composable:
     """The ``WHERE`` clause (possibly empty) of a filter whose set values are ``params``
-    (names as :meth:`DeadLetterFilter.params` gives them)."""
+    (names as :meth:`DeadLetterFilter.params` gives them), and of the ``extra`` conditions."""
     parts: list[sql.Composable] = []
     for name in params:
         if name in _RANGE:
@@ -172,8 +174,7 @@ def where_clause(params: Sequence[str], *, extra: sql.Composable | None = None) 
         else:
             column = name.removeprefix("f_")
             parts.append(sql.SQL("{} = {}").format(sql.Identifier(column), sql.Placeholder(name)))
-    if extra is not None:
-        parts.append(extra)
+    parts.extend([extra] if isinstance(extra, sql.Composable) else extra)
     if not parts:
         return sql.SQL("")
     return sql.SQL(" WHERE ") + sql.SQL(" AND ").join(parts)
@@ -244,24 +245,53 @@ def _list_query(
         created_at, dead_letter_id = decode_cursor(cursor)
         params = {"c_created_at": created_at, "c_id": dead_letter_id}
     filter_params = flt.params()
+    shape = tuple(filter_params)
     params |= filter_params | {
-        "limit": limit + 1,
         "payload_limit": PAYLOAD_INLINE_LIMIT,
         "summary_chars": PAYLOAD_SUMMARY_CHARS,
     }
-    return _composed(base, tuple(filter_params), bool(cursor)), params
+    if shape in ((), ("f_status",)) and not cursor:  # no parameter left (see "Plans" below)
+        params.pop("f_status", None)
+        return _composed(base, (), flt.status, False, limit + 1), params
+    params["limit"] = limit + 1
+    return _composed(base, shape, None, bool(cursor), None), params
+
+
+# Plans. While a page's LIMIT is a parameter, PostgreSQL plans the page again on every request:
+# its plan cache cannot cost a generic plan for an unknown number of rows, so it never keeps
+# one, and weighing core.dead_letters' indexes costs about what running a 50-row page does
+# (0.2 ms of PostgreSQL CPU of a first page's 0.38 at 1,000,000 rows).
+# - A page without filter values or a cursor (the first page of all dead letters or of one
+#   status: the one an operator opens first, and dashboards poll) has its status and LIMIT
+#   written into the query. With no parameter left, PostgreSQL plans it once per connection,
+#   for exactly those values. status is one of three words, checked by DeadLetterFilter.
+# - Any other page keeps every value, and its LIMIT, as parameters and is planned for them on
+#   every request. A plan kept for all values is made from average estimates: at 20,000 rows,
+#   PostgreSQL's generic plan for queue + status + cursor collected every matching row and
+#   sorted them, fine for a small group and slow for a busy queue. Writing the status or the
+#   LIMIT of such a page into the query lets PostgreSQL switch to such a plan after five
+#   executions (tests/test_api_plans.py holds these pages to a plan per request).
 
 
 _CURSOR_CLAUSE = sql.SQL("(created_at, id) < (%(c_created_at)s, %(c_id)s)")
 
 
-@functools.lru_cache(maxsize=256)
-def _composed(base: str, filter_params: tuple[str, ...], cursor: bool) -> bytes:
-    # The query text depends only on which filters are set: compose it once per shape, as
-    # bytes, so psycopg's own cache of parsed queries finds it again on every request.
-    where = where_clause(filter_params, extra=_CURSOR_CLAUSE if cursor else None)
-    query = SQL[base] + where + sql.SQL(" ORDER BY created_at DESC, id DESC LIMIT %(limit)s")
-    return query.as_bytes(None)
+@functools.lru_cache(maxsize=1024)
+def _composed(
+    base: str, filter_params: tuple[str, ...], status: str | None, cursor: bool, limit: int | None
+) -> bytes:
+    # The query text depends only on which filters are set (and, on a page without parameters,
+    # on the status and the limit): compose it once per shape, as bytes, so psycopg's own cache
+    # of parsed queries finds it again on every request.
+    extra: list[sql.Composable] = []
+    if status is not None:
+        extra.append(sql.SQL("status = {}").format(sql.Literal(status)))
+    if cursor:
+        extra.append(_CURSOR_CLAUSE)
+    where = where_clause(filter_params, extra=extra)
+    order = sql.SQL(" ORDER BY created_at DESC, id DESC LIMIT ")
+    rows = sql.Placeholder("limit") if limit is None else sql.Literal(limit)
+    return (SQL[base] + where + order + rows).as_bytes(None)
 
 
 def list_page_query(
