@@ -214,7 +214,9 @@ async def test_upgrading_to_stored_renderings_renders_the_dead_letters_already_t
                 )
         await _seed(conn)
         applied = await schema.migrate(conn)
-        assert [m.version for m in applied][0] == 8
+        assert [m.version for m in applied] == [
+            m.version for m in schema.migrations() if m.version >= 8
+        ]
         cur = await conn.execute("SELECT count(*) FROM jobfence.dead_letter_renderings")
         assert await cur.fetchone() == (4,)
         await conn.execute("SET TimeZone = 'UTC'")
