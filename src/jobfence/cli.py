@@ -140,6 +140,8 @@ async def _cmd_cleanup(args: argparse.Namespace) -> int:
     try:
         async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
             await schema.ensure_migrated(conn)
+            if (warning := await schema.autovacuum_warning(conn)) is not None:
+                logging.getLogger("jobfence.cleanup").warning(warning)
             if args.every is None:
                 result = await cleanup_expired(conn, batch_size=args.batch_size, metrics=sink)
                 print(f"removed {result.deleted} expired fence rows in {result.batches} batch(es)")

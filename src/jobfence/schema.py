@@ -11,7 +11,10 @@ from typing import Any
 from psycopg import AsyncConnection
 from psycopg.sql import SQL
 
+from jobfence._sql import Queries
 from jobfence.errors import ConfigError
+
+CORE_SQL = Queries("jobfence.sql", "core.sql")
 
 # Any constant works; it only has to be the same for every jobfence deploy.
 MIGRATION_LOCK_KEY = 0x6A6F6266656E6365  # "jobfence"
@@ -134,3 +137,24 @@ async def ensure_migrated(conn: AsyncConnection[Any]) -> None:
     if missing:
         names = ", ".join(f"{m.version:04d}_{m.name}" for m in missing)
         raise ConfigError(f"the database is not migrated (missing {names}): run `jobfence migrate`")
+
+
+async def autovacuum_warning(conn: AsyncConnection[Any]) -> str | None:
+    """Why autovacuum cannot clean the tables every job leaves dead rows in, or None.
+
+    Workers and ``jobfence cleanup`` log it at start-up: nothing fails without autovacuum, but
+    the dead rows pile up (one or more per job) and every fetch and fence insert walks past
+    them, slower by the hour, until someone runs VACUUM."""
+    cur = await conn.execute(CORE_SQL["tables_without_autovacuum"])
+    rows = await cur.fetchall()
+    if not rows:
+        return None
+    tables = ", ".join(str(row[0]) for row in rows)
+    why = (
+        "autovacuum is off on this server" if not rows[0][1] else f"autovacuum is off for {tables}"
+    )
+    return (
+        f"{why}: the dead rows every job leaves in {tables} are reclaimed only by VACUUM, and "
+        "the queue's fetches and the fence's inserts slow down as they pile up; turn "
+        f"autovacuum on, or run VACUUM on {tables} on a schedule"
+    )

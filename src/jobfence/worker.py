@@ -26,7 +26,7 @@ from jobfence.harness import (
 )
 from jobfence.model import Delivery
 from jobfence.ports import MetricsSink, QueuePort
-from jobfence.schema import ensure_migrated
+from jobfence.schema import autovacuum_warning, ensure_migrated
 
 log = logging.getLogger("jobfence.worker")
 
@@ -137,6 +137,8 @@ class Worker:
         self.check()
         async with self._pool.connection() as conn:  # unmigrated: refuse now, not spin on errors
             await ensure_migrated(conn)
+            if (warning := await autovacuum_warning(conn)) is not None:
+                log.warning(warning)
         processors = [
             asyncio.create_task(self._process_loop(), name=f"jobfence-processor-{i}")
             for i in range(self.concurrency)

@@ -89,3 +89,22 @@ SELECT queue, consumer, count(*) AS pending,
 FROM core.dead_letters
 WHERE status = 'pending_review'
 GROUP BY queue, consumer;
+
+-- name: tables_without_autovacuum
+-- jobfence's tables that every job leaves dead rows in (the fence through cleanup's deletes,
+-- the PostgreSQL queue through each message's lease update and ack), where autovacuum cannot
+-- reclaim them: off on the server (autovacuum, or track_counts it depends on) or off for the
+-- table (autovacuum_enabled in its storage options). Found by name, so that a missing table
+-- is no error here (start-up checks the migrations first).
+SELECT n.nspname || '.' || c.relname AS table_name,
+       current_setting('autovacuum')::boolean AND current_setting('track_counts')::boolean
+           AS server_on
+FROM pg_class c
+JOIN pg_namespace n ON n.oid = c.relnamespace
+WHERE (n.nspname, c.relname) IN (('core', 'processed_jobs'), ('jobfence_queue', 'messages'))
+  AND (NOT (current_setting('autovacuum')::boolean AND current_setting('track_counts')::boolean)
+       OR EXISTS (SELECT 1 FROM unnest(c.reloptions) AS o (option)
+                  WHERE lower(o.option) IN ('autovacuum_enabled=false', 'autovacuum_enabled=off',
+                                            'autovacuum_enabled=no', 'autovacuum_enabled=0',
+                                            'autovacuum_enabled=f', 'autovacuum_enabled=n')))
+ORDER BY 1;
