@@ -54,3 +54,15 @@ def print_sql_with_env(**env: str) -> subprocess.CompletedProcess[str]:
         timeout=60,
         check=False,
     )
+
+
+def run_jobfence(database_url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``jobfence ARGS`` in a real process against ``database_url``; its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "jobfence.cli", *args],
+        env={**os.environ, "JOBFENCE_DATABASE_URL": database_url},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )

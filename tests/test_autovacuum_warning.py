@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import subprocess
-import sys
 from typing import Any
 
 import psycopg
@@ -18,7 +15,7 @@ from psycopg_pool import AsyncConnectionPool
 import pointsapp
 from jobfence import PgQueue, PrometheusMetrics, Worker
 from jobfence.schema import autovacuum_warning
-from support import scalar
+from support import run_jobfence, scalar
 
 TABLES = ("core.processed_jobs", "jobfence_queue.messages")
 
@@ -91,14 +88,7 @@ def test_jobfence_cleanup_warns_at_start_when_autovacuum_is_off(database_url: st
             " VALUES ('old', 'c', now() - interval '8 days', now() - interval '1 day')"
         )
 
-    done = subprocess.run(
-        [sys.executable, "-m", "jobfence.cli", "cleanup"],
-        env={**os.environ, "JOBFENCE_DATABASE_URL": database_url},
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    done = run_jobfence(database_url, "cleanup")
 
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "removed 1 expired fence rows in 1 batch(es)"

@@ -6,9 +6,6 @@ commit on their own.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from datetime import timedelta
 from typing import Any
 
@@ -18,7 +15,7 @@ from psycopg_pool import AsyncConnectionPool
 
 import pointsapp
 from jobfence import App, Consumer, PgQueue, PrometheusMetrics, Worker, cleanup_expired
-from support import scalar
+from support import run_jobfence, scalar
 
 # Fence rows straddling the boundary, relative to the database clock at insert time.
 EXPIRED_1MS_AGO = "now() - interval '1 millisecond'"
@@ -154,14 +151,7 @@ def test_jobfence_cleanup_cli_prints_how_many_rows_it_removed(database_url: str)
             " VALUES ('live', 'c', now() + interval '1 day')"
         )
 
-    done = subprocess.run(
-        [sys.executable, "-m", "jobfence.cli", "cleanup", "--batch-size", "2"],
-        env={**os.environ, "JOBFENCE_DATABASE_URL": database_url},
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    done = run_jobfence(database_url, "cleanup", "--batch-size", "2")
 
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "removed 5 expired fence rows in 3 batch(es)"
