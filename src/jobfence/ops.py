@@ -138,7 +138,7 @@ class DeadLetterFilter:
         }
 
     def where(
-        self, *, extra: sql.Composable | Sequence[sql.Composable] = ()
+        self, *, extra: sql.Composable | None = None
     ) -> tuple[sql.Composable, dict[str, Any]]:
         """A ``WHERE`` clause (possibly empty) and its parameters."""
         params = self.params()
@@ -162,11 +162,9 @@ _RANGE = {
 }
 
 
-def where_clause(
-    params: Sequence[str], *, extra: sql.Composable | Sequence[sql.Composable] = ()
-) -> sql.Composable:
+def where_clause(params: Sequence[str], *, extra: sql.Composable | None = None) -> sql.Composable:
     """The ``WHERE`` clause (possibly empty) of a filter whose set values are ``params``
-    (names as :meth:`DeadLetterFilter.params` gives them), and of the ``extra`` conditions."""
+    (names as :meth:`DeadLetterFilter.params` gives them)."""
     parts: list[sql.Composable] = []
     for name in params:
         if name in _RANGE:
@@ -174,7 +172,8 @@ def where_clause(
         else:
             column = name.removeprefix("f_")
             parts.append(sql.SQL("{} = {}").format(sql.Identifier(column), sql.Placeholder(name)))
-    parts.extend([extra] if isinstance(extra, sql.Composable) else extra)
+    if extra is not None:
+        parts.append(extra)
     if not parts:
         return sql.SQL("")
     return sql.SQL(" WHERE ") + sql.SQL(" AND ").join(parts)
@@ -286,12 +285,10 @@ def _composed(
     # The query text depends only on which filters are set (and, on a page without parameters,
     # on the status and the limit): compose it once per shape, as bytes, so psycopg's own cache
     # of parsed queries finds it again on every request.
-    extra: list[sql.Composable] = []
-    if status is not None:
-        extra.append(sql.SQL("status = {}").format(sql.Literal(status)))
-    if cursor:
-        extra.append(_CURSOR_CLAUSE)
-    where = where_clause(filter_params, extra=extra)
+    if status is not None:  # no other filter, and no cursor
+        where: sql.Composable = sql.SQL(" WHERE status = {}").format(sql.Literal(status))
+    else:
+        where = where_clause(filter_params, extra=_CURSOR_CLAUSE if cursor else None)
     order = sql.SQL(" ORDER BY created_at DESC, id DESC LIMIT ")
     rows = sql.Placeholder("limit") if limit is None else sql.Literal(limit)
     return (SQL[base] + where + order + rows).as_bytes(None)

@@ -96,13 +96,13 @@ GROUP BY queue, consumer;
 -- reclaim them: off on the server (autovacuum, or track_counts it depends on) or off for the
 -- table (autovacuum_enabled in its storage options). Found by name, so that a missing table
 -- is no error here (start-up checks the migrations first).
-SELECT n.nspname || '.' || c.relname AS table_name,
-       current_setting('autovacuum')::boolean AND current_setting('track_counts')::boolean
-           AS server_on
+SELECT n.nspname || '.' || c.relname AS table_name, server.enabled AS server_on
 FROM pg_class c
 JOIN pg_namespace n ON n.oid = c.relnamespace
+CROSS JOIN (SELECT current_setting('autovacuum')::boolean
+                   AND current_setting('track_counts')::boolean AS enabled) AS server
 WHERE (n.nspname, c.relname) IN (('core', 'processed_jobs'), ('jobfence_queue', 'messages'))
-  AND (NOT (current_setting('autovacuum')::boolean AND current_setting('track_counts')::boolean)
+  AND (NOT server.enabled
        OR EXISTS (SELECT 1 FROM unnest(c.reloptions) AS o (option)
                   WHERE lower(o.option) IN ('autovacuum_enabled=false', 'autovacuum_enabled=off',
                                             'autovacuum_enabled=no', 'autovacuum_enabled=0',
