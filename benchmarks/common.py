@@ -128,10 +128,12 @@ class Tracker:
         self.last = now
 
 
-def build_jobfence_app(tracker: Tracker | None = None) -> App:
+def build_jobfence_app(tracker: Tracker | None = None, jobs_per_transaction: int = 1) -> App:
     app = App()
 
-    @app.consumer(CONSUMER, queue=QUEUE, schema=AwardPoints)
+    @app.consumer(
+        CONSUMER, queue=QUEUE, schema=AwardPoints, jobs_per_transaction=jobs_per_transaction
+    )
     async def award(payload: AwardPoints, job: JobMeta, tx: psycopg.AsyncConnection[Any]) -> None:
         await tx.execute(WORK_SQL, (payload.points, payload.account_id))
         if tracker is not None:
@@ -169,7 +171,7 @@ def versions() -> dict[str, str]:
 async def server_notes(url: str) -> dict[str, str]:
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
         notes = {"postgres": str(await scalar(conn, "SHOW server_version"))}
-        for setting in ("synchronous_commit", "shared_buffers", "max_connections"):
+        for setting in ("synchronous_commit", "shared_buffers", "max_connections", "autovacuum"):
             notes[setting] = str(await scalar(conn, f"SHOW {setting}"))
     return notes
 

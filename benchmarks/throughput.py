@@ -6,7 +6,9 @@ id = %s``:
 (a) ceiling        a bare loop of transactions: BEGIN; the work statement; the fence insert
                    (``INSERT INTO core.processed_jobs ... ON CONFLICT DO NOTHING``); COMMIT.
 (b) jobfence       end to end over its PostgreSQL queue: jobs pre-enqueued, then
-                   ``Worker(...).run(until="idle")``.
+                   ``Worker(...).run(until="idle")``, one transaction per job (the default).
+(b2) jobfence,     the same with the consumer's ``jobs_per_transaction=10`` (``--group``): the
+     grouped       worker commits up to 10 waiting jobs in one transaction, each with its fence.
 (c) procrastinate  Procrastinate 3.x with a task running the same statement on its own
                    connection: jobs pre-deferred, ``run_worker_async(wait=False)``; the App,
                    connector and worker keep Procrastinate's defaults otherwise.
@@ -81,14 +83,17 @@ from jobfence.schema import migrate
 CEILING = "ceiling"
 CEILING_SYNC = "ceiling-sync"
 JOBFENCE = "jobfence"
+JOBFENCE_GROUP = "jobfence-group"
 PROCRASTINATE = "procrastinate"
 LABELS = {
     CEILING: "(a) ceiling",
     JOBFENCE: "(b) jobfence",
+    JOBFENCE_GROUP: "(b2) jobfence, grouped",
     PROCRASTINATE: "(c) procrastinate",
     CEILING_SYNC: "(a') ceiling, sync",
 }
-SYSTEMS = (CEILING, JOBFENCE, PROCRASTINATE, CEILING_SYNC)
+SYSTEMS = (CEILING, JOBFENCE, JOBFENCE_GROUP, PROCRASTINATE, CEILING_SYNC)
+JOBFENCES = (JOBFENCE, JOBFENCE_GROUP)
 PROCRASTINATE_TABLES = (
     "procrastinate_jobs, procrastinate_events, procrastinate_workers, procrastinate_periodic_defers"
 )
@@ -174,7 +179,11 @@ async def _child_jobfence(cmd: dict[str, Any], pipe: Connection, go: Event) -> T
     try:
         queue = PgQueue(pool, poll_interval_seconds=0.05)
         worker = Worker(
-            build_jobfence_app(tracker), pool, queue, concurrency=concurrency, poll_seconds=0.05
+            build_jobfence_app(tracker, cmd["group"] if cmd["system"] == JOBFENCE_GROUP else 1),
+            pool,
+            queue,
+            concurrency=concurrency,
+            poll_seconds=0.05,
         )
         # Open the LISTEN connection now rather than inside the timed part.
         await queue.receive(["bench-warmup"], max_messages=1, lease_seconds=1, wait_seconds=0.01)
@@ -225,12 +234,18 @@ CHILDREN = {
     CEILING: _child_ceiling,
     CEILING_SYNC: _child_ceiling_sync,
     JOBFENCE: _child_jobfence,
+    JOBFENCE_GROUP: _child_jobfence,
     PROCRASTINATE: _child_procrastinate,
 }
 
 
 def child_main(pipe: Connection, go: Event) -> None:
     logging.basicConfig(level=logging.WARNING)
+    # Every worker's start-up warning about autovacuum, 4 processes x every run: the main process
+    # says it once (VACUUM runs before each measurement, so it does not skew the figures).
+    logging.getLogger("jobfence.worker").addFilter(
+        lambda record: not record.getMessage().startswith("autovacuum is off")
+    )
     while True:
         cmd = pipe.recv()
         if cmd is None:
@@ -262,7 +277,7 @@ async def prepare(
 ) -> None:
     await migrate(conn)  # no-op, unless the working tree gained a migration during the run
     await reset(conn)
-    if config.system == JOBFENCE:
+    if config.system in JOBFENCES:
         await enqueue_jobfence(conn, prefix, 0, jobs)
     elif config.system == PROCRASTINATE:
         task = papp.tasks[CONSUMER]
@@ -290,7 +305,7 @@ async def verify(
         fences = await scalar(conn, "SELECT count(*) FROM core.processed_jobs")
         if fences != jobs:
             problems.append(f"{fences} fence rows, expected {jobs}")
-    elif config.system == JOBFENCE:
+    elif config.system in JOBFENCES:
         fences = await scalar(conn, "SELECT count(*) FROM core.processed_jobs")
         left = await scalar(conn, "SELECT count(*) FROM jobfence_queue.messages")
         if fences != jobs or left:
@@ -314,6 +329,7 @@ class Bench:
     go: Event
     loop: str
     workers: list[psutil.Process]
+    group: int
 
 
 async def measure(bench: Bench, config: Config, jobs: int, round_no: int) -> Measurement:
@@ -335,6 +351,7 @@ async def measure(bench: Bench, config: Config, jobs: int, round_no: int) -> Mea
                     "concurrency": config.concurrency,
                     "prefix": prefix,
                     "loop": loop,
+                    "group": bench.group,
                 }
             )
         errors = []
@@ -382,9 +399,9 @@ def _print_cpu(
 ) -> None:
     print()
     print("CPU ms per job, worker processes + PostgreSQL (median of the rounds)")
-    print(f"{'':<20}" + "".join(f"{col:>{width}}" for col in columns))
+    print(f"{'':<24}" + "".join(f"{col:>{width}}" for col in columns))
     for system in SYSTEMS:
-        row = f"{LABELS[system]:<20}"
+        row = f"{LABELS[system]:<24}"
         for col in columns:
             cfg = next((c for c in configs if c.system == system and c.column == col), None)
             runs = by_key.get(cfg.key, []) if cfg else []
@@ -401,16 +418,17 @@ def _print_ratios(by_key: dict[str, list[Measurement]], rounds: int) -> dict[str
     ratios: dict[str, dict[str, Any]] = {}
     print()
     print("ratios: median of the per-round ratios (min-max); targets (b)/(a) >= 0.60, (b)/(c) >= 4")
-    comparisons: list[tuple[int, int, str, float | None, str]] = []
-    for procs in (1, 4):
-        comparisons += [
-            (procs, 1, CEILING, 0.60, "(b)/(a)"),
-            (procs, 1, PROCRASTINATE, 4.0, "(b)/(c)"),
-            (procs, 1, CEILING_SYNC, None, "(b)/(a')"),
-        ]
-    comparisons.append((1, 4, PROCRASTINATE, None, "(b)/(c)"))
-    for procs, concurrency, other, target, label in comparisons:
-        mine, theirs = Config(JOBFENCE, procs, concurrency), Config(other, procs, concurrency)
+    comparisons: list[tuple[str, int, int, str, float | None, str]] = []
+    for system, b in ((JOBFENCE, "(b)"), (JOBFENCE_GROUP, "(b2)")):
+        for procs in (1, 4):
+            comparisons += [
+                (system, procs, 1, CEILING, 0.60, f"{b}/(a)"),
+                (system, procs, 1, PROCRASTINATE, 4.0, f"{b}/(c)"),
+                (system, procs, 1, CEILING_SYNC, None, f"{b}/(a')"),
+            ]
+        comparisons.append((system, 1, 4, PROCRASTINATE, None, f"{b}/(c)"))
+    for system, procs, concurrency, other, target, label in comparisons:
+        mine, theirs = Config(system, procs, concurrency), Config(other, procs, concurrency)
         col = mine.column
         per_round = []
         for r in range(rounds):
@@ -427,7 +445,7 @@ def _print_ratios(by_key: dict[str, list[Measurement]], rounds: int) -> dict[str
                 verdict = "for information: both in one process, 4 jobs at a time"
             else:
                 verdict = f"target >= {target:g}: " + ("met" if med >= target else "NOT met")
-            print(f"  {label:<8} at {col:<10} {med:6.2f} {spread:<14} {verdict}")
+            print(f"  {label:<9} at {col:<10} {med:6.2f} {spread:<14} {verdict}")
             ratios[f"{label} {col}"] = {"median": med, "per_round": per_round, "target": target}
     return ratios
 
@@ -442,9 +460,9 @@ def report(
     width = 26
     print()
     print(f"jobs/s, median of {args.rounds} rounds (min-max), {args.jobs:,} jobs per run")
-    print(f"{'':<20}" + "".join(f"{col:>{width}}" for col in columns))
+    print(f"{'':<24}" + "".join(f"{col:>{width}}" for col in columns))
     for system in SYSTEMS:
-        row = f"{LABELS[system]:<20}"
+        row = f"{LABELS[system]:<24}"
         for col in columns:
             cfg = next((c for c in configs if c.system == system and c.column == col), None)
             rates = [m.rate for m in by_key.get(cfg.key, [])] if cfg else []
@@ -495,7 +513,9 @@ async def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
         systems = [s for s in SYSTEMS if s in args.systems]
         configs = [Config(s, p, 1) for p in (1, 4) for s in systems]
         if not args.no_extra:  # one process running 4 jobs at a time, for information
-            configs += [Config(s, 1, 4) for s in (JOBFENCE, PROCRASTINATE) if s in systems]
+            configs += [
+                Config(s, 1, 4) for s in (JOBFENCE, JOBFENCE_GROUP, PROCRASTINATE) if s in systems
+            ]
         ctx = mp.get_context("spawn")
         go = ctx.Event()
         pipes, procs = [], []
@@ -506,7 +526,7 @@ async def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
             pipes.append(parent)
             procs.append(proc)
         workers = [psutil.Process(proc.pid) for proc in procs]
-        bench = Bench(url, papp, pipes, go, args.loop, workers)
+        bench = Bench(url, papp, pipes, go, args.loop, workers, args.group)
         results: list[Measurement] = []
         try:
             for r in range(args.rounds):
@@ -562,6 +582,12 @@ def main() -> int:
         default="uvloop",
         help="event loop of every worker process, all systems alike (uvloop: what `jobfence "
         "worker` runs on by default)",
+    )
+    parser.add_argument(
+        "--group",
+        type=int,
+        default=10,
+        help="jobs_per_transaction of the consumer in the (b2) runs (10)",
     )
     parser.add_argument("--json", default=None, help="also write the results to this file")
     args = parser.parse_args()

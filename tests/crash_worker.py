@@ -1,6 +1,6 @@
 """A worker process for the crash and shutdown tests of ``test_acceptance_harness.py``.
 
-    python tests/crash_worker.py crash|graceful|unacked DATABASE_URL WORKDIR
+    python tests/crash_worker.py crash|graceful|unacked|group DATABASE_URL WORKDIR
 
 It runs the ``award_points`` consumer of ``pointsapp`` on ``DATABASE_URL``. The first job's
 handler executes its work statement (the awards row), then writes ``WORKDIR/in_handler``
@@ -12,6 +12,9 @@ work exists, and then:
 * ``unacked``: like ``crash``, but only a job whose job_id ends in ``-block`` blocks; the jobs
   before it commit, and their acks wait in the worker's batch (a batch of 1,000, an hour late)
   when the test SIGKILLs it: committed work whose message was never acknowledged.
+* ``group``: like ``unacked``, but the consumer commits up to 5 jobs per transaction and the
+  worker fetches 5: the jobs before ``-block`` ran their work in the same open transaction.
+  The handler also writes ``WORKDIR/inside`` (the awards rows its transaction sees) first.
 * ``graceful``: waits for SIGTERM, then executes its second statement (the balance) and
   returns, so the job finishes after the signal. The worker runs one job at a time and has
   fetched the other queued jobs (batch of 5) without starting them.
@@ -40,21 +43,31 @@ async def main(mode: str, url: str, workdir: Path) -> int:
     terminated = asyncio.Event()
     app = App()
 
-    @app.consumer("award_points", queue=pointsapp.QUEUE, schema=pointsapp.Award)
+    @app.consumer(
+        "award_points",
+        queue=pointsapp.QUEUE,
+        schema=pointsapp.Award,
+        jobs_per_transaction=5 if mode == "group" else 1,
+    )
     async def award(payload: pointsapp.Award, job: JobMeta, tx: AsyncConnection[Any]) -> None:
         await tx.execute(
             "INSERT INTO public.awards (job_id, account_id, points) VALUES (%s, %s, %s)",
             (job.job_id, payload.account_id, payload.points),
         )
-        blocking = mode != "unacked" or job.job_id.endswith("-block")
+        blocking = mode not in ("unacked", "group") or job.job_id.endswith("-block")
         if blocking and not marker.exists():
+            if mode == "group":
+                cur = await tx.execute("SELECT count(*) FROM public.awards")
+                inside = await cur.fetchone()
+                assert inside is not None
+                (workdir / "inside").write_text(f"{inside[0]}\n")
             cur = await tx.execute("SELECT pg_backend_pid()")
             row = await cur.fetchone()
             assert row is not None
             tmp = workdir / "in_handler.tmp"
             tmp.write_text(f"{row[0]} {job.job_id} {job.attempt}\n")
             tmp.rename(marker)
-            if mode in ("crash", "unacked"):
+            if mode in ("crash", "unacked", "group"):
                 await asyncio.Event().wait()  # until SIGKILL: the commit never comes
             await terminated.wait()
         await tx.execute(
@@ -67,6 +80,10 @@ async def main(mode: str, url: str, workdir: Path) -> int:
     if mode == "crash":
         worker = Worker(
             app, pool, queue, concurrency=1, batch_size=1, lease_seconds=1.0, poll_seconds=60.0
+        )
+    elif mode == "group":
+        worker = Worker(
+            app, pool, queue, concurrency=1, batch_size=5, lease_seconds=1.0, poll_seconds=60.0
         )
     elif mode == "unacked":
         worker = Worker(
@@ -108,7 +125,7 @@ async def main(mode: str, url: str, workdir: Path) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 4 or sys.argv[1] not in ("crash", "graceful", "unacked"):
+    if len(sys.argv) != 4 or sys.argv[1] not in ("crash", "graceful", "unacked", "group"):
         print(__doc__, file=sys.stderr)
         sys.exit(2)
     os.environ.pop("JOBFENCE_DATABASE_URL", None)  # the URL argument names the database

@@ -22,11 +22,18 @@ Handler = Callable[[P, JobMeta, AsyncConnection[Any]], Awaitable[None]]
 
 DEFAULT_FENCE_TTL = timedelta(days=7)
 _NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,200}$")
+# A group holds every one of its jobs' locks until its commit: keep groups short.
+MAX_JOBS_PER_TRANSACTION = 100
 
 
 @dataclass(frozen=True, slots=True)
 class Consumer(Generic[P]):
-    """One consumer: its name (the fence's ``consumer``), queue, payload schema and handler."""
+    """One consumer: its name (the fence's ``consumer``), queue, payload schema and handler.
+
+    ``jobs_per_transaction`` above 1 lets a worker commit up to that many of this consumer's
+    waiting jobs in one transaction (group commit, ``docs/concepts.md``): each job still gets its
+    fence in the transaction that holds its work; a failing job rolls the group back and its
+    jobs run again one transaction each."""
 
     name: str
     queue: str
@@ -34,6 +41,7 @@ class Consumer(Generic[P]):
     handler: Handler[P]
     retry: RetryPolicy = DEFAULT_RETRY_POLICY
     fence_ttl: timedelta = DEFAULT_FENCE_TTL
+    jobs_per_transaction: int = 1
 
     @property
     def minimum_fence_ttl(self) -> timedelta:
@@ -72,6 +80,7 @@ class App:
         schema: type[P],
         retry: RetryPolicy = DEFAULT_RETRY_POLICY,
         fence_ttl: timedelta = DEFAULT_FENCE_TTL,
+        jobs_per_transaction: int = 1,
     ) -> Callable[[Handler[P]], Handler[P]]:
         """Register the decorated async function as consumer ``name`` of ``queue``."""
 
@@ -84,6 +93,7 @@ class App:
                     handler=handler,
                     retry=retry,
                     fence_ttl=fence_ttl,
+                    jobs_per_transaction=jobs_per_transaction,
                 )
             )
             return handler
@@ -102,6 +112,16 @@ class App:
             raise ConfigError(f"consumer {consumer.name!r}: schema must be a pydantic model class")
         if consumer.fence_ttl <= timedelta(0):
             raise ConfigError(f"consumer {consumer.name!r}: fence_ttl must be positive")
+        group = consumer.jobs_per_transaction
+        if (
+            isinstance(group, bool)
+            or not isinstance(group, int)
+            or not (1 <= group <= MAX_JOBS_PER_TRANSACTION)
+        ):
+            raise ConfigError(
+                f"consumer {consumer.name!r}: jobs_per_transaction must be an integer from 1 to"
+                f" {MAX_JOBS_PER_TRANSACTION}, got {group!r}"
+            )
         self._consumers[consumer.name] = consumer
 
     def get(self, name: str) -> Consumer[Any] | None:

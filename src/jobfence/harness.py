@@ -17,7 +17,7 @@ import logging
 import random
 import time
 import traceback
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -273,6 +273,85 @@ class Harness:
         assert failure is not None
         return await self._fail(conn, job.consumer, delivery, failure)
 
+    async def handle_group(
+        self, deliveries: Sequence[Delivery], conn: AsyncConnection[Any]
+    ) -> list[Outcome] | None:
+        """Run several deliveries of consumers with ``jobs_per_transaction`` > 1 in one
+        transaction on ``conn`` (an idle autocommit connection): every fence in one statement,
+        then each fresh job's handler, then one commit; the outcomes, in order.
+
+        None when nothing committed and nothing was acked, because a delivery is poison or a
+        handler (or the commit) failed: the caller then runs each delivery with :meth:`handle`,
+        whose failure policy applies to each job on its own. Raises :class:`InfrastructureError`
+        if the database is gone (nothing committed, or the commit's fate went with it)."""
+        jobs: list[Job] = []
+        for delivery in deliveries:
+            prepared = self._prepare(delivery)
+            if isinstance(prepared, PoisonMessage):
+                return None
+            jobs.append(prepared)
+        try:
+            fresh = await self._group_transaction(jobs, conn)
+        except Exception as exc:
+            if is_connection_loss(exc, conn):
+                raise InfrastructureError(str(exc)) from exc
+            log.info(
+                "a group of %d jobs rolled back (%s: %s); running them one transaction each",
+                len(jobs),
+                error_class_of(exc),
+                str(exc).strip().splitlines()[0][:300] if str(exc).strip() else "",
+                extra={"group_size": len(jobs), "error_class": error_class_of(exc)},
+            )
+            return None
+        outcomes: list[Outcome] = []
+        for job, ran in zip(jobs, fresh, strict=True):
+            await self._ack(job.delivery)
+            outcomes.append(self._succeeded(job, ran))
+        return outcomes
+
+    async def _group_transaction(self, jobs: list[Job], conn: AsyncConnection[Any]) -> list[bool]:
+        """Fences, handlers, commit, for a group; which jobs ran (the others are duplicates)."""
+        metas = [job.meta for job in jobs]
+        tx, cur = await Tx.begin(
+            conn,
+            SQL["fence_insert_group"],
+            {
+                "job_ids": [meta.job_id for meta in metas],
+                "consumers": [meta.consumer for meta in metas],
+                "tenant_ids": [meta.tenant_id for meta in metas],
+                "ttls": [job.consumer.fence_ttl for job in jobs],
+            },
+        )
+        try:
+            inserted = {(job_id, consumer) for job_id, consumer in await cur.fetchall()}
+            fresh: list[bool] = []
+            for job, meta in zip(jobs, metas, strict=True):
+                key = (meta.job_id, meta.consumer)
+                ran = key in inserted
+                inserted.discard(key)  # the same key again in this group is a duplicate
+                fresh.append(ran)
+                if ran:
+                    await self._run_handler(job, conn)
+        except BaseException as exc:
+            await tx.rollback(exc)
+            raise
+        await tx.commit()
+        return fresh
+
+    async def _run_handler(self, job: Job, conn: AsyncConnection[Any]) -> None:
+        """The handler, timed; a database error it caught leaves nothing to commit."""
+        meta = job.meta
+        begun = time.perf_counter()
+        try:
+            await job.consumer.handler(job.payload, meta, conn)
+        finally:
+            self._metrics.handler_duration(meta.queue, meta.consumer, time.perf_counter() - begun)
+        if conn.pgconn.transaction_status == TransactionStatus.INERROR:
+            raise TransactionAborted(
+                "the handler returned after a database error aborted its transaction"
+                " (caught, not raised): nothing of this job can commit"
+            )
+
     def _prepare(self, delivery: Delivery) -> Job | PoisonMessage:
         """Decode and validate: the job to run, or why the delivery is poison (D6)."""
         message = delivery.message
@@ -322,6 +401,10 @@ class Harness:
         # Committed: now the message can go ("commit; ack"). A crash before the ack lands
         # redelivers it after its lease, and the fence turns that delivery into a duplicate.
         await self._ack(job.delivery)
+        return self._succeeded(job, fresh)
+
+    def _succeeded(self, job: Job, fresh: bool) -> Outcome:
+        """Count and log a committed job: it ran (``fresh``) or was a duplicate."""
         meta = job.meta
         outcome = Outcome.SUCCEEDED if fresh else Outcome.DUPLICATE
         self._metrics.job_outcome(meta.queue, meta.consumer, outcome)
@@ -351,21 +434,9 @@ class Harness:
         else:
             tx, cur = await Tx.begin(conn, SQL["fence_insert"], _fence_params(job))
             fresh = await cur.fetchone() is not None
-        meta = job.meta
         try:
             if fresh:
-                begun = time.perf_counter()
-                try:
-                    await job.consumer.handler(job.payload, meta, conn)
-                finally:
-                    self._metrics.handler_duration(
-                        meta.queue, meta.consumer, time.perf_counter() - begun
-                    )
-                if conn.pgconn.transaction_status == TransactionStatus.INERROR:
-                    raise TransactionAborted(
-                        "the handler returned after a database error aborted its transaction"
-                        " (caught, not raised): nothing of this job can commit"
-                    )
+                await self._run_handler(job, conn)
         except BaseException as exc:
             if await tx.rollback(exc):
                 return fresh  # a psycopg.Rollback, swallowed as conn.transaction() does
@@ -388,16 +459,16 @@ class Harness:
         return fresh
 
     def _next_job(self, ahead: Lookahead | None) -> Job | None:
-        """The next waiting job, valid, to start with this one's commit; a poison one is held
-        for the caller to handle on its own."""
+        """The next waiting job, valid, to start with this one's commit; a poison one, or one
+        of a consumer that commits jobs in groups, is held for the caller to handle."""
         if ahead is None:
             return None
         delivery = ahead.take()
         if delivery is None:
             return None
         prepared = self._prepare(delivery)
-        if isinstance(prepared, PoisonMessage):
-            ahead.hold(delivery)
+        if isinstance(prepared, PoisonMessage) or prepared.consumer.jobs_per_transaction > 1:
+            ahead.hold(delivery)  # poison, or the first of a group: the caller's to start
             return None
         return prepared
 

@@ -239,7 +239,11 @@ class Worker:
                 async with self._pool.connection() as conn:
                     while waiting is not None:
                         delivery, waiting = waiting, None
-                        if not await self._process(delivery, conn, ahead):
+                        group = self._gather(delivery, ahead)
+                        if group is not None:
+                            if not await self._process_group(group, conn):
+                                break
+                        elif not await self._process(delivery, conn, ahead):
                             break
                         waiting = ahead.next() or self._take_waiting()
                     if (left := await ahead.abandon()) is not None:  # the connection broke
@@ -296,6 +300,79 @@ class Worker:
         finally:
             self._done(delivery)
         return not conn.broken
+
+    def _gather(self, delivery: Delivery, ahead: Lookahead) -> list[Delivery] | None:
+        """``delivery`` and the deliveries waiting right after it for the same consumer, when
+        that consumer commits jobs in groups (``jobs_per_transaction``) and more than one is
+        there; else None. A waiting delivery of another consumer is held in ``ahead``, next."""
+        consumer = self.app.get(delivery.message.consumer)
+        if consumer is None or consumer.jobs_per_transaction == 1:
+            return None
+        # Held there unstarted (the harness starts no grouped job ahead): take it back.
+        ahead.resume(delivery)
+        group = [delivery]
+        while len(group) < consumer.jobs_per_transaction:
+            more = self._take_waiting()
+            if more is None:
+                break
+            if more.message.consumer != consumer.name:
+                ahead.hold(more)
+                break
+            group.append(more)
+        return group if len(group) > 1 else None
+
+    async def _process_group(self, group: list[Delivery], conn: Any) -> bool:
+        """Run ``group`` in one transaction, or one by one if the group rolled back; False
+        when ``conn`` should go back to the pool (the database went away)."""
+        try:
+            outcomes = await self.harness.handle_group(group, conn)
+        except InfrastructureError as exc:
+            for delivery in group:
+                self._done(delivery)
+                self._lost(delivery, exc)
+            return False
+        except asyncio.CancelledError:
+            for delivery in group:
+                self._done(delivery)
+                self._unreleased.append(delivery)
+            raise
+        except Exception:
+            log.exception(
+                "internal error handling a group of %d jobs; they stay leased and come back when"
+                " their lease runs out",
+                len(group),
+            )
+            outcomes = []
+        if outcomes is None:
+            return await self._process_each(group, conn)
+        for outcome in outcomes:
+            self.stats.outcomes[outcome] += 1
+        for delivery in group:
+            self._done(delivery)
+        return not conn.broken
+
+    async def _process_each(self, group: list[Delivery], conn: Any) -> bool:
+        """A group that rolled back: each delivery in its own transaction, under the failure
+        policy of a single job."""
+        alone = Lookahead(lambda: None)  # nothing starts ahead of these
+        for index, delivery in enumerate(group):
+            try:
+                ok = await self._process(delivery, conn, alone)
+            except BaseException:
+                self._give_back(group[index + 1 :], cancelled=True)
+                raise
+            if not ok:
+                self._give_back(group[index + 1 :], cancelled=False)
+                return False
+        return True
+
+    def _give_back(self, deliveries: list[Delivery], *, cancelled: bool) -> None:
+        for delivery in deliveries:
+            self._done(delivery)
+            if cancelled:
+                self._unreleased.append(delivery)
+            else:
+                self._lost(delivery, ConnectionError("the connection was lost"))
 
     def _take(self, delivery: Delivery) -> Delivery:
         """Count a delivery taken from the buffer as busy (until :meth:`_process` is done)."""

@@ -10,6 +10,18 @@ VALUES (%(job_id)s, %(consumer)s, %(tenant_id)s, now() + %(ttl)s::interval)
 ON CONFLICT (job_id, consumer) DO NOTHING
 RETURNING 1;
 
+-- name: fence_insert_group
+-- The fences of a group of jobs committed together (a consumer's jobs_per_transaction): one
+-- statement, rows in key order so two groups wait on each other's keys in one order. Returns
+-- the keys it inserted; a key already there, or listed twice, is a duplicate.
+INSERT INTO core.processed_jobs (job_id, consumer, tenant_id, expires_at)
+SELECT f.job_id, f.consumer, f.tenant_id, now() + f.ttl
+FROM unnest(%(job_ids)s::text[], %(consumers)s::text[], %(tenant_ids)s::text[],
+            %(ttls)s::interval[]) AS f (job_id, consumer, tenant_id, ttl)
+ORDER BY f.job_id, f.consumer
+ON CONFLICT (job_id, consumer) DO NOTHING
+RETURNING job_id, consumer;
+
 -- name: fence_exists
 SELECT EXISTS (
     SELECT 1 FROM core.processed_jobs WHERE job_id = %(job_id)s AND consumer = %(consumer)s
