@@ -113,6 +113,34 @@ def test_a_page_with_filter_values_or_a_cursor_keeps_them_and_its_limit_as_param
         assert (b"%(c_created_at)s" in query) == bool(cursor), label
 
 
+async def test_a_page_with_filter_values_is_planned_for_its_values_every_time(
+    database_url: str,
+) -> None:
+    """PostgreSQL may switch a prepared statement to one generic plan after five executions
+    when that plan looks no dearer than the custom ones; for list pages it never does (their
+    LIMIT is a parameter too), so each page is planned for its own values."""
+    shapes = (
+        [(ops.DeadLetterFilter(queue=f"q{i % 10}"), None) for i in range(10)]
+        + [
+            (ops.DeadLetterFilter(status="discarded", tenant_id=f"t{i % 13}"), None)
+            for i in range(10)
+        ]
+        + [
+            (ops.DeadLetterFilter(status="pending_review", queue=f"q{i % 10}"), CURSOR)
+            for i in range(10)
+        ]
+    )
+    async with await AsyncConnection.connect(database_url, autocommit=True) as conn:
+        await _seed(conn)
+        for flt, cursor in shapes:
+            await ops.list_dead_letters_json(conn, flt, limit=50, cursor=cursor)
+        plans = await _plans(conn)
+    assert len(plans) == 3, plans
+    for statement, generic, custom in plans:
+        assert "$1" in statement, statement
+        assert (generic, custom) == (0, 5), plans
+
+
 @pytest.mark.parametrize("status", [None, *ops.STATUSES])
 async def test_every_page_of_all_or_of_one_status_lists_the_rows_sql_finds(
     conn: AsyncConnection[Any], status: str | None
