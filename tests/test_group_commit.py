@@ -23,6 +23,7 @@ import pointsapp
 from jobfence import App, ConfigError, JobMeta, PgQueue, PrometheusMetrics, open_pool
 from jobfence.adapters.pg_queue import publish_on
 from jobfence.app import Consumer
+from jobfence.harness import Harness
 from jobfence.model import Message
 from support import wait_until
 from test_acceptance_harness import (
@@ -337,6 +338,57 @@ async def test_group_commit_crash_mid_group_leaves_no_work_and_no_fence(
         assert await awards(points, job_id) == 1
         assert await fences(points, job_id) == 1
     assert await balance(points, 3) == 4 * 5
+
+
+async def test_group_commit_deadlocked_groups_one_rolls_back_and_its_jobs_run_alone(
+    pool: AsyncConnectionPool[Any], points: AsyncConnection[Any]
+) -> None:
+    """Two groups lock the same two accounts in opposite orders: PostgreSQL aborts one of them
+    (DeadlockDetected); that group rolls back, its jobs run one transaction each, and every job
+    applies once. Each group's first handler waits until the other group's first handler has
+    locked its row, so the deadlock happens every run."""
+    both_locked = asyncio.Barrier(2)
+    waited: set[str] = set()
+
+    async def award(payload: pointsapp.Award, job: JobMeta, tx: AsyncConnection[Any]) -> None:
+        await pointsapp.apply_award(payload, job, tx)
+        if job.job_id.endswith("-first") and job.job_id not in waited:
+            waited.add(job.job_id)  # in the groups only, not when run alone after
+            await asyncio.wait_for(both_locked.wait(), timeout=10)
+
+    app = App()
+    app.consumer(CONSUMER, queue=pointsapp.QUEUE, schema=pointsapp.Award, jobs_per_transaction=2)(
+        award
+    )
+    for job_id, account in (("a-first", 1), ("a-second", 2), ("b-first", 2), ("b-second", 1)):
+        await app.enqueue(points, CONSUMER, {"account_id": account, "points": 3}, job_id=job_id)
+    queue = PgQueue(pool)
+    harness = Harness(app, pool, queue, metrics=PrometheusMetrics())
+    group_a = await queue.receive([pointsapp.QUEUE], max_messages=2, lease_seconds=60)
+    group_b = await queue.receive([pointsapp.QUEUE], max_messages=2, lease_seconds=60)
+    assert [d.message.job_id for d in group_a + group_b] == [
+        "a-first",
+        "a-second",
+        "b-first",
+        "b-second",
+    ]
+    async with pool.connection() as conn_a, pool.connection() as conn_b:
+        for conn in (conn_a, conn_b):
+            await conn.execute("SET deadlock_timeout = '100ms'")
+        results = await asyncio.gather(
+            harness.handle_group(group_a, conn_a), harness.handle_group(group_b, conn_b)
+        )
+        # Exactly one group was the deadlock's victim and committed nothing.
+        assert sorted(r is None for r in results) == [False, True], results
+        loser, conn = (group_a, conn_a) if results[0] is None else (group_b, conn_b)
+        for delivery in loser:
+            assert await harness.handle(delivery, conn) == "succeeded"
+    await queue.close()
+
+    for job_id in ("a-first", "a-second", "b-first", "b-second"):
+        assert await awards(points, job_id) == 1, job_id
+        assert await fences(points, job_id) == 1, job_id
+    assert await balance(points, 1) == await balance(points, 2) == 6
 
 
 @pytest.mark.parametrize("value", [0, 101, True, "10", 2.5])
