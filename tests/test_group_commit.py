@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import signal
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +87,13 @@ def transactions(seen: list[tuple[str, int]]) -> list[list[str]]:
     return list(groups.values())
 
 
+async def applied_once(conn: AsyncConnection[Any], job_ids: Iterable[str]) -> None:
+    """Each of ``job_ids`` has exactly one effect (an awards row) and one fence row."""
+    for job_id in job_ids:
+        assert await awards(conn, job_id) == 1, job_id
+        assert await fences(conn, job_id) == 1, job_id
+
+
 async def enqueue(conn: AsyncConnection[Any], app: App, *job_ids: str, **award: Any) -> None:
     for job_id in job_ids:
         payload = {"account_id": 1, "points": 2, **award}
@@ -112,9 +119,7 @@ async def test_group_commit_runs_waiting_jobs_of_a_consumer_in_one_transaction(
             assert transactions(seen) == expected
         else:
             assert len(transactions(seen)) == 30
-        for job_id in job_ids:
-            assert await awards(points, job_id) == 1
-            assert await fences(points, job_id) == 1
+        await applied_once(points, job_ids)
         assert await queued(points) == 0
 
 
@@ -142,9 +147,7 @@ async def test_group_commit_a_failing_job_rolls_the_group_back_and_each_job_runs
     assert first == [*ok[:4], "hard-1"]
     alone_order = [*ok[:4], "hard-1", *ok[4:6], "transient-1", *ok[6:]]
     assert alone == [[job_id] for job_id in alone_order]
-    for job_id in ok:
-        assert await awards(points, job_id) == 1
-        assert await fences(points, job_id) == 1
+    await applied_once(points, ok)
     assert await balance(points, 1) == 2 * len(ok)
     for job_id in ("hard-1", "transient-1"):
         assert await awards(points, job_id) == 0
@@ -182,9 +185,7 @@ async def test_group_commit_duplicates_in_the_group_and_already_fenced_jobs_run_
 
     assert dict(stats.outcomes) == {"succeeded": 4, "duplicate": 2}
     assert transactions(seen) == [["a-1", "twice-1", "b-1", "c-1"]]
-    for job_id in ("a-1", "twice-1", "b-1", "c-1"):
-        assert await awards(points, job_id) == 1
-        assert await fences(points, job_id) == 1
+    await applied_once(points, ("a-1", "twice-1", "b-1", "c-1"))
     assert await awards(points, "fenced-1") == 0
     assert await queued(points) == 0
     assert metrics.count("duplicate") == 2
@@ -286,9 +287,7 @@ async def test_group_commit_same_job_ids_in_concurrent_groups_have_exactly_one_e
             stats = await asyncio.wait_for(asyncio.gather(*runs), timeout=60)
             outcomes = sum((s.outcomes for s in stats), start=Counter[str]())
             assert outcomes == {"succeeded": ids_n, "duplicate": ids_n * (workers_n - 1)}
-            for job_id in job_ids:
-                assert await awards(points, job_id) == 1, job_id
-                assert await fences(points, job_id) == 1, job_id
+            await applied_once(points, job_ids)
             assert await queued(points) == 0
     finally:
         for q in queues:
@@ -334,9 +333,7 @@ async def test_group_commit_crash_mid_group_leaves_no_work_and_no_fence(
     seen: list[tuple[str, int]] = []
     stats = await run_worker(grouped_app(5, seen), pool, PrometheusMetrics(), until="empty")
     assert dict(stats.outcomes) == {"succeeded": 5}
-    for job_id in job_ids:
-        assert await awards(points, job_id) == 1
-        assert await fences(points, job_id) == 1
+    await applied_once(points, job_ids)
     assert await balance(points, 3) == 4 * 5
 
 
@@ -385,9 +382,7 @@ async def test_group_commit_deadlocked_groups_one_rolls_back_and_its_jobs_run_al
             assert await harness.handle(delivery, conn) == "succeeded"
     await queue.close()
 
-    for job_id in ("a-first", "a-second", "b-first", "b-second"):
-        assert await awards(points, job_id) == 1, job_id
-        assert await fences(points, job_id) == 1, job_id
+    await applied_once(points, ("a-first", "a-second", "b-first", "b-second"))
     assert await balance(points, 1) == await balance(points, 2) == 6
 
 
