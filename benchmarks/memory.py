@@ -46,16 +46,16 @@ from jobfence import PgQueue, Worker, open_pool
 MIB = 1024 * 1024
 
 
-def child_main(url: str, concurrency: int, pipe: Connection, stop: Event) -> None:
+def child_main(url: str, concurrency: int, group: int, pipe: Connection, stop: Event) -> None:
     logging.basicConfig(level=logging.WARNING)
-    asyncio.run(_child(url, concurrency, pipe, stop))
+    asyncio.run(_child(url, concurrency, group, pipe, stop))
 
 
-async def _child(url: str, concurrency: int, pipe: Connection, stop: Event) -> None:
+async def _child(url: str, concurrency: int, group: int, pipe: Connection, stop: Event) -> None:
     pool = await open_pool(url, max_size=concurrency + 2, name="bench-memory")
     try:
         queue = PgQueue(pool)
-        worker = Worker(build_jobfence_app(), pool, queue, concurrency=concurrency)
+        worker = Worker(build_jobfence_app(None, group), pool, queue, concurrency=concurrency)
         loop = asyncio.get_running_loop()
 
         def watch() -> None:
@@ -137,7 +137,9 @@ async def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     stop = ctx.Event()
     parent, child = ctx.Pipe()
-    worker = ctx.Process(target=child_main, args=(url, args.concurrency, child, stop), daemon=True)
+    worker = ctx.Process(
+        target=child_main, args=(url, args.concurrency, args.group, child, stop), daemon=True
+    )
     worker.start()
     try:
         if await asyncio.to_thread(parent.recv) != "ready":
@@ -162,7 +164,8 @@ async def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
     flat = abs(delta) <= args.max_growth_mib
     print()
     print(
-        f"worker concurrency {args.concurrency}, {args.jobs:,} jobs after {args.warmup:,} warm-up"
+        f"worker concurrency {args.concurrency}, {args.group} job(s) per transaction, "
+        f"{args.jobs:,} jobs after {args.warmup:,} warm-up"
     )
     print(f"  RSS at start                 {samples[0]['rss_mib']:8.1f} MiB")
     print(
@@ -181,6 +184,7 @@ async def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
     return {
         "command": command,
         "concurrency": args.concurrency,
+        "jobs_per_transaction": args.group,
         "warmup": args.warmup,
         "jobs": args.jobs,
         "samples": samples,
@@ -200,6 +204,9 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=10_000, help="warm-up jobs (10000)")
     parser.add_argument("--concurrency", type=int, default=4, help="worker concurrency (4)")
     parser.add_argument("--batch", type=int, default=2000, help="jobs enqueued at once (2000)")
+    parser.add_argument(
+        "--group", type=int, default=1, help="the consumer's jobs_per_transaction (1)"
+    )
     parser.add_argument(
         "--vacuum-every",
         type=int,
