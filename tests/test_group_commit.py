@@ -8,6 +8,7 @@ policy. Real PostgreSQL, real workers, real processes for the crash.
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -79,6 +80,14 @@ def grouped_app(
     return app
 
 
+def groups(metrics: PrometheusMetrics, result: str) -> float:
+    value = metrics.registry.get_sample_value(
+        "jobfence_job_groups_total",
+        {"queue": pointsapp.QUEUE, "consumer": CONSUMER, "result": result},
+    )
+    return value or 0.0
+
+
 def transactions(seen: list[tuple[str, int]]) -> list[list[str]]:
     """The job_ids of each transaction, in the order the transactions began."""
     groups: dict[int, list[str]] = {}
@@ -101,7 +110,7 @@ async def enqueue(conn: AsyncConnection[Any], app: App, *job_ids: str, **award: 
 
 
 async def test_group_commit_runs_waiting_jobs_of_a_consumer_in_one_transaction(
-    pool: AsyncConnectionPool[Any], points: AsyncConnection[Any]
+    pool: AsyncConnectionPool[Any], points: AsyncConnection[Any], caplog: pytest.LogCaptureFixture
 ) -> None:
     """30 waiting jobs, ``jobs_per_transaction=10``, one processor: three transactions of ten,
     every effect once. The same run with the default commits 30 transactions."""
@@ -112,13 +121,23 @@ async def test_group_commit_runs_waiting_jobs_of_a_consumer_in_one_transaction(
         app = grouped_app(group, seen)
         await enqueue(points, app, *job_ids)
         metrics = PrometheusMetrics()
-        stats = await run_worker(app, pool, metrics, concurrency=1, batch_size=30)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="jobfence.worker"):
+            stats = await run_worker(app, pool, metrics, concurrency=1, batch_size=30)
+        announced = (
+            "consumer award_points on queue loyalty commits up to 10 waiting jobs per"
+            " transaction (group commit)"
+        )
+        assert (announced in caplog.messages) == (group == 10)
         assert dict(stats.outcomes) == {"succeeded": 30}
         assert metrics.count("succeeded") == 30
         if expected is not None:
             assert transactions(seen) == expected
+            assert groups(metrics, "committed") == 3
         else:
             assert len(transactions(seen)) == 30
+            assert groups(metrics, "committed") == 0
+        assert groups(metrics, "rolled_back") == 0
         await applied_once(points, job_ids)
         assert await queued(points) == 0
 
@@ -165,6 +184,8 @@ async def test_group_commit_a_failing_job_rolls_the_group_back_and_each_job_runs
         == 1
     )
     assert metrics.count("retried") == metrics.count("dead_lettered") == 1
+    assert groups(metrics, "rolled_back") == 1
+    assert groups(metrics, "committed") == 0
 
 
 async def test_group_commit_duplicates_in_the_group_and_already_fenced_jobs_run_nothing(

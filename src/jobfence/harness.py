@@ -290,11 +290,13 @@ class Harness:
             if isinstance(prepared, PoisonMessage):
                 return None
             jobs.append(prepared)
+        first = jobs[0].meta
         try:
             fresh = await self._group_transaction(jobs, conn)
         except Exception as exc:
             if is_connection_loss(exc, conn):
                 raise InfrastructureError(str(exc)) from exc
+            self._metrics.job_group(first.queue, first.consumer, "rolled_back")
             log.info(
                 "a group of %d jobs rolled back (%s: %s); running them one transaction each",
                 len(jobs),
@@ -303,6 +305,7 @@ class Harness:
                 extra={"group_size": len(jobs), "error_class": error_class_of(exc)},
             )
             return None
+        self._metrics.job_group(first.queue, first.consumer, "committed")
         outcomes: list[Outcome] = []
         for job, ran in zip(jobs, fresh, strict=True):
             await self._ack(job.delivery)

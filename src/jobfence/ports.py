@@ -107,6 +107,10 @@ class MetricsSink(Protocol):
 
     def handler_duration(self, queue: str, consumer: str, seconds: float) -> None: ...
 
+    # A group of jobs in one transaction (group commit) ended: ``result`` is ``committed`` or
+    # ``rolled_back`` (its jobs then run one transaction each).
+    def job_group(self, queue: str, consumer: str, result: str) -> None: ...
+
 
 class CleanupMetricsSink(Protocol):
     """Where the fence cleanup reports: rows removed (per committed batch) and each success."""

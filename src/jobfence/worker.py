@@ -120,11 +120,20 @@ class Worker:
         self._stopping.set()
 
     def check(self) -> None:
-        """Start-up checks: D3 fence TTLs, and the retry overrides' rationales in the log."""
+        """Start-up checks: D3 fence TTLs; the retry overrides' rationales and the consumers
+        that commit jobs in groups, in the log."""
         self.app.check_fence_ttls()
         for consumer in self.app.consumers.values():
             if consumer.queue not in self.queues:
                 continue
+            if consumer.jobs_per_transaction > 1:
+                log.info(
+                    "consumer %s on queue %s commits up to %d waiting jobs per transaction"
+                    " (group commit)",
+                    consumer.name,
+                    consumer.queue,
+                    consumer.jobs_per_transaction,
+                )
             if consumer.retry.overrides_default:
                 log.info(
                     "consumer %s on queue %s overrides the retry policy: %s",

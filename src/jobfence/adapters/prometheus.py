@@ -31,8 +31,10 @@ class PrometheusMetrics:
     (succeeded, duplicate, retried, dead_lettered, poison, lease_lost);
     ``jobfence_handler_duration_seconds
     {queue, consumer}`` times handlers that ran; ``jobfence_retries_scheduled_total{queue,
-    consumer}`` counts retries put on the queue (one per ``retried`` outcome). Successes are
-    metrics, never rows (D10).
+    consumer}`` counts retries put on the queue (one per ``retried`` outcome);
+    ``jobfence_job_groups_total{queue, consumer, result}`` counts the groups of a consumer with
+    ``jobs_per_transaction`` > 1, ``committed`` or ``rolled_back``. Successes are metrics,
+    never rows (D10).
     """
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
@@ -56,6 +58,13 @@ class PrometheusMetrics:
             ("queue", "consumer"),
             registry=self.registry,
         )
+        self.groups = Counter(
+            "jobfence_job_groups",
+            "Groups of jobs run in one transaction (group commit), by result: committed, or"
+            " rolled_back (its jobs then ran one transaction each).",
+            ("queue", "consumer", "result"),
+            registry=self.registry,
+        )
 
         # The labelled children, looked up once per label set: the job path calls both methods
         # for every job, and the labels are bounded (registered queues and consumers).
@@ -77,6 +86,9 @@ class PrometheusMetrics:
         if child is None:
             child = self._duration_children[key] = self.duration.labels(queue, consumer)
         child.observe(seconds)
+
+    def job_group(self, queue: str, consumer: str, result: str) -> None:
+        self.groups.labels(queue, consumer, result).inc()
 
     def count(self, outcome: str, *, consumer: str | None = None) -> float:
         """Sum of ``jobfence_jobs_total`` for ``outcome`` (over all consumers unless named)."""
