@@ -12,17 +12,28 @@ import pytest
 from psycopg_pool import AsyncConnectionPool
 
 import pointsapp
-from jobfence import PgQueue, PrometheusMetrics, Worker
+from jobfence import App, PgQueue, PrometheusMetrics, Worker
 from support import scalar, wait_until
 
 JOBS = 40
 
 
+@pytest.mark.parametrize("jobs_per_transaction", [1, 5])
 async def test_database_connections_killed_mid_run_lose_no_job_and_burn_no_retry(
-    database_url: str, pool: AsyncConnectionPool[Any], conn: psycopg.AsyncConnection[Any]
+    database_url: str,
+    pool: AsyncConnectionPool[Any],
+    conn: psycopg.AsyncConnection[Any],
+    jobs_per_transaction: int,
 ) -> None:
+    """With one job per transaction, and with groups of 5 (group commit) cut mid-group."""
     await conn.execute(pointsapp.SCHEMA_SQL)
-    app = pointsapp.build_app()
+    app = App()
+    app.consumer(
+        "award_points",
+        queue=pointsapp.QUEUE,
+        schema=pointsapp.Award,
+        jobs_per_transaction=jobs_per_transaction,
+    )(pointsapp.apply_award)
     async with conn.transaction():
         for i in range(JOBS):
             await app.enqueue(
@@ -56,6 +67,11 @@ async def test_database_connections_killed_mid_run_lose_no_job_and_burn_no_retry
     assert await scalar(conn, "SELECT count(*) FROM core.dead_letters") == 0
     assert metrics.count("retried") == 0
     assert metrics.count("dead_lettered") == 0
+    committed_groups = metrics.registry.get_sample_value(
+        "jobfence_job_groups_total",
+        {"queue": pointsapp.QUEUE, "consumer": "award_points", "result": "committed"},
+    )
+    assert (committed_groups or 0) >= (1 if jobs_per_transaction > 1 else 0)
 
 
 async def test_a_lasting_fetch_error_backs_off_instead_of_spinning_and_recovers(
