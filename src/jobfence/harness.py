@@ -297,11 +297,12 @@ class Harness:
             if is_connection_loss(exc, conn):
                 raise InfrastructureError(str(exc)) from exc
             self._metrics.job_group(first.queue, first.consumer, "rolled_back")
+            text = str(exc).strip()
             log.info(
                 "a group of %d jobs rolled back (%s: %s); running them one transaction each",
                 len(jobs),
                 error_class_of(exc),
-                str(exc).strip().splitlines()[0][:300] if str(exc).strip() else "",
+                text.splitlines()[0][:300] if text else "",
                 extra={"group_size": len(jobs), "error_class": error_class_of(exc)},
             )
             return None
