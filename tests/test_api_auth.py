@@ -408,6 +408,25 @@ async def test_jobfence_api_serves_until_sigterm_and_never_logs_secrets(
     assert token.split(".")[2] not in output
 
 
+async def test_jobfence_api_no_access_log_logs_no_line_per_request(
+    database_url: str, tmp_path: Path
+) -> None:
+    proc = ApiProcess(database_url, tmp_path, "--pool-size", "1", "--no-access-log")
+    try:
+        base_url = await proc.base_url()
+        async with httpx.AsyncClient(base_url=base_url, timeout=10) as client:
+            assert (await client.get("/readyz")).status_code == 200
+            listed = await client.get(PREFIX, headers=bearer(make_token()))
+            assert listed.status_code == 200
+        proc.proc.send_signal(signal.SIGTERM)
+        assert await proc.wait_exit() == 0
+    finally:
+        proc.cleanup()
+    output = proc.output()
+    assert "Uvicorn running on" in output  # uvicorn's other INFO lines stay
+    assert "HTTP/1.1" not in output and "uvicorn.access" not in output, output
+
+
 async def test_no_secret_or_token_appears_in_responses_or_logs(
     api: Api, conn: AsyncConnection[Any], caplog: pytest.LogCaptureFixture
 ) -> None:

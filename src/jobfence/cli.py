@@ -209,6 +209,7 @@ async def _cmd_api(args: argparse.Namespace) -> int:
         pool_size=args.pool_size,
         bulk_chunk_size=args.bulk_chunk_size,
         workers=args.workers,
+        access_log=args.access_log,
     )
     if options.workers == 1:
         return await serve(options)
@@ -359,6 +360,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="API processes sharing the port, each with its own pool of --pool-size"
         " connections (1; Linux)",
+    )
+    p.add_argument(
+        "--no-access-log",
+        dest="access_log",
+        action="store_false",
+        help="no uvicorn.access line per request (a proxy in front logs them already)",
     )
     p.set_defaults(func=_cmd_api)
 

@@ -41,6 +41,7 @@ class ServeOptions:
     pool_size: int = 10
     bulk_chunk_size: int = 500
     workers: int = 1
+    access_log: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.workers <= MAX_WORKERS:
@@ -80,7 +81,12 @@ async def serve(
         # log_config=None: uvicorn's lines go through the handlers configured in main().
         port = options.port if sock is None else sock.getsockname()[1]
         config = uvicorn.Config(
-            app, host=options.host, port=port, log_config=None, log_level="info"
+            app,
+            host=options.host,
+            port=port,
+            log_config=None,
+            log_level="info",
+            access_log=options.access_log,
         )
         server = uvicorn.Server(config)
         # uvicorn stops gracefully on SIGTERM/SIGINT, then raises the signal again for the
