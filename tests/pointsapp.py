@@ -47,11 +47,15 @@ async def apply_award(payload: Award, job: JobMeta, tx: AsyncConnection[Any]) ->
         await tx.execute("SELECT pg_sleep(0.02)")
 
 
-def build_app(retry: RetryPolicy | None = None) -> App:
+def build_app(retry: RetryPolicy | None = None, *, jobs_per_transaction: int = 1) -> App:
     app = App()
-    app.consumer("award_points", queue=QUEUE, schema=Award, **({"retry": retry} if retry else {}))(
-        apply_award
-    )
+    app.consumer(
+        "award_points",
+        queue=QUEUE,
+        schema=Award,
+        jobs_per_transaction=jobs_per_transaction,
+        **({"retry": retry} if retry else {}),
+    )(apply_award)
     return app
 
 

@@ -66,3 +66,13 @@ def run_jobfence(database_url: str, *args: str) -> subprocess.CompletedProcess[s
         timeout=60,
         check=False,
     )
+
+
+def job_groups(
+    metrics: Any, result: str, *, queue: str = "loyalty", consumer: str = "award_points"
+) -> float:
+    """``jobfence_job_groups_total`` for ``result`` (group commit) in a PrometheusMetrics."""
+    value = metrics.registry.get_sample_value(
+        "jobfence_job_groups_total", {"queue": queue, "consumer": consumer, "result": result}
+    )
+    return float(value or 0.0)

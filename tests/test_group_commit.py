@@ -26,7 +26,7 @@ from jobfence.adapters.pg_queue import publish_on
 from jobfence.app import Consumer
 from jobfence.harness import Harness
 from jobfence.model import Message
-from support import wait_until
+from support import job_groups, wait_until
 from test_acceptance_harness import (
     WorkerProcess,
     awards,
@@ -80,14 +80,6 @@ def grouped_app(
     return app
 
 
-def groups(metrics: PrometheusMetrics, result: str) -> float:
-    value = metrics.registry.get_sample_value(
-        "jobfence_job_groups_total",
-        {"queue": pointsapp.QUEUE, "consumer": CONSUMER, "result": result},
-    )
-    return value or 0.0
-
-
 def transactions(seen: list[tuple[str, int]]) -> list[list[str]]:
     """The job_ids of each transaction, in the order the transactions began."""
     groups: dict[int, list[str]] = {}
@@ -133,11 +125,11 @@ async def test_group_commit_runs_waiting_jobs_of_a_consumer_in_one_transaction(
         assert metrics.count("succeeded") == 30
         if expected is not None:
             assert transactions(seen) == expected
-            assert groups(metrics, "committed") == 3
+            assert job_groups(metrics, "committed") == 3
         else:
             assert len(transactions(seen)) == 30
-            assert groups(metrics, "committed") == 0
-        assert groups(metrics, "rolled_back") == 0
+            assert job_groups(metrics, "committed") == 0
+        assert job_groups(metrics, "rolled_back") == 0
         await applied_once(points, job_ids)
         assert await queued(points) == 0
 
@@ -184,8 +176,8 @@ async def test_group_commit_a_failing_job_rolls_the_group_back_and_each_job_runs
         == 1
     )
     assert metrics.count("retried") == metrics.count("dead_lettered") == 1
-    assert groups(metrics, "rolled_back") == 1
-    assert groups(metrics, "committed") == 0
+    assert job_groups(metrics, "rolled_back") == 1
+    assert job_groups(metrics, "committed") == 0
 
 
 async def test_group_commit_duplicates_in_the_group_and_already_fenced_jobs_run_nothing(

@@ -12,8 +12,8 @@ import pytest
 from psycopg_pool import AsyncConnectionPool
 
 import pointsapp
-from jobfence import App, PgQueue, PrometheusMetrics, Worker
-from support import scalar, wait_until
+from jobfence import PgQueue, PrometheusMetrics, Worker
+from support import job_groups, scalar, wait_until
 
 JOBS = 40
 
@@ -27,13 +27,7 @@ async def test_database_connections_killed_mid_run_lose_no_job_and_burn_no_retry
 ) -> None:
     """With one job per transaction, and with groups of 5 (group commit) cut mid-group."""
     await conn.execute(pointsapp.SCHEMA_SQL)
-    app = App()
-    app.consumer(
-        "award_points",
-        queue=pointsapp.QUEUE,
-        schema=pointsapp.Award,
-        jobs_per_transaction=jobs_per_transaction,
-    )(pointsapp.apply_award)
+    app = pointsapp.build_app(jobs_per_transaction=jobs_per_transaction)
     async with conn.transaction():
         for i in range(JOBS):
             await app.enqueue(
@@ -67,11 +61,7 @@ async def test_database_connections_killed_mid_run_lose_no_job_and_burn_no_retry
     assert await scalar(conn, "SELECT count(*) FROM core.dead_letters") == 0
     assert metrics.count("retried") == 0
     assert metrics.count("dead_lettered") == 0
-    committed_groups = metrics.registry.get_sample_value(
-        "jobfence_job_groups_total",
-        {"queue": pointsapp.QUEUE, "consumer": "award_points", "result": "committed"},
-    )
-    assert (committed_groups or 0) >= (1 if jobs_per_transaction > 1 else 0)
+    assert job_groups(metrics, "committed") >= (1 if jobs_per_transaction > 1 else 0)
 
 
 async def test_a_lasting_fetch_error_backs_off_instead_of_spinning_and_recovers(

@@ -256,18 +256,10 @@ class Worker:
                             break
                         waiting = ahead.next() or self._take_waiting()
                     if (left := await ahead.abandon()) is not None:  # the connection broke
-                        self._done(left)
-                        self._lost(left, ConnectionError("the connection was lost"))
+                        self._give_back([left], ConnectionError("the connection was lost"))
             except BaseException as exc:
                 left = await ahead.abandon()
-                for held in (waiting, left):
-                    if held is None:
-                        continue
-                    self._done(held)
-                    if isinstance(exc, Exception):
-                        self._lost(held, exc)  # no connection to run it on: the database is away
-                    else:  # cancelled (shutdown) before it started
-                        self._unreleased.append(held)
+                self._give_back([held for held in (waiting, left) if held is not None], exc)
                 if not isinstance(exc, Exception):
                     raise
                 if waiting is None and left is None:
@@ -336,14 +328,10 @@ class Worker:
         try:
             outcomes = await self.harness.handle_group(group, conn)
         except InfrastructureError as exc:
-            for delivery in group:
-                self._done(delivery)
-                self._lost(delivery, exc)
+            self._give_back(group, exc)
             return False
-        except asyncio.CancelledError:
-            for delivery in group:
-                self._done(delivery)
-                self._unreleased.append(delivery)
+        except asyncio.CancelledError as exc:
+            self._give_back(group, exc)
             raise
         except Exception:
             log.exception(
@@ -351,11 +339,10 @@ class Worker:
                 " their lease runs out",
                 len(group),
             )
-            outcomes = []
+            outcomes = []  # nothing to count: they are only marked done below
         if outcomes is None:
             return await self._process_each(group, conn)
-        for outcome in outcomes:
-            self.stats.outcomes[outcome] += 1
+        self.stats.outcomes.update(outcomes)
         for delivery in group:
             self._done(delivery)
         return not conn.broken
@@ -367,21 +354,24 @@ class Worker:
         for index, delivery in enumerate(group):
             try:
                 ok = await self._process(delivery, conn, alone)
-            except BaseException:
-                self._give_back(group[index + 1 :], cancelled=True)
+            except BaseException as exc:
+                self._give_back(group[index + 1 :], exc)
                 raise
             if not ok:
-                self._give_back(group[index + 1 :], cancelled=False)
+                self._give_back(group[index + 1 :], ConnectionError("the connection was lost"))
                 return False
         return True
 
-    def _give_back(self, deliveries: list[Delivery], *, cancelled: bool) -> None:
+    def _give_back(self, deliveries: list[Delivery], exc: BaseException) -> None:
+        """Deliveries taken with :meth:`_take` that will not run here: lost with the database
+        (``exc`` an error: kept to release after recovery, D7), or cut off by shutdown
+        (cancelled: released at the end)."""
         for delivery in deliveries:
             self._done(delivery)
-            if cancelled:
-                self._unreleased.append(delivery)
+            if isinstance(exc, Exception):
+                self._lost(delivery, exc)
             else:
-                self._lost(delivery, ConnectionError("the connection was lost"))
+                self._unreleased.append(delivery)
 
     def _take(self, delivery: Delivery) -> Delivery:
         """Count a delivery taken from the buffer as busy (until :meth:`_process` is done)."""
