@@ -291,7 +291,11 @@ def _processed(run: BulkReplay) -> int:
 @contextlib.asynccontextmanager
 async def _pool() -> AsyncIterator[AsyncConnectionPool[Any]]:
     pool = await db.open_pool(
-        db.resolve_database_url(), min_size=1, max_size=2, name="jobfence-dead-letters"
+        db.resolve_database_url(),
+        min_size=1,
+        max_size=2,
+        name="jobfence-dead-letters",
+        large_reads=True,
     )
     try:
         async with pool.connection() as conn:

@@ -69,17 +69,13 @@ async def get_dead_letter(conn: AsyncConnection[Any], dead_letter_id: int) -> De
     return DeadLetter(**row)
 
 
-def _pending_row(
-    cur: AsyncCursor[Any], row: tuple[Any, ...] | None, dead_letter_id: int
-) -> dict[str, Any]:
-    """The locked dead letter as a dict; it must exist and still be pending."""
-    if row is None:
-        raise DeadLetterNotFound(f"no dead letter with id {dead_letter_id}")
-    assert cur.description is not None
-    record = {column.name: value for column, value in zip(cur.description, row, strict=True)}
-    if record["status"] != "pending_review":
-        raise DeadLetterConflict(dead_letter_id, record["status"])
-    return record
+async def _not_pending(cur: AsyncCursor[Any], dead_letter_id: int) -> Exception:
+    """Why a status change found no pending row: unknown id (404) or its current status (409)."""
+    status = await cur.connection.execute(SQL["dead_letter_status"], {"id": dead_letter_id})
+    found = await status.fetchone()
+    if found is None:
+        return DeadLetterNotFound(f"no dead letter with id {dead_letter_id}")
+    return DeadLetterConflict(dead_letter_id, found[0])
 
 
 async def replay_dead_letter(
@@ -101,25 +97,29 @@ async def replay_dead_letter(
     crash between the two may publish twice, which the fence absorbs.
     """
     _check_actor(resolved_by)
+    params = {"id": dead_letter_id, "resolved_by": resolved_by}
+    # The status changes first and commits with the publish: three round trips (BEGIN with the
+    # UPDATE, the publish, COMMIT). A publish that fails rolls the change back.
     async with (
         pool.connection() as conn,
-        begin_with(conn, SQL["dead_letter_lock_pending"], {"id": dead_letter_id}) as cur,
+        begin_with(conn, SQL["dead_letter_claim_replay"], params) as cur,
     ):
-        row = _pending_row(cur, await cur.fetchone(), dead_letter_id)
+        row = await cur.fetchone()
+        if row is None:
+            raise await _not_pending(cur, dead_letter_id)
+        assert cur.description is not None
+        record = {column.name: value for column, value in zip(cur.description, row, strict=True)}
         message = Message(
-            queue=row["queue"],
-            consumer=row["consumer"],
-            job_id=row["job_id"],
-            body=original_body(row["payload_text"], row["payload_encoding"]),
-            tenant_id=row["tenant_id"],
-            correlation_id=row["correlation_id"],
+            queue=record["queue"],
+            consumer=record["consumer"],
+            job_id=record["job_id"],
+            body=original_body(record["payload_text"], record["payload_encoding"]),
+            tenant_id=record["tenant_id"],
+            correlation_id=record["correlation_id"],
         )
-        published = not row["fenced"]
+        published = not record["fenced"]
         if published:
             await queue.publish(message, tx=conn if queue.capabilities.transactional else None)
-        await conn.execute(
-            SQL["dead_letter_mark_replayed"], {"id": dead_letter_id, "resolved_by": resolved_by}
-        )
     return ReplayResult(dead_letter_id=dead_letter_id, message=message, published=published)
 
 
@@ -145,8 +145,4 @@ async def discard_dead_letter(
         row = await cur.fetchone()
         if row is not None:
             return DeadLetter(**row)
-        await cur.execute(SQL["dead_letter_status"], {"id": dead_letter_id})
-        found = await cur.fetchone()
-    if found is None:
-        raise DeadLetterNotFound(f"no dead letter with id {dead_letter_id}")
-    raise DeadLetterConflict(dead_letter_id, found["status"])
+        raise await _not_pending(cur, dead_letter_id)

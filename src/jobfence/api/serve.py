@@ -70,7 +70,11 @@ async def serve(
     # Opened full: the first burst of requests finds its connections ready instead of waiting
     # for the pool to grow one connection at a time.
     pool = await db.open_pool(
-        url, min_size=options.pool_size, max_size=options.pool_size, name="jobfence-api"
+        url,
+        min_size=options.pool_size,
+        max_size=options.pool_size,
+        name="jobfence-api",
+        large_reads=True,
     )
     queue = PgQueue(pool)
     try:

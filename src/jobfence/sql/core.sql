@@ -46,21 +46,19 @@ SELECT id, job_id, queue, consumer, tenant_id, payload, payload_encoding, attemp
 FROM core.dead_letters
 WHERE id = %(id)s;
 
--- name: dead_letter_lock_pending
--- Locks one dead letter for a status change; payload as text keeps its exact jsonb rendering.
-SELECT d.id, d.job_id, d.queue, d.consumer, d.tenant_id, d.payload::text AS payload_text,
-       d.payload_encoding, d.correlation_id, d.status,
-       EXISTS (SELECT 1 FROM core.processed_jobs p
-               WHERE p.job_id = d.job_id AND p.consumer = d.consumer) AS fenced
-FROM core.dead_letters d
-WHERE d.id = %(id)s
-FOR UPDATE OF d;
-
--- name: dead_letter_mark_replayed
-UPDATE core.dead_letters
+-- name: dead_letter_claim_replay
+-- A replay's status change, first in its transaction: the UPDATE takes the row lock, and under
+-- READ COMMITTED a concurrent replay or discard that commits first makes the status check fail
+-- here (the row is re-read after the wait). It commits only together with the publish
+-- (jobfence.dead_letters.replay_dead_letter). payload as text keeps its exact jsonb rendering.
+-- No row returned: unknown id or no longer pending (dead_letter_status).
+UPDATE core.dead_letters AS d
 SET status = 'replayed', resolved_at = now(), resolved_by = %(resolved_by)s
-WHERE id = %(id)s AND status = 'pending_review'
-RETURNING id;
+WHERE d.id = %(id)s AND d.status = 'pending_review'
+RETURNING d.id, d.job_id, d.queue, d.consumer, d.tenant_id, d.payload::text AS payload_text,
+          d.payload_encoding, d.correlation_id,
+          EXISTS (SELECT 1 FROM core.processed_jobs p
+                  WHERE p.job_id = d.job_id AND p.consumer = d.consumer) AS fenced;
 
 -- name: dead_letter_discard
 -- The whole discard in one statement: the UPDATE takes the row lock, and under READ COMMITTED a
