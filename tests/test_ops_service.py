@@ -780,6 +780,64 @@ class CrashingPgQueue(PgQueue):
         await super().publish(message, delay_seconds=delay_seconds, tx=tx)
 
 
+class FailingStatementPgQueue(PgQueue):
+    """Publishes, then runs a statement the server refuses, in the replay's transaction."""
+
+    async def publish(
+        self,
+        message: Message,
+        *,
+        delay_seconds: float = 0.0,
+        tx: psycopg.AsyncConnection[Any] | None = None,
+    ) -> None:
+        await super().publish(message, delay_seconds=delay_seconds, tx=tx)
+        assert tx is not None
+        await tx.execute("SELECT 1 / 0")
+
+
+async def _replay_state(conn: psycopg.AsyncConnection[Any], dead_letter_id: int) -> tuple[Any, ...]:
+    cur = await conn.execute(
+        """SELECT d.status, d.resolved_by,
+                  (SELECT count(*) FROM jobfence_queue.messages m WHERE m.job_id = d.job_id)
+           FROM core.dead_letters d WHERE d.id = %s""",
+        (dead_letter_id,),
+    )
+    row = await cur.fetchone()
+    assert row is not None
+    return tuple(row)
+
+
+@pytest.mark.parametrize("failure", ["refused by the server", "raised in the adapter"])
+async def test_a_single_replay_whose_transactional_publish_fails_leaves_the_row_pending(
+    pool: AsyncConnectionPool[Any], conn: psycopg.AsyncConnection[Any], failure: str
+) -> None:
+    first, second = await seed_pending(conn, 2, prefix="r")
+    failing: PgQueue = (
+        FailingStatementPgQueue(pool)
+        if failure == "refused by the server"
+        else CrashingPgQueue(pool, crash_on="r-0")
+    )
+    expected: type[BaseException] = (
+        psycopg.errors.DivisionByZero if failure == "refused by the server" else Interrupted
+    )
+    try:
+        with pytest.raises(expected):
+            await ops.replay(pool, failing, first, actor="alice")
+    finally:
+        await failing.close()
+    assert await _replay_state(conn, first) == ("pending_review", None, 0)
+
+    # The pool's connections are left usable: the next replay goes through.
+    queue = PgQueue(pool)
+    try:
+        for dead_letter_id in (second, first):
+            result = await ops.replay(pool, queue, dead_letter_id, actor="alice")
+            assert result.published
+            assert await _replay_state(conn, dead_letter_id) == ("replayed", "alice", 1)
+    finally:
+        await queue.close()
+
+
 async def test_bulk_run_interrupted_inside_a_chunk_rolls_that_chunk_back_then_resumes(
     pool: AsyncConnectionPool[Any], conn: psycopg.AsyncConnection[Any]
 ) -> None:

@@ -92,9 +92,10 @@ async def replay_dead_letter(
     moved to replayed without republishing: the fence would skip the job anyway.
 
     With a transactional queue (the PostgreSQL one) the publish and the transition commit
-    together. With an external broker the publish happens first and the transition after, in
-    the same database transaction: a publish that fails leaves the row ``pending_review``; a
-    crash between the two may publish twice, which the fence absorbs.
+    together. With an external broker the publish happens inside the transaction that makes
+    the transition, before its COMMIT: a publish that fails leaves the row ``pending_review``;
+    a crash after the publish and before the COMMIT may publish twice, which the fence
+    absorbs.
     """
     _check_actor(resolved_by)
     params = {"id": dead_letter_id, "resolved_by": resolved_by}
