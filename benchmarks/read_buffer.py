@@ -1,5 +1,5 @@
 """What reading a list page costs the API process, with libpq's default input buffer and with
-the 1 MiB one that ``jobfence api`` gives each pooled connection (``db.open_pool(...,
+the 256 KiB one that ``jobfence api`` gives each pooled connection (``db.open_pool(...,
 large_reads=True)``), side by side in one run.
 
 Seeds ``--rows`` dead letters of about the size the API benchmark's are (a 500-row page is
@@ -30,7 +30,7 @@ from common import admin_url_from_env, create_database, drop_database, machine_n
 from jobfence import db, ops
 
 DB = "jobfence_read_bench"
-KINDS = {"default (16 KiB)": False, "large reads (1 MiB)": True}
+KINDS = {"default (16 KiB)": False, "large reads (256 KiB)": True}
 
 # Items like the API benchmark's: a 230-byte JSON payload and a traceback as last_error.
 SEED = """

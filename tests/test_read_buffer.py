@@ -21,10 +21,12 @@ from jobfence import db
 from support import scalar, wait_until
 from test_api_support import ApiProcess
 
-# 400 rows of about 700 bytes, like a list page's items: many messages, none large, so libpq
-# never grows its buffer for this result itself.
-MANY_ROWS = b"SELECT repeat('x', 700) FROM generate_series(1, 400)"
-WAITING = 48 * 1024  # bytes that must be waiting in the socket before the one read
+# 140 rows of 700 bytes, like a list page's items: many messages, none large, so libpq never
+# grows its buffer for this result itself. Small enough to wait whole in the socket, so that
+# nothing arrives during the one read measured.
+ROWS = 140
+MANY_ROWS = f"SELECT repeat('x', 700) FROM generate_series(1, {ROWS})".encode()
+WAITING = ROWS * (1 + 4 + 2 + 4 + 700)  # the DataRow messages: wait for all of them
 
 
 def _waiting_bytes(fd: int) -> int:
@@ -55,7 +57,7 @@ async def _one_read_takes(conn: psycopg.AsyncConnection[Any]) -> tuple[int, int]
     rows = 0
     while (result := pgconn.get_result()) is not None:
         rows += result.ntuples
-    assert rows == 400
+    assert rows == ROWS
     return before, after
 
 

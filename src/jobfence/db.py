@@ -115,8 +115,10 @@ async def check_connection(url: str, *, connect_timeout: int = 5) -> None:
 # trip through the event loop (psycopg's asynchronous wait registers and removes the socket
 # every time). The buffer grows to hold the largest single message received and never
 # shrinks, so one row of this size, received once per connection, lets every later read take
-# whatever has arrived, up to 1 MiB (the page then costs the API about a third less CPU).
-READ_BUFFER_BYTES = 1 << 20
+# whatever has arrived, up to this size: reading a 500-row page then costs about half the CPU,
+# a 50-row page a fifth less (benchmarks/read_buffer.py). Not larger: with 1 MiB, a query of
+# one small row cost the client 7-20% more CPU than with the default, with 256 KiB no more.
+READ_BUFFER_BYTES = 256 * 1024
 _GROW_READ_BUFFER = f"SELECT repeat(' ', {READ_BUFFER_BYTES - 64})".encode()
 
 
@@ -137,7 +139,7 @@ async def open_pool(
 ) -> AsyncConnectionPool[Any]:
     """An open autocommit pool: the harness opens its own transactions explicitly.
     ``large_reads``: each connection reads large results in large pieces (see
-    :func:`grow_read_buffer`; 1 MiB of memory per connection), for pools that list dead
+    :func:`grow_read_buffer`; 256 KiB of memory per connection), for pools that list dead
     letters."""
     await check_connection(url)
     pool: AsyncConnectionPool[Any] = AsyncConnectionPool(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -78,6 +79,20 @@ async def _not_pending(cur: AsyncCursor[Any], dead_letter_id: int) -> Exception:
     return DeadLetterConflict(dead_letter_id, found[0])
 
 
+def replay_message(row: Mapping[str, Any]) -> Message:
+    """D8: the message a replay publishes, from a dead letter's row (its columns, with the
+    payload as text in ``payload_text``): the original bytes, the same job_id and
+    correlation_id, to the consumer that failed only."""
+    return Message(
+        queue=row["queue"],
+        consumer=row["consumer"],
+        job_id=row["job_id"],
+        body=original_body(row["payload_text"], row["payload_encoding"]),
+        tenant_id=row["tenant_id"],
+        correlation_id=row["correlation_id"],
+    )
+
+
 async def replay_dead_letter(
     pool: AsyncConnectionPool[Any],
     queue: QueuePort,
@@ -110,14 +125,7 @@ async def replay_dead_letter(
             raise await _not_pending(cur, dead_letter_id)
         assert cur.description is not None
         record = {column.name: value for column, value in zip(cur.description, row, strict=True)}
-        message = Message(
-            queue=record["queue"],
-            consumer=record["consumer"],
-            job_id=record["job_id"],
-            body=original_body(record["payload_text"], record["payload_encoding"]),
-            tenant_id=record["tenant_id"],
-            correlation_id=record["correlation_id"],
-        )
+        message = replay_message(record)
         published = not record["fenced"]
         if published:
             await queue.publish(message, tx=conn if queue.capabilities.transactional else None)

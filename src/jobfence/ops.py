@@ -23,16 +23,15 @@ from psycopg.types.string import ByteaBinaryLoader
 from psycopg_pool import AsyncConnectionPool
 
 from jobfence._sql import Queries
-from jobfence.codec import original_body
 from jobfence.dead_letters import (
     DeadLetter,
     ReplayResult,
     discard_dead_letter,
     get_dead_letter,
     replay_dead_letter,
+    replay_message,
 )
 from jobfence.errors import DeadLetterNotFound, JobfenceError
-from jobfence.model import Message
 from jobfence.ports import QueuePort
 
 SQL = Queries("jobfence.sql", "ops.sql")
@@ -607,14 +606,7 @@ async def run_bulk_replay(
                     details.append("fence row exists: not republished")
                     to_mark.append(row["dead_letter_id"])
                     continue
-                message = Message(
-                    queue=row["queue"],
-                    consumer=row["consumer"],
-                    job_id=row["job_id"],
-                    body=original_body(row["payload_text"], row["payload_encoding"]),
-                    tenant_id=row["tenant_id"],
-                    correlation_id=row["correlation_id"],
-                )
+                message = replay_message(row)
                 if transactional:
                     await queue.publish(message, tx=conn)
                 else:
