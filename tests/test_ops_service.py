@@ -780,19 +780,13 @@ class CrashingPgQueue(PgQueue):
         await super().publish(message, delay_seconds=delay_seconds, tx=tx)
 
 
-class FailingStatementPgQueue(PgQueue):
-    """Publishes, then runs a statement the server refuses, in the replay's transaction."""
-
-    async def publish(
-        self,
-        message: Message,
-        *,
-        delay_seconds: float = 0.0,
-        tx: psycopg.AsyncConnection[Any] | None = None,
-    ) -> None:
-        await super().publish(message, delay_seconds=delay_seconds, tx=tx)
-        assert tx is not None
-        await tx.execute("SELECT 1 / 0")
+# The server refuses the publish's own INSERT for one job (the "refused by the server" case).
+REFUSE_PUBLISH = """
+CREATE FUNCTION refuse_r0() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN RAISE EXCEPTION 'queue refuses %', NEW.job_id; END $$;
+CREATE TRIGGER refuse_r0 BEFORE INSERT ON jobfence_queue.messages
+FOR EACH ROW WHEN (NEW.job_id = 'r-0') EXECUTE FUNCTION refuse_r0();
+"""
 
 
 async def _replay_state(conn: psycopg.AsyncConnection[Any], dead_letter_id: int) -> tuple[Any, ...]:
@@ -812,20 +806,18 @@ async def test_a_single_replay_whose_transactional_publish_fails_leaves_the_row_
     pool: AsyncConnectionPool[Any], conn: psycopg.AsyncConnection[Any], failure: str
 ) -> None:
     first, second = await seed_pending(conn, 2, prefix="r")
-    failing: PgQueue = (
-        FailingStatementPgQueue(pool)
-        if failure == "refused by the server"
-        else CrashingPgQueue(pool, crash_on="r-0")
-    )
-    expected: type[BaseException] = (
-        psycopg.errors.DivisionByZero if failure == "refused by the server" else Interrupted
-    )
+    refused = failure == "refused by the server"
+    if refused:
+        await conn.execute(REFUSE_PUBLISH)
+    failing = PgQueue(pool) if refused else CrashingPgQueue(pool, crash_on="r-0")
+    expected = psycopg.errors.RaiseException if refused else Interrupted
     try:
         with pytest.raises(expected):
             await ops.replay(pool, failing, first, actor="alice")
     finally:
         await failing.close()
     assert await _replay_state(conn, first) == ("pending_review", None, 0)
+    await conn.execute("DROP TRIGGER IF EXISTS refuse_r0 ON jobfence_queue.messages")
 
     # The pool's connections are left usable: the next replay goes through.
     queue = PgQueue(pool)
