@@ -55,6 +55,7 @@ import jwt
 import psutil
 import psycopg
 from common import admin_url_from_env, bench_url, machine_notes, scalar, server_notes, versions
+from prometheus_client.parser import text_string_to_metric_families
 from psycopg import sql
 
 from jobfence import PgQueue, open_pool, ops
@@ -507,6 +508,7 @@ class Result:
     cpu: dict[str, float]
     processes: int = 1  # API processes serving
     fixed: dict[float, float] | None = None  # percentiles as wrk reports them (seconds)
+    cache_hit_share: float | None = None  # list items from the API's item cache, under load
 
     def pct(self, q: float) -> float:
         if self.fixed is not None:
@@ -534,6 +536,7 @@ class Result:
             "errors": self.errors,
             "cpu_share": self.cpu,
             "api_cpu_ms_per_request": self.cpu["api_cpu_s"] / self.requests * 1000,
+            "item_cache_hit_share": self.cache_hit_share,
         }
 
 
@@ -607,6 +610,25 @@ class RawHttp:
         if close:
             await self.close()
         return status, data
+
+
+async def item_cache_counts(base_urls: list[str]) -> tuple[float, float] | None:
+    """The list item cache's hits and misses so far, summed over the API processes reached
+    at ``base_urls`` (``/metrics``); None from an API without one (before session 13)."""
+    hits = misses = 0.0
+    async with httpx.AsyncClient(timeout=10) as client:
+        for base_url in base_urls:
+            text = (await client.get(f"{base_url}/metrics")).text
+            found = {
+                sample.name: sample.value
+                for family in text_string_to_metric_families(text)
+                for sample in family.samples
+            }
+            if "jobfence_api_item_cache_hits_total" not in found:
+                return None
+            hits += found["jobfence_api_item_cache_hits_total"]
+            misses += found["jobfence_api_item_cache_misses_total"]
+    return hits, misses
 
 
 class LoadClients:
@@ -750,6 +772,7 @@ async def drive(
 
     fixed = None
     errors: dict[str, int] = {}
+    cache_before = await item_cache_counts(clients.base_urls)
     if clients.kind == "wrk":
         start = meter.snap()
         found = await run_wrk(clients, loaded, clients.wrk_seconds)
@@ -781,12 +804,20 @@ async def drive(
         cpu=CpuMeter.share(start, end),
         fixed=fixed,
     )
+    cache_after = await item_cache_counts(clients.base_urls)
+    if cache_before is not None and cache_after is not None:
+        hits = cache_after[0] - cache_before[0]
+        misses = cache_after[1] - cache_before[1]
+        result.cache_hit_share = hits / (hits + misses) if hits + misses else None
     s = result.summary()
+    share = result.cache_hit_share
     print(
         f"  {phase.name:<40} p50 {s['p50_ms']:7.1f}  p95 {s['p95_ms']:7.1f}"
         f"  p99 {s['p99_ms']:7.1f} ms  {s['requests_per_s']:5.0f} req/s"
         f"  alone p50 {s['one_client_p50_ms']:6.1f} ms  API CPU/req"
-        f" {s['api_cpu_ms_per_request']:5.1f} ms" + (f"  ERRORS {errors}" if errors else ""),
+        f" {s['api_cpu_ms_per_request']:5.1f} ms"
+        + ("" if share is None else f"  items cached {share:.0%}")
+        + (f"  ERRORS {errors}" if errors else ""),
         flush=True,
     )
     return result
@@ -1087,7 +1118,8 @@ def _ms(seconds: float) -> str:
 def print_table(results: list[Result]) -> None:
     header = (
         f"{'endpoint':<40} {'procs':>5} {'n':>5} {'p50':>7} {'p95':>7} {'p99':>7} {'max':>7}"
-        f" {'req/s':>6} {'alone':>6} {'API ms':>7} {'CPU client/API/PG':>18}  p95<50ms p95<1s"
+        f" {'req/s':>6} {'alone':>6} {'API ms':>7} {'CPU client/API/PG':>18} {'cached':>6}"
+        "  p95<50ms p95<1s"
     )
     print(header)
     print("-" * len(header))
@@ -1098,12 +1130,13 @@ def print_table(results: list[Result]) -> None:
         target = "met" if s["p95_ms"] < TARGET_P95 * 1000 else "MISSED"
         budget = "met" if s["p95_ms"] < BUDGET_P95 * 1000 else "MISSED"
         err = f"  errors {r.errors}" if r.errors else ""
+        cached = "" if r.cache_hit_share is None else f"{r.cache_hit_share:.0%}"
         print(
             f"{r.name:<40} {r.processes:>5} {r.requests:>5} {_ms(r.pct(0.5)):>7}"
             f" {_ms(r.pct(0.95)):>7} {_ms(r.pct(0.99)):>7} {_ms(max(r.latencies)):>7}"
             f" {r.rate:>6.0f}"
             f" {_ms(r.serial_p50):>6} {s['api_cpu_ms_per_request']:>7.1f} {shares:>18}"
-            f"  {target:<8} {budget}{err}"
+            f" {cached:>6}  {target:<8} {budget}{err}"
         )
 
 
@@ -1272,7 +1305,8 @@ def report(
     print(
         "n: requests under load; alone: p50 of the same requests sent one at a time; API ms:"
         " API process CPU per request;\nCPU: share of one core used by the load generator (this"
-        " process), the API process and all local postgres processes during the loaded run"
+        " process), the API process and all local postgres processes during the loaded run;"
+        "\ncached: share of the listed items the API took from its item cache under load"
     )
     if http_bulk and inproc_bulk:
         print(

@@ -1,16 +1,21 @@
-"""What reading a list page costs the API process, with libpq's default input buffer and with
-the 256 KiB one that ``jobfence api`` gives each pooled connection (``db.open_pool(...,
-large_reads=True)``), side by side in one run.
+"""What reading a list page costs the API process, two ways side by side in one run.
+
+``--compare buffer`` (the default): with libpq's default input buffer and with the 256 KiB
+one that ``jobfence api`` gives each pooled connection (``db.open_pool(..., large_reads=True)``),
+both without an item cache. ``--compare cache``: with large reads, without an item cache
+(every item rendered by PostgreSQL, what a page of items not cached yet costs) and with one
+(``jobfence.ops.ItemCache``, filled by the warm-up, as ``jobfence api`` keeps it).
 
 Seeds ``--rows`` dead letters of about the size the API benchmark's are (a 500-row page is
-about 420 KB). Then, in alternating rounds, ``--connections`` tasks on one event loop (uvloop,
-as in ``jobfence api``) each read the first page (``--limit`` rows) through
-``jobfence.ops.list_dead_letters_json``, the function the API's list route calls, for
-``--seconds``, on a pool of each kind. Reported per page: the client process's CPU, the
-PostgreSQL server's CPU of those connections, and pages per second.
+about 420 KB), one in ten discarded. Then, in alternating rounds, ``--connections`` tasks on
+one event loop (uvloop, as in ``jobfence api``) each read the first page (``--limit`` rows)
+through ``jobfence.ops.list_dead_letters_json``, the function the API's list route calls, for
+``--seconds``, each way. Reported per page: the client process's CPU, the PostgreSQL
+server's CPU of those connections, and pages per second.
 
-    .venv/bin/python benchmarks/read_buffer.py                # 2,000 rows, 500 a page
-    .venv/bin/python benchmarks/read_buffer.py --limit 50     # a default page
+    .venv/bin/python benchmarks/read_buffer.py                  # 2,000 rows, 500 a page
+    .venv/bin/python benchmarks/read_buffer.py --limit 50       # a default page
+    .venv/bin/python benchmarks/read_buffer.py --compare cache  # item cache off / on
 """
 
 from __future__ import annotations
@@ -30,7 +35,11 @@ from common import admin_url_from_env, create_database, drop_database, machine_n
 from jobfence import db, ops
 
 DB = "jobfence_read_bench"
-KINDS = {"default (16 KiB)": False, "large reads (256 KiB)": True}
+# Each comparison: its two ways, as (large reads, item cache bytes), the baseline first.
+COMPARISONS = {
+    "buffer": {"default (16 KiB)": (False, 0), "large reads (256 KiB)": (True, 0)},
+    "cache": {"no item cache": (True, 0), "item cache": (True, 64 << 20)},
+}
 
 # Items like the API benchmark's: a 230-byte JSON payload and a traceback as last_error.
 SEED = """
@@ -49,6 +58,11 @@ SELECT gen_random_uuid()::text, 'orders', 'orders.sync', 'tenant-' || (g %% 100)
        'httpx.HTTPStatusError', 'corr-' || md5(g::text), now() - g * interval '1 second'
 FROM generate_series(1, %(rows)s) AS g
 """
+RESOLVE = """
+UPDATE core.dead_letters SET status = 'discarded', discard_reason = 'duplicate of an order',
+       resolved_at = now(), resolved_by = 'bench'
+WHERE id % 10 = 0
+"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +73,9 @@ class Round:
     page_bytes: int
 
 
-async def measure(url: str, large_reads: bool, args: argparse.Namespace) -> Round:
+async def measure(url: str, way: tuple[bool, int], args: argparse.Namespace) -> Round:
+    large_reads, cache_bytes = way
+    items = ops.ItemCache(cache_bytes)
     pool = await db.open_pool(
         url, min_size=args.connections, max_size=args.connections, large_reads=large_reads
     )
@@ -72,14 +88,17 @@ async def measure(url: str, large_reads: bool, args: argparse.Namespace) -> Roun
 
         async def loop(i: int, deadline: float) -> None:
             while time.monotonic() < deadline:
-                page = await ops.list_dead_letters_json(conns[i], flt, limit=args.limit)
+                page = await ops.list_dead_letters_json(
+                    conns[i], flt, limit=args.limit, items=items
+                )
                 sizes[0] = len(page)
                 counts[i] += 1
 
         def server_cpu() -> float:
             return sum(sum(p.cpu_times()[:2]) for p in backends)
 
-        # Warm: the statement prepared on every connection before the clock starts.
+        # Warm: the statements prepared on every connection, the cache filled, before the
+        # clock starts.
         await asyncio.gather(*(loop(i, time.monotonic() + 0.5) for i in range(len(conns))))
         counts = [0] * len(conns)
         started, client0, server0 = time.monotonic(), time.process_time(), server_cpu()
@@ -102,25 +121,34 @@ def main() -> int:
     parser.add_argument("--connections", type=int, default=8, help="concurrent readers (8)")
     parser.add_argument("--seconds", type=float, default=4.0, help="per kind and round (4)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--compare",
+        choices=sorted(COMPARISONS),
+        default="buffer",
+        help="buffer: libpq's default buffer / large reads; cache: no item cache / item cache"
+        " (buffer)",
+    )
     args = parser.parse_args()
+    kinds = COMPARISONS[args.compare]
     command = shlex.join([".venv/bin/python", "benchmarks/read_buffer.py", *sys.argv[1:]])
     print(f"machine: {machine_notes()}")
     admin_url = admin_url_from_env()
     url = asyncio.run(create_database(admin_url, DB))  # migrated
-    results: dict[str, list[Round]] = {name: [] for name in KINDS}
+    results: dict[str, list[Round]] = {name: [] for name in kinds}
     try:
 
         async def seed() -> None:
             async with await db.open_pool(url, max_size=1) as pool, pool.connection() as conn:
                 await conn.execute(SEED, {"rows": args.rows})
+                await conn.execute(RESOLVE)
                 await conn.execute("VACUUM ANALYZE core.dead_letters")
                 await conn.execute("VACUUM ANALYZE jobfence.dead_letter_renderings")
 
         uvloop.run(seed())
         for r in range(args.rounds):
-            order = list(KINDS) if r % 2 == 0 else list(reversed(KINDS))
+            order = list(kinds) if r % 2 == 0 else list(reversed(kinds))
             for name in order:
-                got = uvloop.run(measure(url, KINDS[name], args))
+                got = uvloop.run(measure(url, kinds[name], args))
                 results[name].append(got)
                 print(
                     f"round {r + 1}/{args.rounds}  {name:<20} {got.pages_per_second:6.0f} pages/s"
@@ -130,17 +158,18 @@ def main() -> int:
                 )
     finally:
         asyncio.run(drop_database(admin_url, DB))
-    default, large = (results[name] for name in KINDS)
+    baseline, other = (results[name] for name in kinds)
 
     def ratio(field: str) -> float:
         per_round = [
             float(getattr(new, field) / getattr(old, field))
-            for old, new in zip(default, large, strict=True)
+            for old, new in zip(baseline, other, strict=True)
         ]
         return statistics.median(per_round)
 
+    first, second = kinds
     print(
-        f"{args.limit}-row page, median of {args.rounds} per-round ratios, large reads / default:"
+        f"{args.limit}-row page, median of {args.rounds} per-round ratios, {second} / {first}:"
         f" client CPU {ratio('client_ms'):.2f}, server CPU {ratio('server_ms'):.2f},"
         f" pages/s {ratio('pages_per_second'):.2f}"
     )

@@ -73,9 +73,10 @@ def _filters() -> list[tuple[str, ops.DeadLetterFilter, str | None]]:
 
 
 async def _plans(conn: AsyncConnection[Any]) -> list[tuple[str, int, int]]:
+    """The prepared statements of list pages (not those that fetch the pages' items by id)."""
     cur = await conn.execute(
         "SELECT statement, generic_plans, custom_plans FROM pg_prepared_statements"
-        " ORDER BY prepare_time"
+        " WHERE statement LIKE '%ORDER BY created_at DESC, id DESC%' ORDER BY prepare_time"
     )
     return [(str(s), int(g), int(c)) for s, g, c in await cur.fetchall()]
 

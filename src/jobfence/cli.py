@@ -208,6 +208,7 @@ async def _cmd_api(args: argparse.Namespace) -> int:
         port=args.port,
         pool_size=args.pool_size,
         bulk_chunk_size=args.bulk_chunk_size,
+        item_cache_mb=args.item_cache_mb,
         workers=args.workers,
         access_log=args.access_log,
     )
@@ -353,6 +354,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=500,
         help="dead letters per transaction in a bulk replay (500)",
+    )
+    p.add_argument(
+        "--item-cache-mb",
+        type=_non_negative_int,
+        default=64,
+        help="MiB of list items kept in memory per process, never stale (docs/configuration.md);"
+        " 0: none (64)",
     )
     p.add_argument(
         "--workers",

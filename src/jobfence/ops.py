@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
-from psycopg import AsyncConnection, sql
+from psycopg import AsyncConnection, AsyncCursor, sql
 from psycopg.abc import AdaptContext, Buffer
 from psycopg.adapt import Loader
 from psycopg.rows import dict_row
@@ -57,6 +57,7 @@ __all__ = [
     "DeadLetterItem",
     "DeadLetterPage",
     "InvalidRequest",
+    "ItemCache",
     "count_dead_letters",
     "discard",
     "get_bulk_replay",
@@ -296,9 +297,10 @@ def _composed(
 def list_page_query(
     flt: DeadLetterFilter, *, limit: int = DEFAULT_PAGE, cursor: str | None = None
 ) -> tuple[bytes, dict[str, Any]]:
-    """The SQL (and parameters) behind :func:`list_dead_letters_json`, for benchmarks and
-    EXPLAIN."""
-    return _list_query("list_json_base", flt, limit=limit, cursor=cursor)
+    """The SQL (and parameters) of the page's first statement in
+    :func:`list_dead_letters_json` (the one whose plan depends on the filter), for benchmarks
+    and EXPLAIN."""
+    return _list_query("list_keys_base", flt, limit=limit, cursor=cursor)
 
 
 async def list_dead_letters(
@@ -323,39 +325,221 @@ async def list_dead_letters(
     return DeadLetterPage(items=items, next_cursor=next_cursor)
 
 
+_PENDING_MIDDLE = b',"status":"pending_review","discard_reason":null,"created_at":'
+_PENDING_END = b',"resolved_at":null,"resolved_by":null}'
+_CREATED_AT_KEY = b',"created_at":'
+
+# A cached item's key: the dead letter's id and its created_at as PostgreSQL sends it.
+_ItemKey = tuple[int, bytes]
+# A kind of page: the filters set, the status, whether it has a cursor, its limit.
+_PageShape = tuple[tuple[str, ...], str | None, bool, int]
+
+
+class ItemCache:
+    """List items of dead letters, each rendered as if it were still pending, for
+    :func:`list_dead_letters_json`.
+
+    Such an item can never be stale: D5 keeps every field but the status and the resolution
+    immutable (a trigger refuses any other change), and a page reads each row's status and
+    resolution anew and renders only those. An item is found only under its dead letter's id
+    *and* created_at, so a database restored to an earlier state, which hands out ids again,
+    cannot be answered with another dead letter's item.
+
+    The cache holds about ``max_bytes`` in two generations: when the younger one is full it
+    becomes the older one (the previous older one is dropped), and an item found only in the
+    older one moves back to the younger. ``max_bytes=0`` caches nothing.
+
+    It also remembers, per kind of page (:data:`_PageShape`), how often such pages were found
+    whole in the cache lately, which decides how the next one is read (see
+    :meth:`expects_whole`).
+    """
+
+    __slots__ = (
+        "_half",
+        "_old",
+        "_old_bytes",
+        "_shapes",
+        "_young",
+        "_young_bytes",
+        "hits",
+        "misses",
+    )
+
+    # What a cached item costs besides its own bytes: a dict entry, its key, a bytes header.
+    ENTRY_OVERHEAD = 160
+    # How fast a kind of page's record follows its latest pages, and how many kinds it keeps.
+    SHAPE_WEIGHT = 0.25
+    MAX_SHAPES = 10_000
+
+    def __init__(self, max_bytes: int) -> None:
+        if max_bytes < 0:
+            raise ValueError("max_bytes must be >= 0")
+        self._half = max_bytes // 2
+        self._young: dict[_ItemKey, bytes] = {}
+        self._old: dict[_ItemKey, bytes] = {}
+        self._young_bytes = self._old_bytes = 0
+        self._shapes: dict[_PageShape, float] = {}
+        self.hits = 0  # items looked up and found, over the cache's life
+        self.misses = 0  # items looked up and not found
+
+    def __len__(self) -> int:
+        return len(self._young.keys() | self._old.keys())
+
+    @property
+    def size_bytes(self) -> int:
+        """What the cache holds, counted as :attr:`ENTRY_OVERHEAD` plus the item's length per
+        entry (an item in both generations counts twice)."""
+        return self._young_bytes + self._old_bytes
+
+    def lookup(self, keys: list[_ItemKey]) -> list[bytes | None]:
+        """The cached item of each key, None where there is none."""
+        found = list(map(self._young.get, keys))
+        if self._old and None in found:
+            older = list(map(self._old.get, keys))
+            if any(older):
+                promoted = {}
+                for index, item in enumerate(older):
+                    if item is not None and found[index] is None:
+                        found[index] = promoted[keys[index]] = item
+                self.store(promoted)
+        missed = found.count(None)
+        self.hits += len(found) - missed
+        self.misses += missed
+        return found
+
+    def store(self, items: dict[_ItemKey, bytes]) -> None:
+        if self._half == 0 or not items:
+            return
+        self._young.update(items)
+        self._young_bytes += sum(map(len, items.values())) + self.ENTRY_OVERHEAD * len(items)
+        if self._young_bytes > self._half:
+            self._old, self._old_bytes = self._young, self._young_bytes
+            self._young, self._young_bytes = {}, 0
+
+    def expects_whole(self, shape: _PageShape) -> bool:
+        """Whether most recent pages of ``shape`` were found whole in the cache. Such a page is
+        read in one short statement (ids, status, resolution). Any other is read with its
+        items rendered by PostgreSQL in the same statement: reading the missing ones in a
+        second statement costs the API process a round trip, more than receiving the items
+        it already had saves it. A kind of page never seen counts as not cached."""
+        return self._shapes.get(shape, 0.0) >= 0.5
+
+    def record(self, shape: _PageShape, whole: bool) -> None:
+        """A page of ``shape`` was (``whole``) or was not found whole in the cache."""
+        if self._half == 0:
+            return
+        if len(self._shapes) >= self.MAX_SHAPES and shape not in self._shapes:
+            self._shapes.clear()
+        before = self._shapes.get(shape, 0.0)
+        self._shapes[shape] = before + self.SHAPE_WEIGHT * (float(whole) - before)
+
+
 async def list_dead_letters_json(
     conn: AsyncConnection[Any],
     flt: DeadLetterFilter,
     *,
     limit: int = DEFAULT_PAGE,
     cursor: str | None = None,
+    items: ItemCache | None = None,
 ) -> bytes:
     """The page :func:`list_dead_letters` reads, as the API's JSON (``{"items": [...],
     "next_cursor": ...}``), rendered by PostgreSQL: no row becomes a Python object, and each
-    payload is the text jsonb stores, exactly (numbers beyond a float, deep nesting)."""
-    query, params = _list_query("list_json_base", flt, limit=limit, cursor=cursor)
-    # Each item as the bytes received, no str made of them on the way to the HTTP response:
-    # a text column in binary format is its text in the connection's encoding, which
-    # psycopg's (C) bytea loader hands over as they are. Another encoding than UTF-8 is
-    # transcoded.
+    payload is the text jsonb stores, exactly (numbers beyond a float, deep nesting).
+
+    Every item is the dead letter rendered as if still pending (migration 0008 rendered its
+    immutable fields when it was inserted) with, for a row no longer pending, its status and
+    resolution put in, rendered by the same statement that found the row. ``items`` keeps
+    the former between pages: a page of the kind that ``items`` held whole lately is read in
+    one short statement and only the items missing are rendered, in a second one; any other
+    page (every page, without ``items``) gets its items with its rows, and ``items`` keeps
+    them. Every row of a page comes from its first statement, so a page is exactly what its
+    filter matched at that moment."""
+    cache = items if items is not None else ItemCache(0)
+    shape: _PageShape = (tuple(flt.params()), flt.status, bool(cursor), limit)
+    expects_whole = cache.expects_whole(shape)
+    base = "list_keys_base" if expects_whole else "list_items_base"
+    query, params = _list_query(base, flt, limit=limit, cursor=cursor)
+    # Text as the bytes received, no str made of them on the way to the HTTP response: a text
+    # column in binary format is its text in the connection's encoding, which psycopg's (C)
+    # bytea loader hands over as it is (another encoding than UTF-8 is transcoded); the
+    # created_at of the cache's key likewise, as the 8 bytes PostgreSQL sends.
     utf8 = conn.info.encoding == "utf-8"
     cur = conn.cursor(binary=utf8)
     cur.adapters.register_loader("text", ByteaBinaryLoader if utf8 else _Utf8TextLoader)
+    cur.adapters.register_loader("timestamptz", ByteaBinaryLoader if utf8 else _RawTextLoader)
     await cur.execute(query, params)
-    items = [row[0] for row in await cur.fetchall()]
+    rows = await cur.fetchall()
+    more = len(rows) > limit
+    if more:
+        del rows[limit:]  # the row that only says there is a next page
+    keys: list[_ItemKey] = [(row[0], row[1]) for row in rows]
+    page = cache.lookup(keys)
+    cache.record(shape, None not in page)
+    if not expects_whole and None in page:
+        received = [row[4] for row in rows]
+        if not any(page) and None not in received:  # nothing was cached: all new
+            cache.store(dict(zip(keys, received, strict=True)))
+            page = received
+        else:
+            cache.store(
+                {
+                    key: new
+                    for key, old, new in zip(keys, page, received, strict=True)
+                    if old is None and new is not None
+                }
+            )
+            page = [
+                old if old is not None else new for old, new in zip(page, received, strict=True)
+            ]
+    if None in page:  # not cached, or (read with its row) without a stored rendering
+        missing = [key for key, item in zip(keys, page, strict=True) if item is None]
+        fetched = await _items_as_pending(cur, missing)
+        cache.store(fetched)
+        page = [fetched.get(key, item) for key, item in zip(keys, page, strict=True)]
+    for index, row in enumerate(rows):
+        resolved_head, resolved_tail = row[2], row[3]
+        if resolved_head is not None:
+            item = page[index]
+            assert item is not None
+            cut = item.rfind(_PENDING_MIDDLE)
+            created_at = item[cut + len(_PENDING_MIDDLE) : -len(_PENDING_END)]
+            page[index] = b"".join(
+                (item[:cut], resolved_head, _CREATED_AT_KEY, created_at, resolved_tail)
+            )
+    done: list[bytes] = page  # type: ignore[assignment]  # every None was filled above
     next_cursor = b"null"
-    if len(items) > limit:
-        del items[limit:]  # the row that only says there is a next page
-        last = json.loads(items[-1])
-        created_at = datetime.fromisoformat(last["created_at"])
-        next_cursor = json.dumps(encode_cursor(created_at, last["id"])).encode()
+    if more:
+        last = json.loads(done[-1])
+        created = datetime.fromisoformat(last["created_at"])
+        next_cursor = json.dumps(encode_cursor(created, last["id"])).encode()
     # One join, so the page is copied once: the envelope rides on the first and last items.
     head, tail = b'{"items":[', b'],"next_cursor":' + next_cursor + b"}"
-    if not items:
+    if not done:
         return head + tail
-    items[0] = head + items[0]
-    items[-1] += tail
-    return b",".join(items)
+    done[0] = head + done[0]
+    done[-1] += tail
+    return b",".join(done)
+
+
+async def _items_as_pending(cur: AsyncCursor[Any], keys: list[_ItemKey]) -> dict[_ItemKey, bytes]:
+    """The items of ``keys`` as if still pending (``list_items_as_pending``), by key."""
+    by_id = dict(keys)
+    fetched: dict[_ItemKey, bytes] = {}
+    for name in ("list_items_as_pending", "list_items_as_pending_unrendered"):
+        # The ids as a bigint[] literal: psycopg adapting a list of ints costs 5x more.
+        await cur.execute(SQL[name], {"ids": "{" + ",".join(map(str, by_id)) + "}"})
+        for dead_letter_id, item in await cur.fetchall():
+            fetched[dead_letter_id, by_id.pop(dead_letter_id)] = item
+        if not by_id:
+            return fetched
+    raise RuntimeError(f"dead letters {sorted(by_id)} vanished during a list page")
+
+
+class _RawTextLoader(Loader):
+    """A value received as text, as the bytes received."""
+
+    def load(self, data: Buffer) -> bytes:
+        return bytes(data)
 
 
 class _Utf8TextLoader(Loader):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
@@ -22,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from jobfence import ops
@@ -131,6 +132,7 @@ class Services:
     settings: ApiSettings
     verifier: TokenVerifier
     bulk: BulkRunner
+    items: ops.ItemCache
 
 
 async def _services(request: Request) -> Services:
@@ -203,7 +205,8 @@ def create_app(
 
     ``GET /metrics`` (no token, not in the OpenAPI document) serves ``metrics``, by default a
     registry with the database gauges (dead letters pending and the oldest one's age, queue
-    depth) and the process's own metrics."""
+    depth) and the process's own metrics; the API adds its item cache's (a registry serves
+    one app)."""
     bulk = BulkRunner(pool, queue, chunk_size=settings.bulk_chunk_size)
 
     @asynccontextmanager
@@ -219,20 +222,53 @@ def create_app(
         dependencies=[Depends(_single_valued_query)],
     )
     verifier = TokenVerifier(settings)
+    items = ops.ItemCache(settings.item_cache_bytes)
     app.state.jobfence = Services(
-        pool=pool, queue=queue, settings=settings, verifier=verifier, bulk=bulk
+        pool=pool, queue=queue, settings=settings, verifier=verifier, bulk=bulk, items=items
     )
     app.add_middleware(Authenticate, verifier=verifier, prefix="/v1/")
+    registry = metrics if metrics is not None else metrics_registry(pool)
+    registry.register(ItemCacheCollector(items))
     app.add_route(
         "/metrics",
         # An ASGI app, which Starlette serves as is (its type hints name only endpoints).
-        MetricsApp(metrics if metrics is not None else metrics_registry(pool)),  # type: ignore[arg-type]
+        MetricsApp(registry),  # type: ignore[arg-type]
         include_in_schema=False,
     )
     problems.install(app)
     _routes(app)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
+
+
+class ItemCacheCollector:
+    """The API's list item cache (:class:`jobfence.ops.ItemCache`) for ``/metrics``, read
+    without a lock (the scrape runs in a thread): each figure is one attribute read.
+
+    - ``jobfence_api_item_cache_hits_total`` / ``..._misses_total``: list items looked up in
+      the cache and found / not found (rendered by PostgreSQL), since the process started;
+    - ``jobfence_api_item_cache_bytes``: what it holds, as it counts it (see ``size_bytes``).
+    """
+
+    def __init__(self, items: ops.ItemCache) -> None:
+        self.items = items
+
+    def describe(self) -> Iterator[Metric]:
+        return self.collect()
+
+    def collect(self) -> Iterator[Metric]:
+        prefix = "jobfence_api_item_cache"
+        yield CounterMetricFamily(
+            f"{prefix}_hits", "list items found in the API's cache", value=self.items.hits
+        )
+        yield CounterMetricFamily(
+            f"{prefix}_misses",
+            "list items not in the API's cache, rendered by PostgreSQL",
+            value=self.items.misses,
+        )
+        yield GaugeMetricFamily(
+            f"{prefix}_bytes", "bytes the API's list item cache holds", value=self.items.size_bytes
+        )
 
 
 def _version() -> str:
@@ -285,7 +321,11 @@ def _routes(app: FastAPI) -> None:
         a page (keyset pagination)."""
         async with services.pool.connection() as conn:
             page = await ops.list_dead_letters_json(
-                conn, query.to_filter(), limit=query.limit, cursor=query.cursor
+                conn,
+                query.to_filter(),
+                limit=query.limit,
+                cursor=query.cursor,
+                items=services.items,
             )
         return _json(page)
 

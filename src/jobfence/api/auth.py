@@ -40,6 +40,7 @@ PERMISSIONS = (PERMISSION_READ, PERMISSION_REPLAY, PERMISSION_DISCARD)
 
 MIN_SECRET_BYTES = 32  # RFC 7518 3.2: an HS256 key as long as the hash output at least
 MAX_SUBJECT_CHARS = 500
+DEFAULT_ITEM_CACHE_BYTES = 64 * 1024 * 1024  # about 75,000 items of the benchmark's size
 _NO_KEY = (
     f"the API needs a key to verify tokens: set {config.ENV_JWT_SECRET} (HS256 shared secret, "
     f"at least {MIN_SECRET_BYTES} bytes) or {config.ENV_JWT_PUBLIC_KEY} (PEM public key, "
@@ -53,7 +54,9 @@ class ApiSettings:
     ``jwt_public_key`` must be set; both are kept out of ``repr``.
 
     ``bulk_chunk_size`` is how many dead letters a bulk replay handles per transaction;
-    ``readiness_timeout_seconds`` bounds ``/readyz``'s wait for a database connection.
+    ``readiness_timeout_seconds`` bounds ``/readyz``'s wait for a database connection;
+    ``item_cache_bytes`` is the size of the list items the API keeps in memory
+    (:class:`jobfence.ops.ItemCache`; 0: none).
     """
 
     jwt_secret: str | None = field(default=None, repr=False)
@@ -62,6 +65,7 @@ class ApiSettings:
     jwt_audience: str | None = None
     bulk_chunk_size: int = ops.BULK_CHUNK
     readiness_timeout_seconds: float = 2.0
+    item_cache_bytes: int = DEFAULT_ITEM_CACHE_BYTES
 
     def __post_init__(self) -> None:
         if self.jwt_secret and self.jwt_public_key:
@@ -74,6 +78,8 @@ class ApiSettings:
             raise ConfigError("bulk_chunk_size must be >= 1")
         if not 0 < self.readiness_timeout_seconds < float("inf"):
             raise ConfigError("readiness_timeout_seconds must be a positive number")
+        if self.item_cache_bytes < 0:
+            raise ConfigError("item_cache_bytes must be >= 0")
         _verifying_key(self)  # refuse a key that cannot work now, not at the first request
 
     @classmethod
@@ -82,6 +88,7 @@ class ApiSettings:
         environ: Mapping[str, str] | None = None,
         *,
         bulk_chunk_size: int = ops.BULK_CHUNK,
+        item_cache_bytes: int = DEFAULT_ITEM_CACHE_BYTES,
     ) -> ApiSettings:
         """The settings from ``JOBFENCE_JWT_*`` (see the module docstring)."""
         return cls(
@@ -90,6 +97,7 @@ class ApiSettings:
             jwt_issuer=config.jwt_issuer_from_env(environ),
             jwt_audience=config.jwt_audience_from_env(environ),
             bulk_chunk_size=bulk_chunk_size,
+            item_cache_bytes=item_cache_bytes,
         )
 
 

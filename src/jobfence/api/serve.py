@@ -40,12 +40,15 @@ class ServeOptions:
     port: int = 8080
     pool_size: int = 10
     bulk_chunk_size: int = 500
+    item_cache_mb: int = 64
     workers: int = 1
     access_log: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.workers <= MAX_WORKERS:
             raise ConfigError(f"workers must be between 1 and {MAX_WORKERS}, got {self.workers}")
+        if self.item_cache_mb < 0:
+            raise ConfigError(f"item_cache_mb must be >= 0, got {self.item_cache_mb}")
         if self.workers > 1 and not hasattr(socket, "SO_REUSEPORT"):
             raise ConfigError("workers > 1 needs SO_REUSEPORT (Linux): run one process per port")
 
@@ -65,7 +68,9 @@ async def serve(
     from jobfence.api import ApiSettings, create_app
 
     # The verifying key first: without one the API refuses to start, before any database work.
-    settings = ApiSettings.from_env(bulk_chunk_size=options.bulk_chunk_size)
+    settings = ApiSettings.from_env(
+        bulk_chunk_size=options.bulk_chunk_size, item_cache_bytes=options.item_cache_mb << 20
+    )
     url = url or db.resolve_database_url()
     # Opened full: the first burst of requests finds its connections ready instead of waiting
     # for the pool to grow one connection at a time.

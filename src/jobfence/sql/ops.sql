@@ -10,43 +10,71 @@ SELECT id, job_id, queue, consumer, tenant_id, payload_encoding, attempts, last_
             THEN left(payload::text, %(summary_chars)s) END AS payload_summary
 FROM core.dead_letters
 
--- name: list_json_base
--- Each dead letter as the API lists it: the item as compact JSON text with the fields in the
--- order of jobfence.api.schemas.DeadLetterItemOut (the tests hold the two to each other). The
--- immutable fields were rendered when the row was inserted (migration 0008,
--- jobfence.dead_letter_renderings; rendered here instead for a row that has none); the fields
--- a resolution changes are rendered now, so an item is never stale. status needs no escaping
--- (a CHECK constraint holds it to three words). Only the item is selected: jobfence.ops takes
--- the next page's keyset from the last item itself. It appends the WHERE clause, the order
--- and the limit.
--- The fallback gets its row as a ROW(...) of the columns, in the table's order, built only
--- for a row without a rendering: passing `d` itself would make the scan build every listed row
--- as one composite value (a copy of the whole row, large payloads fetched from TOAST),
--- rendering or not. A column added to core.dead_letters must be added here too (the cast
--- fails otherwise, and every list test with it).
-SELECT coalesce(r.head, jobfence.render_dead_letter_head(ROW(
+-- name: list_keys_base
+-- A list page's rows for jobfence.ops.list_dead_letters_json: the key of the row's cached item
+-- (id, created_at) and, for a row no longer pending, the fields its resolution set, rendered
+-- as the two parts that go either side of the item's created_at (NULL while pending: the item
+-- as if pending is then the whole item). status needs no escaping (a CHECK constraint holds
+-- it to three words). jobfence.ops appends the WHERE clause, the order and the limit.
+SELECT id, created_at,
+       CASE WHEN status <> 'pending_review'
+            THEN ',"status":"' || status || '"'
+                 || ',"discard_reason":' || coalesce(to_json(discard_reason)::text, 'null')
+       END AS resolved_head,
+       CASE WHEN status <> 'pending_review'
+            THEN ',"resolved_at":' || coalesce(jobfence.render_timestamp(resolved_at), 'null')
+                 || ',"resolved_by":' || coalesce(to_json(resolved_by)::text, 'null') || '}'
+       END AS resolved_tail
+FROM core.dead_letters
+
+-- name: list_items_base
+-- list_keys_base's columns and each row's item as if pending (list_items_as_pending's), in one
+-- statement: for a page whose items are probably not cached (jobfence.ops.ItemCache). NULL
+-- for a row without a rendering, which list_items_as_pending_unrendered then renders.
+SELECT id, created_at,
+       CASE WHEN status <> 'pending_review'
+            THEN ',"status":"' || status || '"'
+                 || ',"discard_reason":' || coalesce(to_json(discard_reason)::text, 'null')
+       END AS resolved_head,
+       CASE WHEN status <> 'pending_review'
+            THEN ',"resolved_at":' || coalesce(jobfence.render_timestamp(resolved_at), 'null')
+                 || ',"resolved_by":' || coalesce(to_json(resolved_by)::text, 'null') || '}'
+       END AS resolved_tail,
+       r.head || ',"status":"pending_review","discard_reason":null,"created_at":'
+       || r.created_at_json || ',"resolved_at":null,"resolved_by":null}' AS item_as_pending
+FROM core.dead_letters
+LEFT JOIN jobfence.dead_letter_renderings r ON r.dead_letter_id = dead_letters.id
+
+-- name: list_items_as_pending
+-- The dead letters %(ids)s (a bigint[] literal) as list items rendered as if still pending:
+-- their immutable fields as migration 0008 rendered them and the pending tail, in the order of
+-- jobfence.api.schemas.DeadLetterItemOut (the tests hold the two to each other). What D5 keeps
+-- immutable never changes, so jobfence.ops.ItemCache keeps these. A row without a rendering
+-- (inserted while the trigger was disabled) is missing here: list_items_as_pending_unrendered
+-- renders it.
+SELECT dead_letter_id,
+       head || ',"status":"pending_review","discard_reason":null,"created_at":'
+       || created_at_json || ',"resolved_at":null,"resolved_by":null}'
+FROM jobfence.dead_letter_renderings
+WHERE dead_letter_id = ANY(%(ids)s::bigint[]);
+
+-- name: list_items_as_pending_unrendered
+-- list_items_as_pending for rows without a rendering, rendered now. The fallback gets its row
+-- as a ROW(...) of the columns, in the table's order: a column added to core.dead_letters must
+-- be added here too (the cast fails otherwise, and every list test with it).
+SELECT d.id,
+       jobfence.render_dead_letter_head(ROW(
            d.id, d.job_id, d.queue, d.consumer, d.tenant_id, d.payload, d.payload_encoding,
            d.attempts, d.last_error, d.error_class, d.correlation_id, d.status,
-           d.discard_reason, d.created_at, d.resolved_at, d.resolved_by)::core.dead_letters))
-    || CASE WHEN d.status = 'pending_review'
-            -- Most rows listed; 0001's constraints hold the other three fields NULL.
-            THEN ',"status":"pending_review","discard_reason":null,"created_at":'
-                 || coalesce(r.created_at_json, jobfence.render_timestamp(d.created_at))
-                 || ',"resolved_at":null,"resolved_by":null}'
-            ELSE ',"status":"' || d.status || '"'
-                 || ',"discard_reason":' || coalesce(to_json(d.discard_reason)::text, 'null')
-                 || ',"created_at":' || coalesce(r.created_at_json,
-                                                 jobfence.render_timestamp(d.created_at))
-                 || ',"resolved_at":' || coalesce(jobfence.render_timestamp(d.resolved_at),
-                                                  'null')
-                 || ',"resolved_by":' || coalesce(to_json(d.resolved_by)::text, 'null')
-                 || '}' END AS item
+           d.discard_reason, d.created_at, d.resolved_at, d.resolved_by)::core.dead_letters)
+       || ',"status":"pending_review","discard_reason":null,"created_at":'
+       || jobfence.render_timestamp(d.created_at) || ',"resolved_at":null,"resolved_by":null}'
 FROM core.dead_letters d
-LEFT JOIN jobfence.dead_letter_renderings r ON r.dead_letter_id = d.id
+WHERE d.id = ANY(%(ids)s::bigint[]);
 
 -- name: show_json
 -- One dead letter whole as the API shows it (jobfence.api.schemas.DeadLetterDetailOut,
--- rendered as in list_json_base, timestamps by migration 0008's function) with whether a
+-- rendered as in list_items_as_pending, timestamps by migration 0008's function) with whether a
 -- fence row exists for its (job_id, consumer).
 -- No row: no such dead letter.
 SELECT '{"id":' || d.id
