@@ -329,6 +329,8 @@ _PENDING_MIDDLE = b',"status":"pending_review","discard_reason":null,"created_at
 _PENDING_END = b',"resolved_at":null,"resolved_by":null}'
 _CREATED_AT_KEY = b',"created_at":'
 
+# How a list page is read (ItemCache.plan).
+READ_IDS, READ_ITEMS, READ_RENDERED = "ids", "items", "rendered"
 # A cached item's key: the dead letter's id and its created_at as PostgreSQL sends it.
 _ItemKey = tuple[int, bytes]
 # A kind of page: the filters set, the status, whether it has a cursor, its limit.
@@ -350,8 +352,7 @@ class ItemCache:
     older one moves back to the younger. ``max_bytes=0`` caches nothing.
 
     It also remembers, per kind of page (:data:`_PageShape`), how often such pages were found
-    whole in the cache lately, which decides how the next one is read (see
-    :meth:`expects_whole`).
+    whole in the cache lately, which decides how the next one is read (:meth:`plan`).
     """
 
     __slots__ = (
@@ -366,10 +367,12 @@ class ItemCache:
     )
 
     # What a cached item costs besides its own bytes: a dict entry, its key, a bytes header.
-    ENTRY_OVERHEAD = 160
+    ENTRY_OVERHEAD = 210  # measured with tracemalloc: 1,064 bytes for an 850-byte item
     # How fast a kind of page's record follows its latest pages, and how many kinds it keeps.
     SHAPE_WEIGHT = 0.25
     MAX_SHAPES = 10_000
+    # A kind of page rarely found whole is looked up in the cache once every this many pages.
+    SAMPLE_EVERY = 4
 
     def __init__(self, max_bytes: int) -> None:
         if max_bytes < 0:
@@ -378,7 +381,7 @@ class ItemCache:
         self._young: dict[_ItemKey, bytes] = {}
         self._old: dict[_ItemKey, bytes] = {}
         self._young_bytes = self._old_bytes = 0
-        self._shapes: dict[_PageShape, float] = {}
+        self._shapes: dict[_PageShape, tuple[float, int]] = {}  # (found whole lately, pages)
         self.hits = 0  # items looked up and found, over the cache's life
         self.misses = 0  # items looked up and not found
 
@@ -416,13 +419,32 @@ class ItemCache:
             self._old, self._old_bytes = self._young, self._young_bytes
             self._young, self._young_bytes = {}, 0
 
-    def expects_whole(self, shape: _PageShape) -> bool:
-        """Whether most recent pages of ``shape`` were found whole in the cache. Such a page is
-        read in one short statement (ids, status, resolution). Any other is read with its
-        items rendered by PostgreSQL in the same statement: reading the missing ones in a
-        second statement costs the API process a round trip, more than receiving the items
-        it already had saves it. A kind of page never seen counts as not cached."""
-        return self._shapes.get(shape, 0.0) >= 0.5
+    def plan(self, shape: _PageShape) -> str:
+        """How to read the next page of ``shape``, from how often such pages were found whole
+        in the cache lately:
+
+        - :data:`READ_IDS`, mostly whole: one short statement (ids, status, resolution), and
+          the items missing, if any, in a second;
+        - :data:`READ_ITEMS`, sometimes whole, or once every :attr:`SAMPLE_EVERY` pages of a
+          kind rarely whole (to notice when it no longer is): one statement with the items
+          as if pending, looked up and kept;
+        - :data:`READ_RENDERED`, rarely whole (and never seen, and always without a cache):
+          one statement with the items as listed, the cache left alone. A page of random time
+          windows or a walk through old pages costs what it would without a cache.
+
+        Reading the missing items in a second statement costs the API process a round trip,
+        more than receiving items it already had saves it; looking a page up and keeping its
+        items costs about a third more than reading it rendered.
+        """
+        if self._half == 0:
+            return READ_RENDERED
+        whole, pages = self._shapes.get(shape, (0.0, 0))
+        if whole >= 0.5:
+            return READ_IDS
+        if whole >= 0.2 or pages % self.SAMPLE_EVERY == 0:
+            return READ_ITEMS
+        self._shapes[shape] = (whole, pages + 1)
+        return READ_RENDERED
 
     def record(self, shape: _PageShape, whole: bool) -> None:
         """A page of ``shape`` was (``whole``) or was not found whole in the cache."""
@@ -430,8 +452,8 @@ class ItemCache:
             return
         if len(self._shapes) >= self.MAX_SHAPES and shape not in self._shapes:
             self._shapes.clear()
-        before = self._shapes.get(shape, 0.0)
-        self._shapes[shape] = before + self.SHAPE_WEIGHT * (float(whole) - before)
+        before, pages = self._shapes.get(shape, (0.0, 0))
+        self._shapes[shape] = (before + self.SHAPE_WEIGHT * (float(whole) - before), pages + 1)
 
 
 async def list_dead_letters_json(
@@ -446,18 +468,15 @@ async def list_dead_letters_json(
     "next_cursor": ...}``), rendered by PostgreSQL: no row becomes a Python object, and each
     payload is the text jsonb stores, exactly (numbers beyond a float, deep nesting).
 
-    Every item is the dead letter rendered as if still pending (migration 0008 rendered its
-    immutable fields when it was inserted) with, for a row no longer pending, its status and
-    resolution put in, rendered by the same statement that found the row. ``items`` keeps
-    the former between pages: a page of the kind that ``items`` held whole lately is read in
-    one short statement and only the items missing are rendered, in a second one; any other
-    page (every page, without ``items``) gets its items with its rows, and ``items`` keeps
-    them. Every row of a page comes from its first statement, so a page is exactly what its
-    filter matched at that moment."""
-    cache = items if items is not None else ItemCache(0)
+    ``items`` keeps items between pages: a kind of page it held whole lately is read as ids,
+    status and resolution, and only the items missing are rendered (see
+    :meth:`ItemCache.plan`). Every row of a page comes from one statement, so a page is exactly
+    what its filter matched at that moment."""
     shape: _PageShape = (tuple(flt.params()), flt.status, bool(cursor), limit)
-    expects_whole = cache.expects_whole(shape)
-    base = "list_keys_base" if expects_whole else "list_items_base"
+    how = items.plan(shape) if items is not None else READ_RENDERED
+    base = {READ_IDS: "list_keys_base", READ_ITEMS: "list_items_base"}.get(
+        how, "list_rendered_base"
+    )
     query, params = _list_query(base, flt, limit=limit, cursor=cursor)
     # Text as the bytes received, no str made of them on the way to the HTTP response: a text
     # column in binary format is its text in the connection's encoding, which psycopg's (C)
@@ -466,22 +485,48 @@ async def list_dead_letters_json(
     utf8 = conn.info.encoding == "utf-8"
     cur = conn.cursor(binary=utf8)
     cur.adapters.register_loader("text", ByteaBinaryLoader if utf8 else _Utf8TextLoader)
-    cur.adapters.register_loader("timestamptz", ByteaBinaryLoader if utf8 else _RawTextLoader)
+    if how != READ_RENDERED:
+        cur.adapters.register_loader("timestamptz", ByteaBinaryLoader if utf8 else _RawTextLoader)
     await cur.execute(query, params)
     rows = await cur.fetchall()
     more = len(rows) > limit
     if more:
         del rows[limit:]  # the row that only says there is a next page
+    if how == READ_RENDERED:
+        page = [row[0] for row in rows]
+    else:
+        assert items is not None
+        page = await _items_of(cur, rows, items, shape, how)
+    next_cursor = b"null"
+    if more:
+        last = json.loads(page[-1])
+        created = datetime.fromisoformat(last["created_at"])
+        next_cursor = json.dumps(encode_cursor(created, last["id"])).encode()
+    # One join, so the page is copied once: the envelope rides on the first and last items.
+    head, tail = b'{"items":[', b'],"next_cursor":' + next_cursor + b"}"
+    if not page:
+        return head + tail
+    page[0] = head + page[0]
+    page[-1] += tail
+    return b",".join(page)
+
+
+async def _items_of(
+    cur: AsyncCursor[Any], rows: list[Any], items: ItemCache, shape: _PageShape, how: str
+) -> list[bytes]:
+    """The items of ``rows`` (``list_keys_base``'s columns, and ``list_items_base``'s item as
+    if pending with :data:`READ_ITEMS`) from ``items``, and what it lacks from ``rows`` or the
+    database, which ``items`` then keeps; each row's status and resolution put in."""
     keys: list[_ItemKey] = [(row[0], row[1]) for row in rows]
-    page = cache.lookup(keys)
-    cache.record(shape, None not in page)
-    if not expects_whole and None in page:
+    page = items.lookup(keys)
+    items.record(shape, None not in page)
+    if how == READ_ITEMS and None in page:
         received = [row[4] for row in rows]
         if not any(page) and None not in received:  # nothing was cached: all new
-            cache.store(dict(zip(keys, received, strict=True)))
+            items.store(dict(zip(keys, received, strict=True)))
             page = received
         else:
-            cache.store(
+            items.store(
                 {
                     key: new
                     for key, old, new in zip(keys, page, received, strict=True)
@@ -494,7 +539,7 @@ async def list_dead_letters_json(
     if None in page:  # not cached, or (read with its row) without a stored rendering
         missing = [key for key, item in zip(keys, page, strict=True) if item is None]
         fetched = await _items_as_pending(cur, missing)
-        cache.store(fetched)
+        items.store(fetched)
         page = [fetched.get(key, item) for key, item in zip(keys, page, strict=True)]
     for index, row in enumerate(rows):
         resolved_head, resolved_tail = row[2], row[3]
@@ -506,19 +551,7 @@ async def list_dead_letters_json(
             page[index] = b"".join(
                 (item[:cut], resolved_head, _CREATED_AT_KEY, created_at, resolved_tail)
             )
-    done: list[bytes] = page  # type: ignore[assignment]  # every None was filled above
-    next_cursor = b"null"
-    if more:
-        last = json.loads(done[-1])
-        created = datetime.fromisoformat(last["created_at"])
-        next_cursor = json.dumps(encode_cursor(created, last["id"])).encode()
-    # One join, so the page is copied once: the envelope rides on the first and last items.
-    head, tail = b'{"items":[', b'],"next_cursor":' + next_cursor + b"}"
-    if not done:
-        return head + tail
-    done[0] = head + done[0]
-    done[-1] += tail
-    return b",".join(done)
+    return page  # type: ignore[return-value]  # every None was filled above
 
 
 async def _items_as_pending(cur: AsyncCursor[Any], keys: list[_ItemKey]) -> dict[_ItemKey, bytes]:

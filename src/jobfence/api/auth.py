@@ -40,7 +40,7 @@ PERMISSIONS = (PERMISSION_READ, PERMISSION_REPLAY, PERMISSION_DISCARD)
 
 MIN_SECRET_BYTES = 32  # RFC 7518 3.2: an HS256 key as long as the hash output at least
 MAX_SUBJECT_CHARS = 500
-DEFAULT_ITEM_CACHE_BYTES = 64 * 1024 * 1024  # about 75,000 items of the benchmark's size
+DEFAULT_ITEM_CACHE_BYTES = 64 * 1024 * 1024  # about 60,000 items of the benchmark's size
 _NO_KEY = (
     f"the API needs a key to verify tokens: set {config.ENV_JWT_SECRET} (HS256 shared secret, "
     f"at least {MIN_SECRET_BYTES} bytes) or {config.ENV_JWT_PUBLIC_KEY} (PEM public key, "

@@ -10,6 +10,42 @@ SELECT id, job_id, queue, consumer, tenant_id, payload_encoding, attempts, last_
             THEN left(payload::text, %(summary_chars)s) END AS payload_summary
 FROM core.dead_letters
 
+-- name: list_rendered_base
+-- A list page read without the item cache (jobfence.ops.ItemCache): for a page whose items
+-- are probably not cached, and every page without a cache. Each dead letter as the API lists
+-- it: the item as compact JSON text with the fields in the
+-- order of jobfence.api.schemas.DeadLetterItemOut (the tests hold the two to each other). The
+-- immutable fields were rendered when the row was inserted (migration 0008,
+-- jobfence.dead_letter_renderings; rendered here instead for a row that has none); the fields
+-- a resolution changes are rendered now, so an item is never stale. status needs no escaping
+-- (a CHECK constraint holds it to three words). Only the item is selected: jobfence.ops takes
+-- the next page's keyset from the last item itself. It appends the WHERE clause, the order
+-- and the limit.
+-- The fallback gets its row as a ROW(...) of the columns, in the table's order, built only
+-- for a row without a rendering: passing `d` itself would make the scan build every listed row
+-- as one composite value (a copy of the whole row, large payloads fetched from TOAST),
+-- rendering or not. A column added to core.dead_letters must be added here too (the cast
+-- fails otherwise, and every list test with it).
+SELECT coalesce(r.head, jobfence.render_dead_letter_head(ROW(
+           d.id, d.job_id, d.queue, d.consumer, d.tenant_id, d.payload, d.payload_encoding,
+           d.attempts, d.last_error, d.error_class, d.correlation_id, d.status,
+           d.discard_reason, d.created_at, d.resolved_at, d.resolved_by)::core.dead_letters))
+    || CASE WHEN d.status = 'pending_review'
+            -- Most rows listed; 0001's constraints hold the other three fields NULL.
+            THEN ',"status":"pending_review","discard_reason":null,"created_at":'
+                 || coalesce(r.created_at_json, jobfence.render_timestamp(d.created_at))
+                 || ',"resolved_at":null,"resolved_by":null}'
+            ELSE ',"status":"' || d.status || '"'
+                 || ',"discard_reason":' || coalesce(to_json(d.discard_reason)::text, 'null')
+                 || ',"created_at":' || coalesce(r.created_at_json,
+                                                 jobfence.render_timestamp(d.created_at))
+                 || ',"resolved_at":' || coalesce(jobfence.render_timestamp(d.resolved_at),
+                                                  'null')
+                 || ',"resolved_by":' || coalesce(to_json(d.resolved_by)::text, 'null')
+                 || '}' END AS item
+FROM core.dead_letters d
+LEFT JOIN jobfence.dead_letter_renderings r ON r.dead_letter_id = d.id
+
 -- name: list_keys_base
 -- A list page's rows for jobfence.ops.list_dead_letters_json: the key of the row's cached item
 -- (id, created_at) and, for a row no longer pending, the fields its resolution set, rendered
