@@ -65,8 +65,11 @@ FROM core.dead_letters
 
 -- name: list_items_base
 -- list_keys_base's columns and each row's item as if pending (list_items_as_pending's), in one
--- statement: for a page whose items are probably not cached (jobfence.ops.ItemCache). NULL
--- for a row without a rendering, which list_items_as_pending_unrendered then renders.
+-- statement: for a page whose items are only sometimes cached (jobfence.ops.ItemCache.plan).
+-- NULL for a row without a rendering, which list_items_as_pending_unrendered then renders.
+-- resolved_head and resolved_tail are list_keys_base's, written twice on purpose (a join would
+-- cost the short statement its speed): tests/test_item_cache.py holds pages read either way
+-- to the page list_rendered_base renders.
 SELECT id, created_at,
        CASE WHEN status <> 'pending_review'
             THEN ',"status":"' || status || '"'
