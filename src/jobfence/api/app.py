@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
+from pydantic import ValidationError
 
 from jobfence import ops
 from jobfence.api import problems
@@ -170,6 +171,34 @@ _NOT_PENDING: dict[int | str, dict[str, Any]] = {
 }
 
 
+async def _dead_letter_query(request: Request) -> DeadLetterQuery:
+    """The list route's query, validated here as FastAPI would, with the same 422: FastAPI's
+    own handling of a query model inspects every field's annotation on every request, about
+    10% of a list request's CPU under load (py-spy). The parameters are documented from the
+    model all the same (:data:`_LIST_PARAMETERS`)."""
+    try:
+        return DeadLetterQuery.model_validate(dict(request.query_params))
+    except ValidationError as exc:
+        raise RequestValidationError(
+            [{**error, "loc": ("query", *error["loc"])} for error in exc.errors()]
+        ) from None
+
+
+def _documented_query_parameters() -> list[dict[str, Any]]:
+    """The OpenAPI parameters FastAPI generates for ``DeadLetterQuery`` as a route's query."""
+    shadow = FastAPI()
+
+    @shadow.get("/")
+    async def route(query: Annotated[DeadLetterQuery, Query()]) -> None:
+        """Only documented, never served."""
+
+    parameters: list[dict[str, Any]] = shadow.openapi()["paths"]["/"]["get"]["parameters"]
+    return parameters
+
+
+_LIST_PARAMETERS = _documented_query_parameters()
+
+
 async def _single_valued_query(request: Request) -> None:
     """Every query parameter of this API takes one value: ``?queue=a&queue=b`` is refused
     rather than read as one of them."""
@@ -312,9 +341,10 @@ def _routes(app: FastAPI) -> None:
         response_model=DeadLetterPageOut,
         tags=["dead letters"],
         responses=_AUTH_ERRORS,
+        openapi_extra={"parameters": _LIST_PARAMETERS},
     )
     async def list_dead_letters(
-        query: Annotated[DeadLetterQuery, Query()], services: Svc, _: Reader
+        query: Annotated[DeadLetterQuery, Depends(_dead_letter_query)], services: Svc, _: Reader
     ) -> Response:
         """Dead letters matching every filter given, newest first (``created_at``, then
         ``id``). Follow ``next_cursor`` for the next page: rows inserted meanwhile never shift
