@@ -24,7 +24,13 @@ import time
 
 import psutil
 import psycopg
-from common import admin_url_from_env, create_database, drop_database, machine_notes
+from common import (
+    admin_url_from_env,
+    alternating,
+    create_database,
+    drop_database,
+    machine_notes,
+)
 
 from jobfence import ops
 
@@ -47,7 +53,7 @@ FROM generate_series(1, %(rows)s) AS g
 
 
 def queries(limit: int) -> dict[str, str]:
-    query, params = ops.list_page_query(ops.DeadLetterFilter(), limit=limit)
+    query, params = ops.list_page_query(ops.DeadLetterFilter(), limit=limit, how="rendered")
     current = query.decode()
     if CURRENT_FALLBACK not in current:
         raise SystemExit("the list query's fallback is not the expected form: update this script")
@@ -113,12 +119,10 @@ def main() -> int:
             conn.execute("VACUUM ANALYZE jobfence.dead_letter_renderings")
         forms = queries(args.limit)
         results: dict[str, list[float]] = {name: [] for name in forms}
-        for r in range(args.rounds):
-            order = list(forms) if r % 2 == 0 else list(reversed(forms))
-            for name in order:
-                ms = measure(url, forms[name], args.connections, args.seconds)
-                results[name].append(ms)
-                print(f"round {r + 1}/{args.rounds}  {name:<10} {ms:6.3f} ms/page", flush=True)
+        for label, name in alternating(forms, args.rounds):
+            ms = measure(url, forms[name], args.connections, args.seconds)
+            results[name].append(ms)
+            print(f"{label}  {name:<10} {ms:6.3f} ms/page", flush=True)
     finally:
         asyncio.run(drop_database(admin_url, DB))
     current, whole = (statistics.median(results[n]) for n in ("current", "whole row"))

@@ -295,12 +295,17 @@ def _composed(
 
 
 def list_page_query(
-    flt: DeadLetterFilter, *, limit: int = DEFAULT_PAGE, cursor: str | None = None
+    flt: DeadLetterFilter,
+    *,
+    limit: int = DEFAULT_PAGE,
+    cursor: str | None = None,
+    how: str = "ids",
 ) -> tuple[bytes, dict[str, Any]]:
     """The SQL (and parameters) of the page's first statement in
-    :func:`list_dead_letters_json` (the one whose plan depends on the filter), for benchmarks
-    and EXPLAIN."""
-    return _list_query("list_keys_base", flt, limit=limit, cursor=cursor)
+    :func:`list_dead_letters_json` (the one whose plan depends on the filter) when read
+    ``how`` (:meth:`ItemCache.plan`; ``"rendered"``: as without a cache), for benchmarks and
+    EXPLAIN."""
+    return _list_query(_LIST_BASE[how], flt, limit=limit, cursor=cursor)
 
 
 async def list_dead_letters(
@@ -329,8 +334,13 @@ _PENDING_MIDDLE = b',"status":"pending_review","discard_reason":null,"created_at
 _PENDING_END = b',"resolved_at":null,"resolved_by":null}'
 _CREATED_AT_KEY = b',"created_at":'
 
-# How a list page is read (ItemCache.plan).
+# How a list page is read (ItemCache.plan), and the named query its first statement starts with.
 READ_IDS, READ_ITEMS, READ_RENDERED = "ids", "items", "rendered"
+_LIST_BASE = {
+    READ_IDS: "list_keys_base",
+    READ_ITEMS: "list_items_base",
+    READ_RENDERED: "list_rendered_base",
+}
 # A cached item's key: the dead letter's id and its created_at as PostgreSQL sends it.
 _ItemKey = tuple[int, bytes]
 # A kind of page: the filters set, the status, whether it has a cursor, its limit.
@@ -425,12 +435,12 @@ class ItemCache:
 
         - :data:`READ_IDS`, mostly whole: one short statement (ids, status, resolution), and
           the items missing, if any, in a second;
-        - :data:`READ_ITEMS`, sometimes whole, or once every :attr:`SAMPLE_EVERY` pages of a
-          kind rarely whole (to notice when it no longer is): one statement with the items
-          as if pending, looked up and kept;
-        - :data:`READ_RENDERED`, rarely whole (and never seen, and always without a cache):
-          one statement with the items as listed, the cache left alone. A page of random time
-          windows or a walk through old pages costs what it would without a cache.
+        - :data:`READ_ITEMS`, sometimes whole, never seen, or once every
+          :attr:`SAMPLE_EVERY` pages of a kind rarely whole (to notice when it no longer is):
+          one statement with the items as if pending, looked up and kept;
+        - :data:`READ_RENDERED`, rarely whole (and always without a cache): one statement
+          with the items as listed, the cache left alone. A page of random time windows or a
+          walk through old pages costs what it would without a cache.
 
         Reading the missing items in a second statement costs the API process a round trip,
         more than receiving items it already had saves it; looking a page up and keeping its
@@ -474,10 +484,7 @@ async def list_dead_letters_json(
     what its filter matched at that moment."""
     shape: _PageShape = (tuple(flt.params()), flt.status, bool(cursor), limit)
     how = items.plan(shape) if items is not None else READ_RENDERED
-    base = {READ_IDS: "list_keys_base", READ_ITEMS: "list_items_base"}.get(
-        how, "list_rendered_base"
-    )
-    query, params = _list_query(base, flt, limit=limit, cursor=cursor)
+    query, params = _list_query(_LIST_BASE[how], flt, limit=limit, cursor=cursor)
     # Text as the bytes received, no str made of them on the way to the HTTP response: a text
     # column in binary format is its text in the connection's encoding, which psycopg's (C)
     # bytea loader hands over as it is (another encoding than UTF-8 is transcoded); the
@@ -521,21 +528,13 @@ async def _items_of(
     page = items.lookup(keys)
     items.record(shape, None not in page)
     if how == READ_ITEMS and None in page:
-        received = [row[4] for row in rows]
-        if not any(page) and None not in received:  # nothing was cached: all new
-            items.store(dict(zip(keys, received, strict=True)))
-            page = received
-        else:
-            items.store(
-                {
-                    key: new
-                    for key, old, new in zip(keys, page, received, strict=True)
-                    if old is None and new is not None
-                }
-            )
-            page = [
-                old if old is not None else new for old, new in zip(page, received, strict=True)
-            ]
+        received = {
+            key: row[4]
+            for key, row, item in zip(keys, rows, page, strict=True)
+            if item is None and row[4] is not None
+        }
+        items.store(received)
+        page = [received.get(key, item) for key, item in zip(keys, page, strict=True)]
     if None in page:  # not cached, or (read with its row) without a stored rendering
         missing = [key for key, item in zip(keys, page, strict=True) if item is None]
         fetched = await _items_as_pending(cur, missing)
