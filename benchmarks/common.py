@@ -12,7 +12,7 @@ import os
 import platform
 import subprocess
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -65,6 +65,16 @@ def job_work(i: int) -> tuple[int, int]:
 
 def expected_points(n: int) -> int:
     return sum(i % 7 + 1 for i in range(n))
+
+
+def alternating(names: Iterable[str], rounds: int) -> Iterator[tuple[str, str]]:
+    """``(round label, name)`` for ``rounds`` rounds of every name, the order reversed every
+    other round, so that neither side of a comparison always runs first (a warmer cache, a
+    quieter minute)."""
+    order = list(names)
+    for r in range(rounds):
+        for name in order if r % 2 == 0 else reversed(order):
+            yield f"round {r + 1}/{rounds}", name
 
 
 def admin_url_from_env() -> str:

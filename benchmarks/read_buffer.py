@@ -30,7 +30,13 @@ from dataclasses import dataclass
 
 import psutil
 import uvloop
-from common import admin_url_from_env, create_database, drop_database, machine_notes
+from common import (
+    admin_url_from_env,
+    alternating,
+    create_database,
+    drop_database,
+    machine_notes,
+)
 
 from jobfence import db, ops
 
@@ -145,17 +151,15 @@ def main() -> int:
                 await conn.execute("VACUUM ANALYZE jobfence.dead_letter_renderings")
 
         uvloop.run(seed())
-        for r in range(args.rounds):
-            order = list(kinds) if r % 2 == 0 else list(reversed(kinds))
-            for name in order:
-                got = uvloop.run(measure(url, kinds[name], args))
-                results[name].append(got)
-                print(
-                    f"round {r + 1}/{args.rounds}  {name:<20} {got.pages_per_second:6.0f} pages/s"
-                    f"  client {got.client_ms:.3f} ms/page  server {got.server_ms:.3f} ms/page"
-                    f"  ({got.page_bytes:,} bytes a page)",
-                    flush=True,
-                )
+        for label, name in alternating(kinds, args.rounds):
+            got = uvloop.run(measure(url, kinds[name], args))
+            results[name].append(got)
+            print(
+                f"{label}  {name:<20} {got.pages_per_second:6.0f} pages/s"
+                f"  client {got.client_ms:.3f} ms/page  server {got.server_ms:.3f} ms/page"
+                f"  ({got.page_bytes:,} bytes a page)",
+                flush=True,
+            )
     finally:
         asyncio.run(drop_database(admin_url, DB))
     baseline, other = (results[name] for name in kinds)
