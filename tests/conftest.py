@@ -41,7 +41,14 @@ def server_url() -> Iterator[str]:
             pytest.exit(f"JOBFENCE_DATABASE_URL is set but unreachable: {exc}", returncode=3)
         yield url
         return
-    from pgserver import get_server
+    try:
+        from pgserver import get_server
+    except ImportError:
+        pytest.exit(
+            "JOBFENCE_DATABASE_URL is not set and the embedded PostgreSQL (pgserver) is not "
+            "installed: pip install -e '.[dev,embedded]', or set JOBFENCE_DATABASE_URL",
+            returncode=3,
+        )
 
     data_dir = Path(tempfile.mkdtemp(prefix="jobfence-test-pg-"))
     with warnings.catch_warnings():

@@ -63,11 +63,14 @@ def _catalog(url: str) -> dict[str, list[tuple[Any, ...]]]:
 
 
 def _psql() -> str:
-    """The psql that ships with pgserver (a dependency), or the machine's."""
-    import pgserver
-
-    bundled = Path(pgserver.__file__).parent / "pginstall" / "bin" / "psql"
-    found = str(bundled) if bundled.exists() else shutil.which("psql")
+    """The psql that ships with pgserver (the ``embedded`` extra), or the machine's."""
+    try:
+        import pgserver
+    except ImportError:
+        bundled = None
+    else:
+        bundled = Path(pgserver.__file__).parent / "pginstall" / "bin" / "psql"
+    found = str(bundled) if bundled is not None and bundled.exists() else shutil.which("psql")
     if found is None:  # pragma: no cover - pgserver always ships one
         pytest.fail("no psql found (neither pgserver's nor on PATH)")
     return found

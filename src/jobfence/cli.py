@@ -278,7 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jobfence",
         description="Exactly-one-effect queue consumers on PostgreSQL. The database is "
-        "JOBFENCE_DATABASE_URL, or an embedded PostgreSQL in ./.jobfence/pgdata when unset.",
+        "JOBFENCE_DATABASE_URL (required by every command but demo), e.g. "
+        "postgresql://user@127.0.0.1:5432/dbname, or 'embedded': an embedded PostgreSQL in "
+        "JOBFENCE_EMBEDDED_DIR (./.jobfence/pgdata), needs pip install 'jobfence[embedded]'.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
     parser.add_argument(
@@ -404,6 +406,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         log_format = args.log_format or log_format_from_env()
+        # Before any other work: a command that needs the database refuses at once when
+        # JOBFENCE_DATABASE_URL is unset, blank or unusable; only the demo defaults to embedded.
+        if args.command == "demo":
+            db.check_database_setting(embedded_when_unset=True)
+        elif not getattr(args, "print_sql", False):
+            db.check_database_setting()
     except JobfenceError as exc:
         print(f"jobfence: error: {exc}", file=sys.stderr)
         return 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from collections.abc import Mapping
@@ -13,13 +14,64 @@ from jobfence.errors import ConfigError
 ENV_DATABASE_URL = "JOBFENCE_DATABASE_URL"
 ENV_EMBEDDED_DIR = "JOBFENCE_EMBEDDED_DIR"
 DEFAULT_EMBEDDED_DIR = Path(".jobfence") / "pgdata"
+# The one value of JOBFENCE_DATABASE_URL that asks for the embedded PostgreSQL (pgserver).
+EMBEDDED = "embedded"
+EXAMPLE_DATABASE_URL = "postgresql://user@127.0.0.1:5432/dbname"
 
 
 def database_url_from_env(environ: Mapping[str, str] | None = None) -> str | None:
-    """The configured libpq URL, or None when jobfence should use its embedded PostgreSQL."""
+    """The value of JOBFENCE_DATABASE_URL (a libpq URL, or ``embedded``), or None when it is
+    unset or blank."""
     env = os.environ if environ is None else environ
     value = env.get(ENV_DATABASE_URL, "").strip()
     return value or None
+
+
+def is_embedded(value: str) -> bool:
+    """Whether a JOBFENCE_DATABASE_URL value asks for the embedded PostgreSQL."""
+    return value.strip().lower() == EMBEDDED
+
+
+# Words that make a JOBFENCE_* variable look like an attempt at JOBFENCE_DATABASE_URL.
+_DATABASE_WORDS = frozenset({"DATABASE", "DB", "DSN", "POSTGRES", "POSTGRESQL", "PG", "PGURL"})
+
+
+def similar_database_variables(environ: Mapping[str, str] | None = None) -> list[str]:
+    """The names (never the values: they may hold a password) of set variables that look like
+    a misspelt JOBFENCE_DATABASE_URL: ``DATABASE_URL``, the name in another case, and any
+    ``JOBFENCE_*`` name close to it (``JOBFENCE_DATABASE_URI``, ``JOBFENCE_DB_URL``...)."""
+    env = os.environ if environ is None else environ
+    found = []
+    for name, value in env.items():
+        if name == ENV_DATABASE_URL or not value.strip():
+            continue
+        upper = name.strip().upper()
+        close = upper.startswith("JOBFENCE_") and (
+            difflib.SequenceMatcher(None, upper, ENV_DATABASE_URL).ratio() >= 0.8
+            or not _DATABASE_WORDS.isdisjoint(re.split(r"[^A-Z0-9]+", upper[9:]))
+        )
+        if close or upper in (ENV_DATABASE_URL, "DATABASE_URL"):
+            found.append(name)
+    return sorted(found)
+
+
+def missing_database_url_message(environ: Mapping[str, str] | None = None) -> str:
+    """What to say when JOBFENCE_DATABASE_URL is unset or blank: its name, an example, the
+    embedded choice, and the similarly named variables that are set (by name only)."""
+    env = os.environ if environ is None else environ
+    state = "is empty" if ENV_DATABASE_URL in env else "is not set"
+    similar = similar_database_variables(env)
+    hints = (
+        f" ({' and '.join(similar)} {'is' if len(similar) == 1 else 'are'} set: "
+        f"did you mean {ENV_DATABASE_URL}?)"
+        if similar
+        else ""
+    )
+    return (
+        f"{ENV_DATABASE_URL} {state}{hints}; every command but demo needs it: set it to your "
+        f"database, e.g. {ENV_DATABASE_URL}={EXAMPLE_DATABASE_URL} "
+        f"(or {ENV_DATABASE_URL}={EMBEDDED} for a local embedded PostgreSQL)"
+    )
 
 
 def embedded_dir_from_env(environ: Mapping[str, str] | None = None) -> Path:

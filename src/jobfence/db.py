@@ -1,7 +1,9 @@
-"""Finding the database: the configured URL, or an embedded PostgreSQL (pgserver) when none is."""
+"""Finding the database: JOBFENCE_DATABASE_URL, which is required (``embedded`` asks for an
+embedded PostgreSQL, pgserver, an optional extra imported only then)."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import re
 import warnings
@@ -12,7 +14,16 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg_pool import AsyncConnectionPool
 
-from jobfence.config import ENV_DATABASE_URL, database_url_from_env, embedded_dir_from_env
+from jobfence.config import (
+    EMBEDDED,
+    ENV_DATABASE_URL,
+    EXAMPLE_DATABASE_URL,
+    database_url_from_env,
+    embedded_dir_from_env,
+    is_embedded,
+    missing_database_url_message,
+    similar_database_variables,
+)
 from jobfence.errors import ConfigError, DatabaseUnavailable
 
 log = logging.getLogger("jobfence.db")
@@ -65,37 +76,84 @@ def validate_url(url: str) -> str:
         first_line = _without_password(first_line, url)
         raise ConfigError(
             f"{ENV_DATABASE_URL} is not a valid libpq connection string or URL ({first_line}); "
-            "expected e.g. postgresql://user@127.0.0.1:5432/dbname"
+            f"expected e.g. {EXAMPLE_DATABASE_URL}"
         ) from None
     return url
 
 
-def start_embedded(data_dir: Path) -> str:
-    """Start (or find running) an embedded PostgreSQL in ``data_dir`` and return its URL."""
+EMBEDDED_EXTRA = "pip install 'jobfence[embedded]'"
+
+
+def _embedded_missing(*, unset: bool) -> ConfigError:
+    if unset:
+        return ConfigError(
+            f"{ENV_DATABASE_URL} is not set, so the embedded PostgreSQL is used, but "
+            f"pgserver is not installed: {EMBEDDED_EXTRA} (or set {ENV_DATABASE_URL} to your "
+            f"database, e.g. {EXAMPLE_DATABASE_URL})"
+        )
+    return ConfigError(
+        f"{ENV_DATABASE_URL}={EMBEDDED} asks for the embedded PostgreSQL, but pgserver is not "
+        f"installed: {EMBEDDED_EXTRA}"
+    )
+
+
+def embedded_available() -> bool:
+    """Whether pgserver can be imported (checked without importing it)."""
+    try:
+        return importlib.util.find_spec("pgserver") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def start_embedded(data_dir: Path, *, unset: bool = False) -> str:
+    """Start (or find running) an embedded PostgreSQL in ``data_dir`` and return its URL.
+    ``unset``: the demo's default, JOBFENCE_DATABASE_URL being unset, asked for it (rather than
+    ``JOBFENCE_DATABASE_URL=embedded``); the log line and the errors say which."""
     try:
         with warnings.catch_warnings():
             # platformdirs warns at import when XDG_RUNTIME_DIR is unset (containers, CI).
             warnings.simplefilter("ignore")
             from pgserver import get_server  # type: ignore[attr-defined]
-    except ImportError:  # pragma: no cover - pgserver is a dependency
-        raise ConfigError(
-            f"{ENV_DATABASE_URL} is not set and the embedded PostgreSQL (pgserver) is not installed"
-        ) from None
+    except ImportError:
+        raise _embedded_missing(unset=unset) from None
+    data_dir = data_dir.resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
-    log.info("no %s set: using embedded PostgreSQL in %s", ENV_DATABASE_URL, data_dir)
+    asked = f"{ENV_DATABASE_URL} not set" if unset else f"{ENV_DATABASE_URL}={EMBEDDED}"
+    log.info("%s: using the embedded PostgreSQL in %s", asked, data_dir)
+    if unset and (similar := similar_database_variables()):
+        log.warning("%s set: did you mean %s?", " and ".join(similar), ENV_DATABASE_URL)
     with warnings.catch_warnings():
         # platformdirs warns when XDG_RUNTIME_DIR is unset (containers, CI): harmless here.
         warnings.simplefilter("ignore")
-        server = get_server(str(data_dir.resolve()))
+        server = get_server(str(data_dir))
     return str(server.get_uri())
 
 
-def resolve_database_url() -> str:
-    """JOBFENCE_DATABASE_URL when set, otherwise the embedded server's URL."""
+def check_database_setting(*, embedded_when_unset: bool = False) -> None:
+    """Refuse, before any work, a JOBFENCE_DATABASE_URL that cannot work: unset or blank
+    (unless ``embedded_when_unset``), not a valid URL, or ``embedded`` without pgserver.
+    Starts nothing and connects nowhere."""
     url = database_url_from_env()
-    if url is not None:
-        return validate_url(url)
-    return start_embedded(embedded_dir_from_env())
+    if url is None and not embedded_when_unset:
+        raise ConfigError(missing_database_url_message())
+    if url is None or is_embedded(url):
+        if not embedded_available():
+            raise _embedded_missing(unset=url is None)
+        return
+    validate_url(url)
+
+
+def resolve_database_url(*, embedded_when_unset: bool = False) -> str:
+    """The database's URL: JOBFENCE_DATABASE_URL (validated), or the URL of the embedded
+    PostgreSQL (started in JOBFENCE_EMBEDDED_DIR) when it says ``embedded``. Unset or blank, it
+    is a :class:`ConfigError` that says how to set it, unless ``embedded_when_unset`` (the
+    demo's default): then the embedded PostgreSQL too."""
+    url = database_url_from_env()
+    if url is None and not embedded_when_unset:
+        raise ConfigError(missing_database_url_message())
+    if url is None or is_embedded(url):
+        return start_embedded(embedded_dir_from_env(), unset=url is None)
+    return validate_url(url)
 
 
 async def check_connection(url: str, *, connect_timeout: int = 5) -> None:

@@ -150,9 +150,11 @@ async def _enqueue(
 
 async def run_demo(*, jobs: int = 200, duplicates: int = 50, out: Any = None) -> int:
     out = out or sys.stdout
+    # The demo alone uses the embedded PostgreSQL when JOBFENCE_DATABASE_URL is unset (and
+    # logs where, before the level below hides jobfence's INFO lines).
+    url = db.resolve_database_url(embedded_when_unset=True)
     # The progress display and the summary say it all; keep per-job log lines out of the way.
     logging.getLogger("jobfence").setLevel(logging.ERROR)
-    url = db.resolve_database_url()
     print(f"database: {db.redact(url)}", file=out)
     pool = await db.open_pool(url, max_size=8, name="jobfence-demo")
     run = f"demo-{uuid.uuid4().hex[:8]}"
