@@ -40,7 +40,7 @@ def read(path: Path) -> str:
 
 def test_configuration_names_the_newest_migration() -> None:
     newest = max(path.stem for path in MIGRATIONS.glob("[0-9][0-9][0-9][0-9]_*.sql"))
-    named = re.findall(r"newest migration is `(\d{4}_\w+)`", read(CONFIGURATION))
+    named = re.findall(r"newest\s+migration\s+is\s+`(\d{4}_\w+)`", read(CONFIGURATION))
     assert named == [newest], (
         f"docs/configuration.md must say 'the newest migration is `{newest}`' once; "
         f"it names {named}"
