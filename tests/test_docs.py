@@ -1,0 +1,200 @@
+"""The documentation states facts the code decides: the newest migration, every command, flag
+and environment variable, and links between pages. These tests keep the two in step, and keep
+work-log words (sessions, issue numbers, an unpublished spec's jargon) out of what users read."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from jobfence.cli import build_parser
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGURATION = ROOT / "docs" / "configuration.md"
+CONCEPTS = ROOT / "docs" / "concepts.md"
+MIGRATIONS = ROOT / "src" / "jobfence" / "migrations"
+
+
+def user_docs() -> list[Path]:
+    """Every page a user reads: the README, the changelog, docs/ and the benchmarks' README."""
+    pages = [ROOT / "README.md", ROOT / "CHANGELOG.md", ROOT / "benchmarks" / "README.md"]
+    pages += sorted((ROOT / "docs").rglob("*.md"))
+    return [page for page in pages if page.exists()]
+
+
+def prose(text: str) -> str:
+    """The text without fenced code blocks (commands, output and SQL are not prose)."""
+    return re.sub(r"^[ \t]*(```|~~~).*?^[ \t]*\1", "", text, flags=re.DOTALL | re.MULTILINE)
+
+
+def read(path: Path) -> str:
+    return path.read_text(encoding="utf-8")
+
+
+# --- facts --------------------------------------------------------------------------------------
+
+
+def test_configuration_names_the_newest_migration() -> None:
+    newest = max(path.stem for path in MIGRATIONS.glob("[0-9][0-9][0-9][0-9]_*.sql"))
+    named = re.findall(r"newest\s+migration\s+is\s+`(\d{4}_\w+)`", read(CONFIGURATION))
+    assert named == [newest], (
+        f"docs/configuration.md must say 'the newest migration is `{newest}`' once; "
+        f"it names {named}"
+    )
+
+
+def commands(
+    parser: argparse.ArgumentParser, path: tuple[str, ...] = ()
+) -> Iterator[tuple[tuple[str, ...], argparse.ArgumentParser]]:
+    """Every (sub)command of the CLI, as its path of names (`("dead-letters", "show")`)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                yield (*path, name), child
+                yield from commands(child, (*path, name))
+
+
+def long_flags(parser: argparse.ArgumentParser) -> list[str]:
+    return [
+        flag
+        for action in parser._actions
+        for flag in action.option_strings
+        if flag.startswith("--") and flag != "--help"
+    ]
+
+
+def section(text: str, heading_start: str) -> str:
+    """The text under the first heading that starts with heading_start, up to the next heading
+    of the same or a higher level."""
+    match = re.search(rf"^(#+) {re.escape(heading_start)}.*$", text, re.MULTILINE)
+    assert match, f"docs/configuration.md has no heading starting {heading_start!r}"
+    level = len(match.group(1))
+    rest = text[match.end() :]
+    end = re.search(rf"^#{{1,{level}}} ", rest, re.MULTILINE)
+    return rest[: end.start()] if end else rest
+
+
+def mentions(text: str, word: str) -> bool:
+    """`word` written as code: `word`, `word ARG`, `word=...` or `word,...` inside backticks."""
+    return re.search(rf"`{re.escape(word)}(?=[`\s=,\]\[])", text) is not None
+
+
+def test_every_cli_command_and_flag_is_documented_in_configuration_md() -> None:
+    text = read(CONFIGURATION)
+    parser = build_parser()
+    missing = [f"jobfence {flag}" for flag in long_flags(parser) if not mentions(text, flag)]
+    found = list(commands(parser))
+    assert len(found) >= 7, f"the CLI parser has fewer commands than expected: {found}"
+    for path, command in found:
+        top = section(text, f"`jobfence {path[0]}")
+        if len(path) > 1 and not mentions(top, path[-1]):
+            missing.append("jobfence " + " ".join(path))
+        missing += [
+            f"jobfence {' '.join(path)} {flag}"
+            for flag in long_flags(command)
+            if not mentions(top, flag)
+        ]
+    assert not missing, f"not documented in docs/configuration.md: {missing}"
+
+
+def environment_variables() -> set[str]:
+    """Every JOBFENCE_* variable the package names in full (as a string literal)."""
+    names: set[str] = set()
+    for source in (ROOT / "src" / "jobfence").rglob("*.py"):
+        names |= set(re.findall(r"[\"'](JOBFENCE_[A-Z0-9_]*[A-Z0-9])[\"']", read(source)))
+    return names
+
+
+def test_every_environment_variable_is_documented_in_configuration_md() -> None:
+    names = environment_variables()
+    assert "JOBFENCE_DATABASE_URL" in names
+    text = read(CONFIGURATION)
+    missing = sorted(name for name in names if f"`{name}`" not in text)
+    assert not missing, f"not documented in docs/configuration.md: {missing}"
+
+
+# --- links --------------------------------------------------------------------------------------
+
+
+def slug(heading: str) -> str:
+    """The anchor GitHub gives a heading."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip())  # a link: its text
+    text = re.sub(r"[^\w\- ]", "", text.lower())
+    return text.replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    text = prose(read(path))
+    found: set[str] = set(re.findall(r"<a (?:id|name)=\"([^\"]+)\"", text))
+    seen: dict[str, int] = {}
+    for heading in re.findall(r"^#{1,6} (.+?)\s*#*$", text, re.MULTILINE):
+        base = slug(heading)
+        count = seen.get(base, 0)
+        found.add(base if count == 0 else f"{base}-{count}")
+        seen[base] = count + 1
+    return found
+
+
+def links(path: Path) -> Iterator[str]:
+    text = prose(read(path))
+    text = re.sub(r"`[^`\n]*`", "", text)  # inline code is not a link
+    yield from re.findall(r"\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)", text)
+    yield from re.findall(r"^\[[^\]]+\]:\s*(\S+)", text, re.MULTILINE)
+
+
+def test_every_relative_link_points_to_a_file_and_heading_that_exist() -> None:
+    broken: list[str] = []
+    for page in user_docs():
+        for target in links(page):
+            if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # https:, mailto: ...
+                continue
+            file_part, _, anchor = target.partition("#")
+            linked = (page.parent / file_part).resolve() if file_part else page
+            where = f"{page.relative_to(ROOT)}: ({target})"
+            if not linked.exists() or ROOT not in linked.parents:
+                broken.append(f"{where}: no such file in the repository")
+            elif anchor and linked.suffix == ".md" and anchor not in anchors(linked):
+                broken.append(f"{where}: no heading or anchor #{anchor}")
+    assert not broken, "broken links:\n" + "\n".join(broken)
+
+
+# --- words --------------------------------------------------------------------------------------
+
+WORK_LOG = [
+    (r"\bsessions?\s*#?\d+", "a session number"),
+    (r"\b(?:this|last|previous|next|earlier|later)\s+sessions?\b", "sessions"),
+    (r"\bsessions?'s?\s+(?:run|figures|work|machine|code)", "sessions"),
+    (r"\bissues?\s*#?\d+", "an issue number"),
+    (r"\bthe\s+issue's\b", "the issue's (targets, words...)"),
+    (r"\bjob-infrastructure\.md\b|\bDECISIONS\.md\b", "a spec file not in the repository"),
+    (r"\b(?:spec\s+)?[Bb]ehaviou?r\s+\d+\b|\bTS-\d{3}\b|\bDEC-[A-Z]\d+\b", "spec numbering"),
+]
+
+
+@pytest.mark.parametrize("page", user_docs(), ids=lambda page: str(page.relative_to(ROOT)))
+def test_a_page_users_read_has_no_work_log_words(page: Path) -> None:
+    text = read(page)
+    found = [
+        f"line {text.count(chr(10), 0, match.start()) + 1}: {match.group(0)!r} ({what})"
+        for pattern, what in WORK_LOG
+        for match in re.finditer(pattern, text, re.IGNORECASE)
+    ]
+    assert not found, f"{page.relative_to(ROOT)} reads as a work log:\n" + "\n".join(found)
+
+
+def test_every_decision_number_a_page_uses_is_defined_in_concepts_md() -> None:
+    defined = anchors(CONCEPTS)
+    undefined = sorted(
+        f"{page.relative_to(ROOT)}: {number}"
+        for page in user_docs()
+        for number in set(re.findall(r"\bD(?:10|[1-9])\b", read(page)))
+        if number.lower() not in defined
+    )
+    assert not undefined, (
+        "decision numbers used without a definition in docs/concepts.md "
+        f'(an anchor <a id="d4"></a> in its Behaviour reference): {undefined}'
+    )
