@@ -41,7 +41,8 @@ from jobfence.adapters.pg_queue import publish_on
 from jobfence.codec import PAYLOAD_MESSAGE, encode_payload, original_message
 from jobfence.harness import UNFENCEABLE
 from jobfence.limits import bounded
-from support import scalar
+from support import run_jobfence, scalar
+from test_api_support import PREFIX, assert_problem, auth, running_api, wait_bulk_finished
 
 LONG_JOB_ID = "LONG-" + secrets.token_hex(4000)
 LONG_CORRELATION_ID = "c" * 8000
@@ -484,3 +485,69 @@ def test_every_generated_job_ends_as_one_effect_one_dead_letter_or_one_refusal(
     finally:
         run(conn.close())
         run(pool.close())
+
+
+# --- an UnfenceableMessage dead letter for operators: list, show, replay refused --------------
+
+
+async def _unfenceable_dead_letter(
+    pool: AsyncConnectionPool[Any], conn: psycopg.AsyncConnection[Any]
+) -> int:
+    await conn.execute(pointsapp.SCHEMA_SQL)
+    await publish_on(
+        conn,
+        Message(pointsapp.QUEUE, "award_points", LONG_JOB_ID, b'{"account_id": 1, "points": 5}'),
+    )
+    await _run_worker(pool)
+    return int(await scalar(conn, "SELECT id FROM core.dead_letters"))
+
+
+async def test_an_unfenceable_dead_letter_lists_shows_and_its_replay_is_a_409_over_http(
+    pool: AsyncConnectionPool[Any], conn: psycopg.AsyncConnection[Any]
+) -> None:
+    dl_id = await _unfenceable_dead_letter(pool, conn)
+    async with running_api(pool) as api:
+        listed = await api.client.get(PREFIX, params={"error_class": UNFENCEABLE}, headers=auth())
+        assert listed.status_code == 200, listed.text
+        [item] = listed.json()["items"]
+        assert (item["id"], item["job_id"]) == (dl_id, bounded(LONG_JOB_ID))
+        assert item["payload_encoding"] == "message"
+        shown = await api.client.get(f"{PREFIX}/{dl_id}", headers=auth())
+        assert shown.status_code == 200, shown.text
+        kept = shown.json()["payload"]
+        assert kept["encoding"] == "message"
+        assert "job_id is 8,005 bytes" in kept["note"]
+
+        replay = await api.client.post(f"{PREFIX}/{dl_id}/replay", headers=auth())
+        problem = assert_problem(
+            replay, 409, type="urn:jobfence:problem:not-replayable", current_status="pending_review"
+        )
+        assert problem["detail"].startswith(
+            f"dead letter {dl_id} cannot be replayed: its message can never be fenced (job_id is"
+            " 8,005 bytes of UTF-8, over the limit of 1,024)"
+        )
+        bulk = await api.client.post(
+            f"{PREFIX}/replay-bulk", json={"error_class": UNFENCEABLE}, headers=auth()
+        )
+        assert bulk.status_code == 202, bulk.text
+        run = await wait_bulk_finished(api, bulk.json()["id"])
+        assert run["counts"]["failed"] == 1, run
+    assert await scalar(conn, "SELECT status FROM core.dead_letters") == "pending_review"
+    assert await scalar(conn, "SELECT count(*) FROM jobfence_queue.messages") == 0
+    detail = await scalar(conn, "SELECT detail FROM jobfence.bulk_replay_items")
+    assert "can never be fenced" in detail
+
+
+async def test_the_cli_refuses_to_replay_an_unfenceable_dead_letter_and_says_why(
+    pool: AsyncConnectionPool[Any], conn: psycopg.AsyncConnection[Any], database_url: str
+) -> None:
+    dl_id = await _unfenceable_dead_letter(pool, conn)
+    done = await asyncio.to_thread(
+        run_jobfence, database_url, "dead-letters", "replay", str(dl_id), "--actor", "ops"
+    )
+    assert done.returncode == 1, done
+    assert "cannot be replayed: its message can never be fenced (job_id is 8,005 bytes" in (
+        done.stderr
+    )
+    assert "discard it with a reason" in done.stderr
+    assert await scalar(conn, "SELECT status FROM core.dead_letters") == "pending_review"
