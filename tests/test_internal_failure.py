@@ -226,3 +226,44 @@ def test_last_error_escapes_what_postgresql_text_cannot_hold() -> None:
     text = describe_error(ValueError("bad \x00 byte and \ud800 surrogate"))
     assert text == "ValueError: bad \\x00 byte and \\ud800 surrogate"
     text.encode("utf-8")
+
+
+async def test_in_a_group_an_unfenceable_job_and_internal_failures_each_end_as_one_dead_letter(
+    pool: AsyncConnectionPool[Any], conn: psycopg.AsyncConnection[Any]
+) -> None:
+    """Group commit: the group rolls back and its jobs run one transaction each, where the
+    limits and the bounded rule apply to each; the job that can succeed commits once."""
+    await conn.execute(pointsapp.SCHEMA_SQL)
+    await conn.execute(BREAK_DEAD_LETTERS.format(which="'ordinary'"))
+    ok = Message(pointsapp.QUEUE, "award_points", "ok-1", b'{"account_id": 1, "points": 5}')
+    long_id = Message(pointsapp.QUEUE, "award_points", "L" * 2000, ok.body)
+    for message in (ok, _message("hard-1"), long_id, _message("hard-2")):
+        await publish_on(conn, message)
+    metrics = PrometheusMetrics()
+    queue = PgQueue(pool)
+    try:
+        worker = Worker(
+            pointsapp.build_app(jobs_per_transaction=10),
+            pool,
+            queue,
+            concurrency=1,
+            poll_seconds=0.05,
+            lease_seconds=0.3,
+            metrics=metrics,
+        )
+        await asyncio.wait_for(worker.run(until="empty"), 30)
+    finally:
+        await queue.close()
+    cur = await conn.execute(
+        "SELECT error_class, payload::text FROM core.dead_letters ORDER BY error_class, id"
+    )
+    letters = [
+        (error_class, original_message(text).job_id) for error_class, text in await cur.fetchall()
+    ]
+    assert sorted(letters) == [
+        (INTERNAL_FAILURE, "hard-1"),
+        (INTERNAL_FAILURE, "hard-2"),
+        ("UnfenceableMessage", "L" * 2000),
+    ]
+    assert await scalar(conn, "SELECT array_agg(job_id) FROM public.awards") == ["ok-1"]
+    assert await scalar(conn, "SELECT count(*) FROM jobfence_queue.messages") == 0

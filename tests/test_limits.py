@@ -551,3 +551,8 @@ async def test_the_cli_refuses_to_replay_an_unfenceable_dead_letter_and_says_why
     )
     assert "discard it with a reason" in done.stderr
     assert await scalar(conn, "SELECT status FROM core.dead_letters") == "pending_review"
+    shown = await asyncio.to_thread(run_jobfence, database_url, "dead-letters", "show", str(dl_id))
+    assert shown.returncode == 0, shown
+    assert "error_class:      UnfenceableMessage" in shown.stdout
+    assert f"job_id:           {bounded(LONG_JOB_ID)}" in shown.stdout
+    assert "payload_encoding: message" in shown.stdout
