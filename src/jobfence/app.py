@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -10,9 +9,11 @@ from typing import Any, Generic, TypeVar
 
 from psycopg import AsyncConnection
 from pydantic import BaseModel
+from pydantic_core import PydanticSerializationError
 
-from jobfence.codec import encode_payload
-from jobfence.errors import ConfigError
+from jobfence.codec import encode_payload, payload_problem
+from jobfence.errors import ConfigError, JobRefused
+from jobfence.limits import identifiers_problem, name_problem
 from jobfence.model import JobMeta, Message
 from jobfence.retry import DEFAULT_RETRY_POLICY, RetryPolicy
 
@@ -21,7 +22,6 @@ P = TypeVar("P", bound=BaseModel)
 Handler = Callable[[P, JobMeta, AsyncConnection[Any]], Awaitable[None]]
 
 DEFAULT_FENCE_TTL = timedelta(days=7)
-_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,200}$")
 # A group holds every one of its jobs' locks until its commit: keep groups short.
 MAX_JOBS_PER_TRANSACTION = 100
 
@@ -102,10 +102,8 @@ class App:
 
     def add(self, consumer: Consumer[Any]) -> None:
         for label, value in (("consumer name", consumer.name), ("queue name", consumer.queue)):
-            if not _NAME.match(value):
-                raise ConfigError(
-                    f"{label} {value!r} must be 1-200 characters of letters, digits and _ . : -"
-                )
+            if (problem := name_problem(label, value)) is not None:
+                raise ConfigError(problem)
         if consumer.name in self._consumers:
             raise ConfigError(f"consumer {consumer.name!r} is registered twice")
         if not (isinstance(consumer.schema, type) and issubclass(consumer.schema, BaseModel)):
@@ -136,20 +134,42 @@ class App:
         tenant_id: str | None = None,
         correlation_id: str | None = None,
     ) -> Message:
-        """Build the message for ``consumer``, checking the payload against its schema."""
+        """Build the message for ``consumer``, checking the payload against its schema.
+
+        Raises :class:`~jobfence.JobRefused` when an identifier breaks a limit (``job_id``
+        1-1,024 bytes of UTF-8, ``tenant_id`` at most 200, ``correlation_id`` at most 1,024, no
+        NUL character or lone surrogate in any) or when the payload holds what PostgreSQL
+        cannot store (a NUL character or a lone surrogate in a string)."""
         target = self._consumers.get(consumer)
         if target is None:
             raise ConfigError(f"no consumer named {consumer!r} is registered")
-        if not job_id:
-            raise ValueError("job_id must be a non-empty string")
+        found = identifiers_problem(
+            queue=target.queue,
+            consumer=target.name,
+            job_id=job_id,
+            tenant_id=tenant_id,
+            correlation_id=correlation_id,
+        )
+        if found is not None:
+            raise JobRefused(*found)
         validated = (
             payload if isinstance(payload, target.schema) else target.schema.model_validate(payload)
         )
+        try:
+            body = encode_payload(validated)
+        except (UnicodeEncodeError, PydanticSerializationError) as exc:
+            if "surrogate" not in str(exc):
+                raise
+            raise JobRefused(
+                "payload", "payload contains a lone surrogate, which is not valid Unicode"
+            ) from None
+        if (problem := payload_problem(body)) is not None:
+            raise JobRefused("payload", problem)
         return Message(
             queue=target.queue,
             consumer=target.name,
             job_id=job_id,
-            body=encode_payload(validated),
+            body=body,
             tenant_id=tenant_id,
             correlation_id=correlation_id,
         )
@@ -168,6 +188,8 @@ class App:
         """Publish to the PostgreSQL queue on the caller's connection, never committing it.
 
         Inside the caller's transaction the job exists exactly when that transaction commits.
+        A job refused (:class:`~jobfence.JobRefused`, see :meth:`message`) is refused before
+        any SQL runs, so the caller's transaction stays usable.
         """
         from jobfence.adapters.pg_queue import publish_on
 

@@ -7,9 +7,15 @@ import json
 from typing import Any
 
 from jobfence.errors import PoisonMessage
+from jobfence.model import Message
 
 PAYLOAD_JSON = "json"
 PAYLOAD_BASE64 = "base64"
+# The whole message, identifiers included, kept as base64 of their UTF-8 bytes: for a dead
+# letter whose identifiers could not be stored as they were (an ``UnfenceableMessage``) or that
+# was written by the fallback of a job failing inside jobfence (``InternalFailure``).
+PAYLOAD_MESSAGE = "message"
+MESSAGE_FIELDS = ("queue", "consumer", "job_id", "tenant_id", "correlation_id")
 
 
 def _reject_constant(name: str) -> Any:
@@ -36,6 +42,14 @@ def _unstorable_reason(value: object) -> str | None:
         elif isinstance(item, list):
             stack.extend(item)
     return None
+
+
+def payload_problem(body: bytes) -> str | None:
+    """Why PostgreSQL could not store ``body``, a JSON document this library encoded (valid
+    JSON, valid UTF-8); None when it can. Cheap when the body has no escape sequence."""
+    if b"\\u" not in body:  # escapes are the only way NULs and lone surrogates get in
+        return None
+    return _unstorable_reason(_DECODER.decode(body.decode("utf-8")))
 
 
 def decode_body(body: bytes) -> Any:
@@ -78,6 +92,45 @@ def stored_payload(body: bytes) -> tuple[str, str]:
     return body.decode("utf-8"), PAYLOAD_JSON
 
 
+def _b64(value: str | bytes | None) -> str | None:
+    if value is None:
+        return None
+    raw = value if isinstance(value, bytes) else value.encode("utf-8", "surrogatepass")
+    return base64.b64encode(raw).decode("ascii")
+
+
+def message_payload(message: Message, note: str) -> tuple[str, str]:
+    """The ``(jsonb text, payload_encoding)`` that keeps a whole message losslessly: its
+    identifiers (whatever they hold) and its body, each as base64 of its bytes, with ``note``
+    saying why. The inverse is :func:`original_message`."""
+    wrapper = {
+        "encoding": PAYLOAD_MESSAGE,
+        "note": note,
+        "message": {field: _b64(getattr(message, field)) for field in MESSAGE_FIELDS},
+        "data": _b64(message.body),
+    }
+    return json.dumps(wrapper), PAYLOAD_MESSAGE
+
+
+def original_message(payload_text: str) -> Message:
+    """The message kept by :func:`message_payload`, identifiers and bytes as they were."""
+    wrapper = json.loads(payload_text)
+    kept = wrapper["message"]
+
+    def field(name: str) -> str | None:
+        value = kept.get(name)
+        return None if value is None else base64.b64decode(value).decode("utf-8", "surrogatepass")
+
+    return Message(
+        queue=field("queue") or "",
+        consumer=field("consumer") or "",
+        job_id=field("job_id") or "",
+        body=base64.b64decode(wrapper["data"]),
+        tenant_id=field("tenant_id"),
+        correlation_id=field("correlation_id"),
+    )
+
+
 def original_body(payload_text: str, encoding: str) -> bytes:
     """The bytes to republish for a stored dead-letter payload (inverse of :func:`stored_payload`).
 
@@ -85,7 +138,7 @@ def original_body(payload_text: str, encoding: str) -> bytes:
     bytes; a JSON payload gives back the same JSON document (jsonb keeps neither whitespace nor
     key order, so the bytes may differ while the document is equal).
     """
-    if encoding == PAYLOAD_BASE64:
+    if encoding in (PAYLOAD_BASE64, PAYLOAD_MESSAGE):
         return base64.b64decode(json.loads(payload_text)["data"])
     if encoding == PAYLOAD_JSON:
         return payload_text.encode("utf-8")

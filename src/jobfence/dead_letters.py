@@ -11,9 +11,10 @@ from psycopg import AsyncConnection, AsyncCursor
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
-from jobfence.codec import original_body
-from jobfence.errors import DeadLetterConflict, DeadLetterNotFound
+from jobfence.codec import PAYLOAD_MESSAGE, original_body, original_message
+from jobfence.errors import DeadLetterConflict, DeadLetterNotFound, DeadLetterNotReplayable
 from jobfence.harness import SQL
+from jobfence.limits import identifiers_problem
 from jobfence.model import Message
 from jobfence.pgtx import begin_with
 from jobfence.ports import QueuePort
@@ -82,7 +83,23 @@ async def _not_pending(cur: AsyncCursor[Any], dead_letter_id: int) -> Exception:
 def replay_message(row: Mapping[str, Any]) -> Message:
     """D8: the message a replay publishes, from a dead letter's row (its columns, with the
     payload as text in ``payload_text``): the original bytes, the same job_id and
-    correlation_id, to the consumer that failed only."""
+    correlation_id, to the consumer that failed only.
+
+    A dead letter that kept its whole message (``payload_encoding`` ``message``) gives back
+    that message, identifiers as they were; if one of them breaks a limit the message can
+    never be fenced, and :class:`~jobfence.DeadLetterNotReplayable` is raised instead."""
+    if row["payload_encoding"] == PAYLOAD_MESSAGE:
+        message = original_message(row["payload_text"])
+        found = identifiers_problem(
+            queue=message.queue,
+            consumer=message.consumer,
+            job_id=message.job_id,
+            tenant_id=message.tenant_id,
+            correlation_id=message.correlation_id,
+        )
+        if found is not None:
+            raise DeadLetterNotReplayable(row.get("id", row.get("dead_letter_id", 0)), found[1])
+        return message
     return Message(
         queue=row["queue"],
         consumer=row["consumer"],

@@ -21,6 +21,20 @@ class DatabaseUnavailable(JobfenceError):
     __module__ = "jobfence"
 
 
+class JobRefused(JobfenceError, ValueError):
+    """A job refused at enqueue, before any SQL ran: an identifier breaks a limit, or the payload
+    holds what PostgreSQL cannot store. ``field`` names the offender (``job_id``,
+    ``tenant_id``, ``correlation_id``, ``consumer``, ``queue`` or ``payload``); the message says
+    what is wrong and the limit. The caller's transaction is untouched and stays usable."""
+
+    __module__ = "jobfence"
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"job refused: {reason}")
+        self.field = field
+        self.reason = reason
+
+
 class HardFailure(Exception):
     """Raised by a handler to say "this job can never succeed": it is dead-lettered at once.
 
@@ -62,3 +76,22 @@ class DeadLetterConflict(JobfenceError):
         super().__init__(f"dead letter {dead_letter_id} is {status}, not pending_review")
         self.dead_letter_id = dead_letter_id
         self.status = status
+
+
+class DeadLetterNotReplayable(DeadLetterConflict):
+    """The dead letter is pending, but its message can never be fenced (an identifier breaks a
+    limit: an ``UnfenceableMessage``): a replay would only dead-letter it again. Nothing was
+    changed; discard it with a reason once what it was is recorded."""
+
+    __module__ = "jobfence"
+
+    def __init__(self, dead_letter_id: int, reason: str) -> None:
+        JobfenceError.__init__(
+            self,
+            f"dead letter {dead_letter_id} cannot be replayed: its message can never be fenced"
+            f" ({reason}), so a replay would only dead-letter it again; nothing was changed."
+            f" Record what it was, then discard it with a reason",
+        )
+        self.dead_letter_id = dead_letter_id
+        self.status = "pending_review"
+        self.reason = reason

@@ -3,6 +3,8 @@ r"""One delivery, from bytes to exactly one effect or one dead letter.
     decode/validate -> transaction(fence insert, handler) -> commit -> ack (batched)
                     \-> poison: dead letter at once (D6)
     on failure: roll back, then hard -> dead letter; transient -> retry or, exhausted, dead letter
+    identifiers that break a limit (jobfence.limits): UnfenceableMessage dead letter at once
+    an error inside jobfence itself, again at delivery INTERNAL_FAILURE_DELIVERIES: InternalFailure
 
 The fence row is inserted first (``ON CONFLICT DO NOTHING``): a concurrent duplicate blocks on
 the uncommitted key and, once the first commits, finds it and skips. There is no "in progress"
@@ -14,11 +16,12 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
+import os
 import random
 import time
 import traceback
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import psycopg
@@ -31,8 +34,17 @@ from jobfence._sql import Queries
 from jobfence.acks import AckBatcher
 from jobfence.alerts.outbox import record_dead_letter_alerts
 from jobfence.app import App, Consumer
-from jobfence.codec import decode_body, stored_payload
+from jobfence.codec import decode_body, message_payload, stored_payload
 from jobfence.errors import HardFailure, PoisonMessage, TransactionAborted
+from jobfence.limits import (
+    MAX_CORRELATION_ID_BYTES,
+    MAX_JOB_ID_BYTES,
+    MAX_NAME_CHARS,
+    MAX_TENANT_ID_BYTES,
+    identifiers_problem,
+    shown_value,
+    storable,
+)
 from jobfence.model import Delivery, JobMeta
 from jobfence.pgtx import NextBeginFailed, Tx
 from jobfence.ports import MetricsSink, QueuePort
@@ -47,6 +59,18 @@ MAX_TRACEBACK_FRAMES = 15
 # Serialization failures and deadlocks are retried at once, without counting an attempt (D7).
 CONFLICT_RETRIES = 3
 UNKNOWN_CONSUMER_LABEL = "<unknown>"
+# A delivery whose identifiers break a limit (jobfence.limits): dead-lettered at once, whole.
+UNFENCEABLE = "UnfenceableMessage"
+# A job whose handling fails inside jobfence (not in its handler: the dead letter or the retry
+# cannot be written, say) stays leased and comes back when its lease runs out. The delivery
+# that fails so with this attempt number or a later one is dead-lettered by a fallback that
+# keeps the whole message and stores only bounded identifiers.
+INTERNAL_FAILURE_DELIVERIES = 3
+INTERNAL_FAILURE = "InternalFailure"
+# Internal-failure ERROR lines: at most this many a minute, then one line counting the rest.
+INTERNAL_LOG_PER_MINUTE = 10
+# Frames of jobfence's own files are left out of the front of a failure's traceback.
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 T = TypeVar("T")
 
@@ -60,6 +84,9 @@ class Outcome(enum.StrEnum):
     # The job failed after its lease ran out and another worker took it: its failure is left to
     # that worker (no retry scheduled, no dead letter written by this one).
     LEASE_LOST = "lease_lost"
+    # Handling failed inside jobfence, not in the handler: the job stays leased and comes back
+    # (INTERNAL_FAILURE_DELIVERIES), or its fallback dead letter could not be written either.
+    INTERNAL_ERROR = "internal_error"
 
 
 class InfrastructureError(Exception):
@@ -71,11 +98,11 @@ def log_fields(delivery: Delivery, outcome: str | None = None, **more: object) -
     queue, tenant_id, correlation_id, attempt, and the outcome when there is one."""
     message = delivery.message
     fields: dict[str, object] = {
-        "job_id": message.job_id,
-        "consumer": message.consumer,
-        "queue": message.queue,
-        "tenant_id": message.tenant_id,
-        "correlation_id": message.correlation_id,
+        "job_id": shown_value(message.job_id),
+        "consumer": shown_value(message.consumer),
+        "queue": shown_value(message.queue),
+        "tenant_id": shown_value(message.tenant_id),
+        "correlation_id": shown_value(message.correlation_id),
         "attempt": delivery.attempt,
     }
     if outcome is not None:
@@ -91,15 +118,65 @@ def error_class_of(exc: BaseException) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def first_line(exc: BaseException, limit: int = 200) -> str:
+    """The first line of an exception's message, at most ``limit`` characters, for a log line."""
+    text = str(exc).strip()
+    line = text.splitlines()[0] if text else ""
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
 def describe_error(exc: BaseException) -> str:
-    """``Class: message`` plus a trimmed traceback, bounded in size."""
+    """``Class: message`` plus a trimmed traceback, bounded in size, storable as text.
+
+    The traceback starts at the first frame outside jobfence (the handler's own code), unless
+    every frame is jobfence's."""
     head = f"{error_class_of(exc)}: {exc}"
-    frames = traceback.extract_tb(exc.__traceback__)[-MAX_TRACEBACK_FRAMES:]
+    frames: list[traceback.FrameSummary] = list(traceback.extract_tb(exc.__traceback__))
+    skip = 0
+    while skip < len(frames) and frames[skip].filename.startswith(_PACKAGE_DIR):
+        skip += 1
+    if skip < len(frames):
+        frames = frames[skip:]
+    frames = frames[-MAX_TRACEBACK_FRAMES:]
     tail = "".join(traceback.format_list(frames))
     text = f"{head}\nTraceback (most recent call last, trimmed):\n{tail}" if frames else head
     if len(text) > MAX_ERROR_CHARS:
         text = text[: MAX_ERROR_CHARS - 20] + "\n... (trimmed)"
+    return storable_text(text)
+
+
+def storable_text(text: str) -> str:
+    """``text`` as PostgreSQL text can hold it: NULs and lone surrogates escaped."""
+    if "\x00" in text:
+        text = text.replace("\x00", "\\x00")
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            text = text.encode("utf-8", "backslashreplace").decode("utf-8")
     return text
+
+
+class _Throttle:
+    """At most ``per_minute`` log lines a minute; counts the ones it holds back."""
+
+    def __init__(self, per_minute: int) -> None:
+        self._per_minute = per_minute
+        self._window = -60.0
+        self._sent = 0
+        self._held = 0
+
+    def allow(self) -> tuple[bool, int]:
+        """Whether to log now, and how many lines were held back since the last one logged."""
+        now = time.monotonic()
+        if now - self._window >= 60.0:
+            self._window, self._sent = now, 0
+        if self._sent >= self._per_minute:
+            self._held += 1
+            return False, 0
+        self._sent += 1
+        held, self._held = self._held, 0
+        return True, held
 
 
 # SQLSTATEs that mean "the server or the connection went away", not "this statement failed":
@@ -228,6 +305,7 @@ class Harness:
         self._rng = rng if rng is not None else random.Random()
         self._acks = acks
         self._transactional = queue.capabilities.transactional
+        self._internal_log = _Throttle(INTERNAL_LOG_PER_MINUTE)
 
     async def handle(
         self,
@@ -240,7 +318,25 @@ class Harness:
         The work transaction runs on ``conn`` when given (an idle autocommit connection the
         caller holds across jobs), else on a connection from the pool. With ``ahead`` (only
         with ``conn``), a job's COMMIT travels with the next waiting job's BEGIN and fence
-        insert; the caller then handles ``ahead.next()`` on the same connection."""
+        insert; the caller then handles ``ahead.next()`` on the same connection.
+
+        A failure inside jobfence itself (not the handler's: writing the retry or the dead
+        letter failed) goes to :meth:`internal_failure`."""
+        try:
+            return await self._handle(delivery, conn, ahead)
+        except InfrastructureError:
+            raise
+        except Exception as exc:
+            if is_connection_loss(exc, conn):
+                raise InfrastructureError(str(exc)) from exc
+            return await self.internal_failure(delivery, exc, conn)
+
+    async def _handle(
+        self,
+        delivery: Delivery,
+        conn: AsyncConnection[Any] | None,
+        ahead: Lookahead | None,
+    ) -> Outcome:
         started = ahead.resume(delivery) if ahead is not None else None
         if started is not None:
             job = started.job
@@ -359,6 +455,18 @@ class Harness:
     def _prepare(self, delivery: Delivery) -> Job | PoisonMessage:
         """Decode and validate: the job to run, or why the delivery is poison (D6)."""
         message = delivery.message
+        found = identifiers_problem(
+            queue=message.queue,
+            consumer=message.consumer,
+            job_id=message.job_id,
+            tenant_id=message.tenant_id,
+            correlation_id=message.correlation_id,
+        )
+        if found is not None:
+            return PoisonMessage(
+                f"the message cannot be fenced or stored as it is: {found[1]}",
+                error_class=UNFENCEABLE,
+            )
         consumer = self._app.get(message.consumer)
         if consumer is None:
             return PoisonMessage(
@@ -517,11 +625,12 @@ class Harness:
             return self._lease_lost(delivery, exc)
         self._metrics.job_outcome(message.queue, message.consumer, Outcome.DEAD_LETTERED)
         log.warning(
-            "job %s for %s dead-lettered after %d attempt(s): %s",
+            "job %s for %s dead-lettered after %d attempt(s): %s: %s",
             message.job_id,
             message.consumer,
             delivery.attempt,
             error_class_of(exc),
+            first_line(exc),
             extra=log_fields(delivery, Outcome.DEAD_LETTERED, error_class=error_class_of(exc)),
         )
         return Outcome.DEAD_LETTERED
@@ -530,61 +639,187 @@ class Harness:
         self, conn: AsyncConnection[Any] | None, delivery: Delivery, exc: PoisonMessage
     ) -> Outcome:
         message = delivery.message
+        whole = exc.error_class == UNFENCEABLE
         written = await self._write_dead_letter(
-            conn, delivery, exc.error_class, f"{exc.error_class}: {exc.reason}"
+            conn,
+            delivery,
+            exc.error_class,
+            f"{exc.error_class}: {exc.reason}",
+            whole_message=exc.reason if whole else None,
         )
         # Metric labels stay bounded: a message may name any consumer, registered or not.
-        label = message.consumer if self._app.get(message.consumer) else UNKNOWN_CONSUMER_LABEL
+        queue, label = self._labels(delivery)
         if not written:
-            return self._lease_lost(delivery, exc, label=label)
-        self._metrics.job_outcome(message.queue, label, Outcome.POISON)
+            return self._lease_lost(delivery, exc)
+        self._metrics.job_outcome(queue, label, Outcome.POISON)
         log.warning(
             "job %s for %s is poison, dead-lettered without retry: %s",
-            message.job_id,
-            message.consumer,
+            shown_value(message.job_id),
+            shown_value(message.consumer),
             exc.reason[:300],
             extra=log_fields(delivery, Outcome.POISON, error_class=exc.error_class),
         )
         return Outcome.POISON
 
-    def _lease_lost(
-        self, delivery: Delivery, exc: BaseException, *, label: str | None = None
-    ) -> Outcome:
+    def _labels(self, delivery: Delivery) -> tuple[str, str]:
+        """The (queue, consumer) metric labels of a delivery: bounded to registered names."""
         message = delivery.message
-        self._metrics.job_outcome(message.queue, label or message.consumer, Outcome.LEASE_LOST)
+        consumer = self._app.get(message.consumer)
+        if consumer is None:
+            return (
+                message.queue if message.queue in self._app.queues else UNKNOWN_CONSUMER_LABEL,
+                UNKNOWN_CONSUMER_LABEL,
+            )
+        return consumer.queue, consumer.name
+
+    async def internal_failure(
+        self, delivery: Delivery, exc: Exception, conn: AsyncConnection[Any] | None = None
+    ) -> Outcome:
+        """Handling ``delivery`` failed inside jobfence (``exc``), not in its handler.
+
+        Before delivery ``INTERNAL_FAILURE_DELIVERIES`` the job stays leased and comes back when
+        its lease runs out (the failure may pass: a revoked grant restored, say). From then on
+        it is dead-lettered as ``InternalFailure`` by a fallback that cannot fail the same way:
+        the whole message kept as base64, bounded identifiers. Either way it is counted
+        (``internal_error``) and logged at ERROR, at most ``INTERNAL_LOG_PER_MINUTE`` lines a
+        minute. Never raises, except :class:`InfrastructureError`."""
+        message = delivery.message
+        queue, label = self._labels(delivery)
+        self._metrics.job_outcome(queue, label, Outcome.INTERNAL_ERROR)
+        fields = log_fields(delivery, Outcome.INTERNAL_ERROR, error_class=error_class_of(exc))
+        if delivery.attempt < INTERNAL_FAILURE_DELIVERIES:
+            self._log_internal(
+                "internal error handling job %s for %s (delivery %d): %s: %s; it stays leased"
+                " and comes back when its lease runs out; at delivery %d it is dead-lettered as"
+                " InternalFailure",
+                shown_value(message.job_id),
+                shown_value(message.consumer),
+                delivery.attempt,
+                error_class_of(exc),
+                first_line(exc),
+                INTERNAL_FAILURE_DELIVERIES,
+                exc=exc,
+                extra=fields,
+            )
+            return Outcome.INTERNAL_ERROR
+        text = (
+            f"{INTERNAL_FAILURE}: handling failed inside jobfence at delivery {delivery.attempt}"
+            f" ({INTERNAL_FAILURE_DELIVERIES} or more fail so before this fallback):"
+            f" {describe_error(exc)}"
+        )
+        note = f"kept whole: handling failed inside jobfence ({error_class_of(exc)})"
+        try:
+            if conn is not None and conn.info.transaction_status != TransactionStatus.IDLE:
+                await conn.rollback()
+            written = await self._write_dead_letter(
+                conn, delivery, INTERNAL_FAILURE, text, whole_message=note
+            )
+        except InfrastructureError:
+            raise
+        except Exception as fallback_exc:
+            if is_connection_loss(fallback_exc, conn):
+                raise InfrastructureError(str(fallback_exc)) from fallback_exc
+            self._log_internal(
+                "job %s for %s failed inside jobfence at delivery %d (%s: %s) and its fallback"
+                " dead letter could not be written either (%s: %s); it stays leased and comes"
+                " back when its lease runs out",
+                shown_value(message.job_id),
+                shown_value(message.consumer),
+                delivery.attempt,
+                error_class_of(exc),
+                first_line(exc),
+                error_class_of(fallback_exc),
+                first_line(fallback_exc),
+                exc=fallback_exc,
+                extra=fields,
+            )
+            return Outcome.INTERNAL_ERROR
+        if not written:
+            return self._lease_lost(delivery, exc)
+        self._metrics.job_outcome(queue, label, Outcome.DEAD_LETTERED)
+        log.error(
+            "job %s for %s dead-lettered as InternalFailure: handling failed inside jobfence"
+            " at delivery %d: %s: %s",
+            shown_value(message.job_id),
+            shown_value(message.consumer),
+            delivery.attempt,
+            error_class_of(exc),
+            first_line(exc),
+            extra=log_fields(delivery, Outcome.DEAD_LETTERED, error_class=INTERNAL_FAILURE),
+        )
+        return Outcome.DEAD_LETTERED
+
+    def _log_internal(
+        self, msg: str, *args: object, exc: BaseException, extra: dict[str, object]
+    ) -> None:
+        allowed, held = self._internal_log.allow()
+        if not allowed:
+            return
+        if held:
+            msg += " (%d more internal-error lines held back in the last minute)"
+            args = (*args, held)
+        log.error(msg, *args, exc_info=exc, extra=extra)
+
+    def _lease_lost(self, delivery: Delivery, exc: BaseException) -> Outcome:
+        message = delivery.message
+        queue, label = self._labels(delivery)
+        self._metrics.job_outcome(queue, label, Outcome.LEASE_LOST)
         log.warning(
             "job %s for %s failed after its lease ran out (%s): another worker holds it now,"
             " so this one neither retries nor dead-letters it; raise --lease-seconds above the"
             " handler's longest run",
-            message.job_id,
-            message.consumer,
+            shown_value(message.job_id),
+            shown_value(message.consumer),
             error_class_of(exc),
             extra=log_fields(delivery, Outcome.LEASE_LOST, error_class=error_class_of(exc)),
         )
         return Outcome.LEASE_LOST
 
     async def _write_dead_letter(
-        self, held: AsyncConnection[Any] | None, delivery: Delivery, error_class: str, text: str
+        self,
+        held: AsyncConnection[Any] | None,
+        delivery: Delivery,
+        error_class: str,
+        text: str,
+        *,
+        whole_message: str | None = None,
     ) -> bool:
         """Write the dead letter (and its alert, and the ack with a transactional queue) in one
         transaction, on ``held`` when the caller holds a connection, else on a pooled one.
+
+        ``whole_message`` (a note saying why) keeps the whole message as base64 in the payload
+        (``payload_encoding`` ``message``), with each identifier that cannot be stored as it
+        is replaced by a bounded stand-in (jobfence.limits.bounded): the row can always be
+        inserted, listed and understood.
 
         With a transactional queue the ack goes first: if this delivery's lease was lost (the
         message went to another worker), nothing is written and it returns False. Another
         queue is acked after the commit, and a lost lease there is not seen."""
         message = delivery.message
-        payload_text, encoding = stored_payload(message.body)
+        if whole_message is None:
+            payload_text, encoding = stored_payload(message.body)
+            ids = message
+        else:
+            payload_text, encoding = message_payload(message, storable_text(whole_message))
+            ids = replace(
+                message,
+                job_id=storable(message.job_id, MAX_JOB_ID_BYTES, required=True) or "",
+                queue=storable(message.queue, MAX_NAME_CHARS, required=True) or "",
+                consumer=storable(message.consumer, MAX_NAME_CHARS, required=True) or "",
+                tenant_id=storable(message.tenant_id, MAX_TENANT_ID_BYTES),
+                correlation_id=storable(message.correlation_id, MAX_CORRELATION_ID_BYTES),
+            )
         params = {
-            "job_id": message.job_id,
-            "queue": message.queue,
-            "consumer": message.consumer,
-            "tenant_id": message.tenant_id,
+            "job_id": ids.job_id,
+            "queue": ids.queue,
+            "consumer": ids.consumer,
+            "tenant_id": ids.tenant_id,
             "payload": payload_text,
             "payload_encoding": encoding,
             "attempts": delivery.attempt,
-            "last_error": text[:MAX_ERROR_CHARS],
+            "last_error": storable_text(text[:MAX_ERROR_CHARS]),
             "error_class": error_class[:200],
-            "correlation_id": message.correlation_id,
+            "correlation_id": ids.correlation_id,
         }
 
         async def write() -> bool:

@@ -31,7 +31,7 @@ from jobfence.dead_letters import (
     replay_dead_letter,
     replay_message,
 )
-from jobfence.errors import DeadLetterNotFound, JobfenceError
+from jobfence.errors import DeadLetterNotFound, DeadLetterNotReplayable, JobfenceError
 from jobfence.ports import QueuePort
 
 SQL = Queries("jobfence.sql", "ops.sql")
@@ -822,7 +822,12 @@ async def run_bulk_replay(
                     details.append("fence row exists: not republished")
                     to_mark.append(row["dead_letter_id"])
                     continue
-                message = replay_message(row)
+                try:
+                    message = replay_message(row)
+                except DeadLetterNotReplayable as exc:
+                    results.append("failed")
+                    details.append(str(exc)[:500])
+                    continue
                 if transactional:
                     await queue.publish(message, tx=conn)
                 else:

@@ -334,12 +334,14 @@ class Worker:
             self._give_back(group, exc)
             raise
         except Exception:
+            # Each then runs alone, where an internal failure has its bounded rule (a fallback
+            # dead letter at the latest at delivery INTERNAL_FAILURE_DELIVERIES); a job whose
+            # group did commit is a duplicate there.
             log.exception(
-                "internal error handling a group of %d jobs; they stay leased and come back when"
-                " their lease runs out",
+                "internal error handling a group of %d jobs; running them one transaction each",
                 len(group),
             )
-            outcomes = []  # nothing to count: they are only marked done below
+            outcomes = None
         if outcomes is None:
             return await self._process_each(group, conn)
         self.stats.outcomes.update(outcomes)

@@ -28,7 +28,8 @@ class PrometheusMetrics:
     """The harness's counters and histogram.
 
     ``jobfence_jobs_total{queue, consumer, outcome}`` counts every delivery's outcome
-    (succeeded, duplicate, retried, dead_lettered, poison, lease_lost);
+    (succeeded, duplicate, retried, dead_lettered, poison, lease_lost,
+    internal_error);
     ``jobfence_handler_duration_seconds
     {queue, consumer}`` times handlers that ran; ``jobfence_retries_scheduled_total{queue,
     consumer}`` counts retries put on the queue (one per ``retried`` outcome);

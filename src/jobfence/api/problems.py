@@ -21,7 +21,7 @@ from psycopg_pool import PoolTimeout
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from jobfence.errors import DeadLetterConflict, DeadLetterNotFound
+from jobfence.errors import DeadLetterConflict, DeadLetterNotFound, DeadLetterNotReplayable
 from jobfence.ops import BulkReplayNotFound, BulkTooLarge, InvalidRequest
 
 log = logging.getLogger("jobfence.api")
@@ -31,6 +31,7 @@ _TYPE = "urn:jobfence:problem:"
 TYPE_VALIDATION = _TYPE + "validation"
 TYPE_NOT_FOUND = _TYPE + "not-found"
 TYPE_NOT_PENDING = _TYPE + "not-pending-review"
+TYPE_NOT_REPLAYABLE = _TYPE + "not-replayable"
 TYPE_BULK_FINISHED = _TYPE + "bulk-replay-finished"
 TYPE_BULK_TOO_LARGE = _TYPE + "bulk-too-large"
 TYPE_UNAUTHORIZED = _TYPE + "unauthorized"
@@ -188,6 +189,19 @@ def install(app: FastAPI) -> None:
             ConflictProblem(
                 type=TYPE_NOT_PENDING,
                 title="Dead letter is not pending review",
+                status=409,
+                detail=str(exc),
+                current_status=exc.status,
+            ),
+        )
+
+    @app.exception_handler(DeadLetterNotReplayable)
+    async def _not_replayable(request: Request, exc: DeadLetterNotReplayable) -> ProblemResponse:
+        return respond(
+            request,
+            ConflictProblem(
+                type=TYPE_NOT_REPLAYABLE,
+                title="Dead letter cannot be replayed",
                 status=409,
                 detail=str(exc),
                 current_status=exc.status,

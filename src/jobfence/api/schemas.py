@@ -155,7 +155,7 @@ class DeadLetterItemOut(BaseModel):
     consumer: str
     tenant_id: str | None
     payload: JsonValue
-    payload_encoding: Literal["json", "base64"]
+    payload_encoding: Literal["json", "base64", "message"]
     payload_truncated: bool
     payload_summary: str | None
     payload_size: int = Field(description="size of the payload as JSON text, in bytes")
@@ -189,7 +189,9 @@ class DeadLetterPageOut(BaseModel):
 
 class DeadLetterOut(BaseModel):
     """One dead letter whole, payload included (``payload_encoding`` ``base64``: a payload that
-    was not JSON, kept as ``{"encoding": "base64", "data": ...}``)."""
+    was not JSON, kept as ``{"encoding": "base64", "data": ...}``; ``message``: the whole
+    message kept, identifiers included, as ``{"encoding": "message", "message": {...},
+    "data": ...}``)."""
 
     id: int
     job_id: str
@@ -197,7 +199,7 @@ class DeadLetterOut(BaseModel):
     consumer: str
     tenant_id: str | None
     payload: JsonValue
-    payload_encoding: Literal["json", "base64"]
+    payload_encoding: Literal["json", "base64", "message"]
     attempts: int
     last_error: str
     error_class: str

@@ -1,0 +1,110 @@
+"""The limits on a job's identifiers, in one place: checked at enqueue and again at delivery.
+
+Every identifier lands in a btree index: ``core.processed_jobs``' primary key ``(job_id,
+consumer)``; ``core.dead_letters``' indexes on ``job_id``, ``(job_id, consumer)``,
+``correlation_id``, ``(tenant_id, status, created_at, id)``, ``(consumer, created_at, id)`` and
+``(queue, error_class, created_at, id)``; the alert tables' ``(queue, consumer, error_class)``.
+PostgreSQL refuses an index entry larger than about 2,700 bytes (a third of an 8 kB page), so a
+longer value would be accepted by the queue and then fail at the fence or the dead letter, on
+every delivery. The widest entry these limits allow is ``(job_id, consumer)``: 1,024 + 200 bytes
+plus headers, under half of PostgreSQL's limit. PostgreSQL text cannot hold a NUL character,
+and UTF-8 cannot encode a lone surrogate: neither is allowed in any identifier.
+
+Lengths are counted in bytes of UTF-8 (what the index stores), not in characters.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+MAX_JOB_ID_BYTES = 1024
+MAX_CORRELATION_ID_BYTES = 1024
+MAX_TENANT_ID_BYTES = 200
+MAX_NAME_CHARS = 200
+NAME_PATTERN = re.compile(r"[A-Za-z0-9_.:-]{1,200}")
+NAME_RULE = "1-200 characters of letters, digits and _ . : -"
+
+# A bounded stand-in keeps this many characters of the value it stands for.
+_SHOWN_CHARS = 64
+
+
+def text_problem(field: str, value: object, max_bytes: int, *, required: bool) -> str | None:
+    """Why ``value`` cannot be stored and indexed as ``field``; None when it can."""
+    if value is None and not required:
+        return None
+    if not isinstance(value, str):
+        return f"{field} must be a string, not {type(value).__name__}"
+    if not value:
+        return f"{field} must be a non-empty string" if required else None
+    if "\x00" in value:
+        return f"{field} contains a NUL character (\\x00), which PostgreSQL text cannot hold"
+    if value.isascii():
+        size = len(value)
+    else:
+        try:
+            size = len(value.encode("utf-8"))
+        except UnicodeEncodeError:
+            return f"{field} contains a lone surrogate, which is not valid Unicode"
+    if size > max_bytes:
+        return f"{field} is {size:,} bytes of UTF-8, over the limit of {max_bytes:,}"
+    return None
+
+
+def name_problem(field: str, value: object) -> str | None:
+    """Why ``value`` is not a valid consumer or queue name; None when it is."""
+    if isinstance(value, str) and NAME_PATTERN.fullmatch(value) is not None:
+        return None
+    shown = shown_value(value) if isinstance(value, str) else type(value).__name__
+    return f"{field} {shown!r} must be {NAME_RULE}"
+
+
+def identifiers_problem(
+    *,
+    queue: object,
+    consumer: object,
+    job_id: object,
+    tenant_id: object,
+    correlation_id: object,
+) -> tuple[str, str] | None:
+    """The first identifier of a job that breaks a limit, as ``(field, reason)``; else None."""
+    for field, reason in (
+        ("job_id", text_problem("job_id", job_id, MAX_JOB_ID_BYTES, required=True)),
+        ("consumer", name_problem("consumer", consumer)),
+        ("queue", name_problem("queue", queue)),
+        ("tenant_id", text_problem("tenant_id", tenant_id, MAX_TENANT_ID_BYTES, required=False)),
+        (
+            "correlation_id",
+            text_problem(
+                "correlation_id", correlation_id, MAX_CORRELATION_ID_BYTES, required=False
+            ),
+        ),
+    ):
+        if reason is not None:
+            return field, reason
+    return None
+
+
+def bounded(value: str) -> str:
+    """A short stand-in for an identifier that cannot be stored as it is: its first characters
+    (NULs and lone surrogates escaped) and its size and SHA-256, so that the same value always
+    gives the same stand-in and two different values almost never share one."""
+    raw = value.encode("utf-8", "surrogatepass")
+    digest = hashlib.sha256(raw).hexdigest()[:16]
+    head = value[:_SHOWN_CHARS].encode("utf-8", "surrogatepass").decode("utf-8", "backslashreplace")
+    head = head.replace("\x00", "\\x00")
+    return f"{head}...[{len(raw)} bytes, sha256 {digest}]"
+
+
+def storable(value: str | None, max_bytes: int, *, required: bool = False) -> str | None:
+    """``value`` if it can be stored and indexed as it is, else its :func:`bounded` stand-in."""
+    if value is None or text_problem("value", value, max_bytes, required=required) is None:
+        return value
+    return bounded(value)
+
+
+def shown_value(value: str | None) -> str | None:
+    """``value`` for a log line: as it is when short and printable, else its stand-in."""
+    if value is None or (len(value) <= 200 and "\x00" not in value and value.isprintable()):
+        return value
+    return bounded(value)
