@@ -169,9 +169,38 @@ class App:
 
         Inside the caller's transaction the job exists exactly when that transaction commits.
         """
-        from jobfence.adapters.pg_queue import publish_on
+        from jobfence.adapters.pg_queue import publish_on, require_async_connection
 
+        require_async_connection(conn)  # before any statement: a sync one has enqueue_sync
         await publish_on(
+            conn,
+            self.message(
+                consumer,
+                payload,
+                job_id=job_id,
+                tenant_id=tenant_id,
+                correlation_id=correlation_id,
+            ),
+            delay_seconds=delay_seconds,
+        )
+
+    def enqueue_sync(
+        self,
+        conn: object,
+        consumer: str,
+        payload: BaseModel | Mapping[str, Any],
+        *,
+        job_id: str,
+        tenant_id: str | None = None,
+        correlation_id: str | None = None,
+        delay_seconds: float = 0.0,
+    ) -> None:
+        """:meth:`enqueue` for sync code: the same message and the same SQL, on the caller's
+        sync connection (``psycopg.Connection``, psycopg2, SQLAlchemy ``Session`` or
+        ``Connection``), never committing it. The job exists exactly when it commits."""
+        from jobfence.producer import publish_sync
+
+        publish_sync(
             conn,
             self.message(
                 consumer,
