@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -253,3 +254,24 @@ def test_sql_enqueue_accepts_identifiers_at_their_limits(
     (row,) = rows(sync_conn)
     assert row[:3] == ("A-z_0.9:q", "c" * 200, "é" * 512)
     assert row[7] == row[10]  # run_at = created_at: due now
+
+
+def test_the_documented_runtime_role_can_enqueue_from_sql(database_url: str) -> None:
+    from psycopg.conninfo import make_conninfo
+
+    from test_roles import documented_grants
+
+    role = f"jobfence_app_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(database_url, autocommit=True) as admin:
+        admin.execute(documented_grants(role))  # type: ignore[arg-type]
+    try:
+        with psycopg.connect(make_conninfo(database_url, user=role)) as conn:
+            conn.execute(ENQUEUE, tuple(GOOD.values()))
+            conn.commit()
+            assert conn.execute("SELECT job_id FROM jobfence_queue.messages").fetchall() == [
+                ("ok-1",)
+            ]
+    finally:
+        with psycopg.connect(database_url, autocommit=True) as admin:
+            admin.execute(f'DROP OWNED BY "{role}"')  # type: ignore[arg-type]
+            admin.execute(f'DROP ROLE "{role}"')  # type: ignore[arg-type]
