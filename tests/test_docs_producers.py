@@ -19,7 +19,7 @@ from psycopg_pool import AsyncConnectionPool
 from jobfence import PgQueue, Worker
 from support import scalar
 from test_enqueue_sql import run_psql
-from test_producers import _engine
+from test_producers import _engine, _url
 
 ROOT = Path(__file__).resolve().parent.parent
 PRODUCERS = ROOT / "docs" / "producers.md"
@@ -145,6 +145,24 @@ async def test_the_sqlalchemy_example_enqueues_in_its_session_and_applies_once(
             module.place_order_sqlalchemy(engine, 1, 7)
     finally:
         engine.dispose()
+    assert job_ids(sync_conn) == ["order-1:points"]
+    assert await work(pool, readme_app_module()) == {"succeeded": 1}
+    assert await points(pool) == 10
+
+
+async def test_the_sqlalchemy_asyncio_example_enqueues_in_its_session_and_applies_once(
+    sync_conn: psycopg.Connection[Any], pool: AsyncConnectionPool[Any], database_url: str
+) -> None:
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    module = run_module((example("sqlalchemy-asyncio"), PRODUCERS))
+    engine = create_async_engine(_url(database_url, "psycopg"))
+    try:
+        await module.place_order_sqlalchemy_async(engine, 1, 7)
+        with pytest.raises(sqlalchemy.exc.IntegrityError):  # rolled back: no second job
+            await module.place_order_sqlalchemy_async(engine, 1, 7)
+    finally:
+        await engine.dispose()
     assert job_ids(sync_conn) == ["order-1:points"]
     assert await work(pool, readme_app_module()) == {"succeeded": 1}
     assert await points(pool) == 10

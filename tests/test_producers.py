@@ -18,6 +18,7 @@ import sqlalchemy
 from psycopg.pq import TransactionStatus
 from psycopg_pool import AsyncConnectionPool
 from pydantic import BaseModel
+from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 from sqlalchemy.orm import Session
 
 import pointsapp
@@ -70,9 +71,10 @@ async def test_async_enqueue_on_a_sync_connection_is_refused_before_any_sql(
             job_id="wrong-1",
         )
     assert str(refused.value) == (
-        "enqueue needs a psycopg.AsyncConnection, got psycopg.Connection; for a sync connection"
-        " (psycopg.Connection, psycopg2, SQLAlchemy Session or Connection) use"
-        " app.enqueue_sync(conn, ...) or jobfence.Producer(...).enqueue_sync(conn, ...)"
+        "enqueue needs a psycopg.AsyncConnection (or a SQLAlchemy AsyncSession or"
+        " AsyncConnection), got psycopg.Connection; for a sync connection (psycopg.Connection,"
+        " psycopg2, SQLAlchemy Session or Connection) use app.enqueue_sync(conn, ...) or"
+        " jobfence.Producer(...).enqueue_sync(conn, ...)"
     )
     with pytest.raises(TypeError, match=r"got psycopg\.Connection;"):
         await Producer(routes=ROUTES).enqueue(
@@ -281,9 +283,9 @@ def test_psycopg2_and_psycopg_write_the_same_bytes(
 # 6. SQLAlchemy 2.x, sync: Session and Connection, on psycopg and on psycopg2.
 
 
-def _engine(database_url: str, driver: str) -> sqlalchemy.Engine:
+def _url(database_url: str, driver: str) -> sqlalchemy.URL:
     params = psycopg.conninfo.conninfo_to_dict(database_url)
-    url = sqlalchemy.URL.create(
+    return sqlalchemy.URL.create(
         f"postgresql+{driver}",
         username=str(params.get("user", "")) or None,
         password=str(params["password"]) if params.get("password") else None,
@@ -291,7 +293,10 @@ def _engine(database_url: str, driver: str) -> sqlalchemy.Engine:
         port=int(params["port"]) if params.get("port") else None,
         database=str(params["dbname"]),
     )
-    return sqlalchemy.create_engine(url)
+
+
+def _engine(database_url: str, driver: str) -> sqlalchemy.Engine:
+    return sqlalchemy.create_engine(_url(database_url, driver))
 
 
 @pytest.mark.parametrize("driver", ["psycopg", "psycopg2"])
@@ -338,3 +343,53 @@ async def test_sqlalchemy_session_enqueue_commits_or_rolls_back_with_the_session
     assert stats.outcomes == {"succeeded": 2}
     async with pool.connection() as check:
         assert await scalar(check, "SELECT points FROM public.accounts WHERE id = 6") == 19
+
+
+async def test_sqlalchemy_asyncio_enqueue_commits_or_rolls_back_with_the_session(
+    sync_conn: psycopg.Connection[Any], pool: AsyncConnectionPool[Any], database_url: str
+) -> None:
+    engine = create_async_engine(_url(database_url, "psycopg"))
+    app = pointsapp.build_app()
+    producer = Producer(routes=ROUTES)
+    try:
+        async with AsyncSession(engine) as session:
+            await session.execute(
+                sqlalchemy.text("UPDATE public.accounts SET points = 1 WHERE id = 8")
+            )
+            await app.enqueue(session, "award_points", {"account_id": 8, "points": 1}, job_id="c")
+            assert messages(database_url) == []
+            await session.commit()
+        async with AsyncSession(engine) as session:
+            await producer.enqueue(session, "award_points", {"account_id": 8}, job_id="r")
+            await session.rollback()
+        async with engine.connect() as connection:
+            await producer.enqueue(
+                connection, "award_points", {"account_id": 8, "points": 2}, job_id="k"
+            )
+            await connection.commit()
+        async with engine.connect() as connection:
+            await app.enqueue(
+                connection, "award_points", {"account_id": 8, "points": 4}, job_id="n"
+            )
+            await connection.rollback()
+    finally:
+        await engine.dispose()
+
+    assert [m[2] for m in messages(database_url)] == ["c", "k"]
+    assert (await run_worker(pool, app)).outcomes == {"succeeded": 2}
+    async with pool.connection() as check:
+        assert await scalar(check, "SELECT points FROM public.accounts WHERE id = 8") == 4
+
+
+def test_sqlalchemy_on_another_driver_is_refused_before_any_sql() -> None:
+    # Not storage: SQLite only stands for "a SQLAlchemy driver jobfence cannot run on".
+    engine = sqlalchemy.create_engine("sqlite://")
+    try:
+        with Session(engine) as session, pytest.raises(TypeError) as refused:
+            Producer(routes=ROUTES).enqueue_sync(session, "award_points", {}, job_id="x")
+        assert str(refused.value) == (
+            "enqueue_sync on SQLAlchemy needs the psycopg or psycopg2 driver, got 'pysqlite'"
+            " (use a postgresql+psycopg:// or postgresql+psycopg2:// URL)"
+        )
+    finally:
+        engine.dispose()

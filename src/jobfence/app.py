@@ -6,7 +6,7 @@ import re
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from psycopg import AsyncConnection
 from pydantic import BaseModel
@@ -15,6 +15,9 @@ from jobfence.codec import encode_payload
 from jobfence.errors import ConfigError
 from jobfence.model import JobMeta, Message
 from jobfence.retry import DEFAULT_RETRY_POLICY, RetryPolicy
+
+if TYPE_CHECKING:
+    from jobfence.producer import AsyncTarget
 
 P = TypeVar("P", bound=BaseModel)
 
@@ -156,7 +159,7 @@ class App:
 
     async def enqueue(
         self,
-        conn: AsyncConnection[Any],
+        conn: AsyncTarget,
         consumer: str,
         payload: BaseModel | Mapping[str, Any],
         *,
@@ -168,11 +171,14 @@ class App:
         """Publish to the PostgreSQL queue on the caller's connection, never committing it.
 
         Inside the caller's transaction the job exists exactly when that transaction commits.
+        ``conn`` is a psycopg ``AsyncConnection``, or a SQLAlchemy ``AsyncSession`` or
+        ``AsyncConnection`` on the psycopg driver; anything else raises ``TypeError`` before
+        any statement runs (a sync connection has :meth:`enqueue_sync`).
         """
-        from jobfence.adapters.pg_queue import publish_on, require_async_connection
+        from jobfence.producer import publish_async, require_async_target
 
-        require_async_connection(conn)  # before any statement: a sync one has enqueue_sync
-        await publish_on(
+        require_async_target(conn)
+        await publish_async(
             conn,
             self.message(
                 consumer,

@@ -4,13 +4,15 @@ Every producer path is two steps. First the message is built, in one place per p
 :meth:`jobfence.App.message` when the payload's schema is known, :func:`build_message` when only
 the consumer's name is. Then the one named query ``publish`` of ``adapters/pg_queue.sql`` runs
 on the caller's connection, never committing it: :func:`jobfence.adapters.pg_queue.publish_on`
-for a psycopg ``AsyncConnection``, :func:`publish_sync` for a sync one. There is no second,
-sync core: a sync producer differs only in how it hands the same statement to its driver.
+for a psycopg ``AsyncConnection`` (:func:`publish_async` also takes SQLAlchemy's asyncio
+sessions), :func:`publish_sync` for a sync one. There is no second, sync core: a sync producer
+differs only in how it hands the same statement to its driver.
 
 Sync connections accepted: ``psycopg.Connection``; a psycopg2 connection (``jobfence[psycopg2]``);
 a SQLAlchemy 2.x ``Session`` or ``Connection`` on the psycopg or psycopg2 driver
-(``jobfence[sqlalchemy]``). psycopg2 and SQLAlchemy are never imported here: a connection of
-theirs can only exist once its program has imported them.
+(``jobfence[sqlalchemy]``). Async: a psycopg ``AsyncConnection``, or a SQLAlchemy
+``AsyncSession`` or ``AsyncConnection`` on the psycopg driver. psycopg2 and SQLAlchemy are
+never imported here: a connection of theirs can only exist once its program has imported them.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import re
 import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import psycopg
 from psycopg import AsyncConnection
@@ -28,6 +30,13 @@ from jobfence.adapters.pg_queue import SQL, publish_on, publish_params, require_
 from jobfence.codec import encode_payload
 from jobfence.errors import ConfigError
 from jobfence.model import Message
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncConnection as SAAsyncConnection
+    from sqlalchemy.ext.asyncio import AsyncSession
+
+# What the async producers accept; SQLAlchemy's types are only named here, never imported.
+AsyncTarget: TypeAlias = "AsyncConnection[Any] | AsyncSession | SAAsyncConnection"
 
 _NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,200}$")
 # SQLAlchemy drivers whose paramstyle is the ``%(name)s`` of the named queries.
@@ -61,6 +70,29 @@ def build_message(
     )
 
 
+def require_async_target(conn: object) -> None:
+    """Refuse, before any statement, what :func:`publish_async` cannot run on."""
+    if isinstance(conn, AsyncConnection) or _is_sqlalchemy_async(conn):
+        return
+    require_async_connection(conn)  # raises TypeError, saying what to pass instead
+
+
+async def publish_async(conn: AsyncTarget, message: Message, *, delay_seconds: float = 0.0) -> None:
+    """Insert ``message`` on an async connection without committing it (the ``publish`` query):
+    a psycopg ``AsyncConnection``, or a SQLAlchemy ``AsyncSession`` or ``AsyncConnection`` on
+    the psycopg driver. Anything else raises ``TypeError`` before a statement runs."""
+    if isinstance(conn, AsyncConnection):
+        await publish_on(conn, message, delay_seconds=delay_seconds)
+        return
+    require_async_target(conn)
+    sa_conn: Any = conn
+    if _is_sqlalchemy_session(conn):
+        sa_conn = await sa_conn.connection()  # the AsyncConnection of the session's transaction
+    _require_sqlalchemy_driver(sa_conn, "enqueue")
+    # Through SQLAlchemy, so that its transaction begins and covers the job (see publish_sync).
+    await sa_conn.exec_driver_sql(SQL.text("publish"), publish_params(message, delay_seconds))
+
+
 def publish_sync(conn: object, message: Message, *, delay_seconds: float = 0.0) -> None:
     """Insert ``message`` on a sync connection without committing it (the ``publish`` query).
 
@@ -77,12 +109,7 @@ def publish_sync(conn: object, message: Message, *, delay_seconds: float = 0.0) 
         return
     sa_conn = _sqlalchemy_connection(conn)
     if sa_conn is not None:
-        driver = sa_conn.dialect.driver
-        if driver not in _SQLALCHEMY_DRIVERS:
-            raise TypeError(
-                f"enqueue_sync on SQLAlchemy needs the psycopg or psycopg2 driver, got {driver!r}"
-                " (use a postgresql+psycopg:// or postgresql+psycopg2:// URL)"
-            )
+        _require_sqlalchemy_driver(sa_conn, "enqueue_sync")
         # Through SQLAlchemy, so that its own transaction begins (autobegin) and its commit or
         # rollback covers the job; a statement run behind its back on the DBAPI connection
         # would be rolled back when the connection returns to the pool.
@@ -104,6 +131,27 @@ def _kind(conn: object) -> str:
 def _is_psycopg2(conn: object) -> bool:
     extensions = sys.modules.get("psycopg2.extensions")
     return extensions is not None and isinstance(conn, extensions.connection)
+
+
+def _require_sqlalchemy_driver(sa_conn: Any, what: str) -> None:
+    driver = sa_conn.dialect.driver
+    if driver not in _SQLALCHEMY_DRIVERS:
+        raise TypeError(
+            f"{what} on SQLAlchemy needs the psycopg or psycopg2 driver, got {driver!r}"
+            " (use a postgresql+psycopg:// or postgresql+psycopg2:// URL)"
+        )
+
+
+def _is_sqlalchemy_session(conn: object) -> bool:
+    asyncio_ext = sys.modules.get("sqlalchemy.ext.asyncio")
+    return asyncio_ext is not None and isinstance(conn, asyncio_ext.AsyncSession)
+
+
+def _is_sqlalchemy_async(conn: object) -> bool:
+    asyncio_ext = sys.modules.get("sqlalchemy.ext.asyncio")
+    return asyncio_ext is not None and isinstance(
+        conn, asyncio_ext.AsyncSession | asyncio_ext.AsyncConnection
+    )
 
 
 def _sqlalchemy_connection(conn: object) -> Any:
@@ -181,7 +229,7 @@ class Producer:
 
     async def enqueue(
         self,
-        conn: AsyncConnection[Any],
+        conn: AsyncTarget,
         consumer: str,
         payload: BaseModel | Mapping[str, Any],
         *,
@@ -190,12 +238,13 @@ class Producer:
         correlation_id: str | None = None,
         delay_seconds: float = 0.0,
     ) -> None:
-        """Publish on the caller's async connection, never committing it."""
-        require_async_connection(conn)
+        """Publish on the caller's async connection (see :func:`publish_async`), never
+        committing it: the job exists exactly when that transaction commits."""
+        require_async_target(conn)
         message = self.message(
             consumer, payload, job_id=job_id, tenant_id=tenant_id, correlation_id=correlation_id
         )
-        await publish_on(conn, message, delay_seconds=delay_seconds)
+        await publish_async(conn, message, delay_seconds=delay_seconds)
 
     def enqueue_sync(
         self,

@@ -61,9 +61,10 @@ def require_async_connection(conn: object) -> None:
     """Refuse anything but a psycopg ``AsyncConnection``, saying what to pass instead."""
     if not isinstance(conn, AsyncConnection):
         raise TypeError(
-            f"enqueue needs a psycopg.AsyncConnection, got {_kind(conn)}; for a sync connection"
-            " (psycopg.Connection, psycopg2, SQLAlchemy Session or Connection) use"
-            " app.enqueue_sync(conn, ...) or jobfence.Producer(...).enqueue_sync(conn, ...)"
+            f"enqueue needs a psycopg.AsyncConnection (or a SQLAlchemy AsyncSession or"
+            f" AsyncConnection), got {_kind(conn)}; for a sync connection (psycopg.Connection,"
+            " psycopg2, SQLAlchemy Session or Connection) use app.enqueue_sync(conn, ...) or"
+            " jobfence.Producer(...).enqueue_sync(conn, ...)"
         )
 
 
