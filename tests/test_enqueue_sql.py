@@ -4,6 +4,7 @@ nothing written."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import uuid
@@ -13,6 +14,8 @@ from typing import Any
 
 import psycopg
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from psycopg_pool import AsyncConnectionPool
 
 import pointsapp
@@ -275,3 +278,32 @@ def test_the_documented_runtime_role_can_enqueue_from_sql(database_url: str) -> 
         with psycopg.connect(database_url, autocommit=True) as admin:
             admin.execute(f'DROP OWNED BY "{role}"')  # type: ignore[arg-type]
             admin.execute(f'DROP ROLE "{role}"')  # type: ignore[arg-type]
+
+
+JSON_TEXT = st.text(
+    alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=20
+) | st.sampled_from([", ", ": ", '", "', '\\", ', "\\\\", '": "', "{}", "[]", "é, 🎉: "])
+JSON_DOCS = st.recursive(
+    st.none() | st.booleans() | st.integers(-(10**12), 10**12) | JSON_TEXT,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(JSON_TEXT, inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(doc=JSON_DOCS)
+def test_compact_json_is_the_compact_text_python_writes(
+    sync_conn: psycopg.Connection[Any], doc: Any
+) -> None:
+    """Whatever the strings hold (separators, quotes, backslashes), jobfence.compact_json gives
+    the bytes json.dumps(..., separators=(",", ":"), ensure_ascii=False) gives for the same
+    document with jsonb's key order."""
+    text, in_jsonb_order = sync_conn.execute(
+        "SELECT jobfence.compact_json(%(d)s::jsonb), %(d)s::jsonb::text",
+        {"d": json.dumps(doc)},
+    ).fetchone()  # type: ignore[misc]
+    expected = json.dumps(json.loads(in_jsonb_order), separators=(",", ":"), ensure_ascii=False)
+    assert text == expected
+    assert json.loads(text) == doc

