@@ -7,6 +7,7 @@ committing it: the job exists exactly when the caller's transaction commits.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from typing import Any
 
@@ -59,16 +60,19 @@ def messages(database_url: str) -> list[tuple[Any, ...]]:
 # 1. A connection of the wrong kind is refused before any statement runs.
 
 
-async def test_async_enqueue_on_a_sync_connection_is_refused_before_any_sql(
+def test_async_enqueue_on_a_sync_connection_is_refused_before_any_sql(
     sync_conn: psycopg.Connection[Any], database_url: str
 ) -> None:
     app = pointsapp.build_app()
-    with pytest.raises(TypeError) as refused:
-        await app.enqueue(
-            sync_conn,  # type: ignore[arg-type]
-            "award_points",
-            {"account_id": 1, "points": 5},
-            job_id="wrong-1",
+    sync_conn.execute("INSERT INTO public.awards VALUES ('mine', 1, 1)")  # the caller's work
+    with pytest.raises(TypeError) as refused:  # as sync code would call it
+        asyncio.run(
+            app.enqueue(
+                sync_conn,  # type: ignore[arg-type]
+                "award_points",
+                {"account_id": 1, "points": 5},
+                job_id="wrong-1",
+            )
         )
     assert str(refused.value) == (
         "enqueue needs a psycopg.AsyncConnection (or a SQLAlchemy AsyncSession or"
@@ -77,17 +81,22 @@ async def test_async_enqueue_on_a_sync_connection_is_refused_before_any_sql(
         " jobfence.Producer(...).enqueue_sync(conn, ...)"
     )
     with pytest.raises(TypeError, match=r"got psycopg\.Connection;"):
-        await Producer(routes=ROUTES).enqueue(
-            sync_conn,  # type: ignore[arg-type]
-            "award_points",
-            {"account_id": 1, "points": 5},
-            job_id="wrong-2",
+        asyncio.run(
+            Producer(routes=ROUTES).enqueue(
+                sync_conn,  # type: ignore[arg-type]
+                "award_points",
+                {"account_id": 1, "points": 5},
+                job_id="wrong-2",
+            )
         )
-    # No statement ran: no transaction was even opened, and the connection is usable.
-    assert sync_conn.info.transaction_status == TransactionStatus.IDLE
+    # No statement ran in the caller's transaction, which is intact and usable: no job in it,
+    # and its own work commits.
+    assert sync_conn.info.transaction_status == TransactionStatus.INTRANS
     assert sync_conn.execute("SELECT count(*) FROM jobfence_queue.messages").fetchone() == (0,)
     sync_conn.commit()
     assert messages(database_url) == []
+    with psycopg.connect(database_url) as check:
+        assert check.execute("SELECT job_id FROM public.awards").fetchall() == [("mine",)]
 
 
 async def test_sync_enqueue_on_an_async_connection_or_anything_else_is_refused(
@@ -151,8 +160,6 @@ def test_sync_and_async_typed_enqueue_write_the_same_row(
                 aconn, "award_points", {"account_id": 2, "points": 9}, job_id="same",
                 tenant_id="t", correlation_id="c", delay_seconds=30,
             )  # fmt: skip
-
-    import asyncio
 
     asyncio.run(enqueue_async())
     app.enqueue_sync(
