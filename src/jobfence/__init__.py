@@ -34,6 +34,7 @@ from jobfence.model import Delivery, JobMeta, Message
 from jobfence.observability import configure_logging, metrics_registry
 from jobfence.ops import BulkReplayNotFound, BulkTooLarge, InvalidRequest
 from jobfence.ports import Clock, MetricsSink, QueueCapabilities, QueuePort, QueueSize
+from jobfence.producer import Producer
 from jobfence.retry import DEFAULT_RETRY_POLICY, RetryPolicy
 from jobfence.schema import migrate
 from jobfence.worker import Worker, WorkerStats
@@ -65,6 +66,7 @@ __all__ = [
     "Outcome",
     "PgQueue",
     "PoisonMessage",
+    "Producer",
     "PrometheusMetrics",
     "QueueCapabilities",
     "QueuePort",

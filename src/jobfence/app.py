@@ -5,17 +5,19 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from psycopg import AsyncConnection
 from pydantic import BaseModel
-from pydantic_core import PydanticSerializationError
 
-from jobfence.codec import encode_payload, payload_problem
-from jobfence.errors import ConfigError, JobRefused
-from jobfence.limits import identifiers_problem, name_problem
+from jobfence.errors import ConfigError
+from jobfence.limits import name_problem
 from jobfence.model import JobMeta, Message
+from jobfence.producer import build_message, checked_body
 from jobfence.retry import DEFAULT_RETRY_POLICY, RetryPolicy
+
+if TYPE_CHECKING:
+    from jobfence.producer import AsyncTarget
 
 P = TypeVar("P", bound=BaseModel)
 
@@ -143,40 +145,21 @@ class App:
         target = self._consumers.get(consumer)
         if target is None:
             raise ConfigError(f"no consumer named {consumer!r} is registered")
-        found = identifiers_problem(
-            queue=target.queue,
-            consumer=target.name,
-            job_id=job_id,
-            tenant_id=tenant_id,
-            correlation_id=correlation_id,
-        )
-        if found is not None:
-            raise JobRefused(*found)
         validated = (
             payload if isinstance(payload, target.schema) else target.schema.model_validate(payload)
         )
-        try:
-            body = encode_payload(validated)
-        except (UnicodeEncodeError, PydanticSerializationError) as exc:
-            if "surrogate" not in str(exc):
-                raise
-            raise JobRefused(
-                "payload", "payload contains a lone surrogate, which is not valid Unicode"
-            ) from None
-        if (problem := payload_problem(body)) is not None:
-            raise JobRefused("payload", problem)
-        return Message(
+        return build_message(
             queue=target.queue,
             consumer=target.name,
+            body=checked_body(validated),
             job_id=job_id,
-            body=body,
             tenant_id=tenant_id,
             correlation_id=correlation_id,
         )
 
     async def enqueue(
         self,
-        conn: AsyncConnection[Any],
+        conn: AsyncTarget,
         consumer: str,
         payload: BaseModel | Mapping[str, Any],
         *,
@@ -188,12 +171,44 @@ class App:
         """Publish to the PostgreSQL queue on the caller's connection, never committing it.
 
         Inside the caller's transaction the job exists exactly when that transaction commits.
+        ``conn`` is a psycopg ``AsyncConnection``, or a SQLAlchemy ``AsyncSession`` or
+        ``AsyncConnection`` on the psycopg driver; anything else raises ``TypeError`` before
+        any statement runs (a sync connection has :meth:`enqueue_sync`).
         A job refused (:class:`~jobfence.JobRefused`, see :meth:`message`) is refused before
         any SQL runs, so the caller's transaction stays usable.
         """
-        from jobfence.adapters.pg_queue import publish_on
+        from jobfence.producer import publish_async, require_async_target
 
-        await publish_on(
+        require_async_target(conn)
+        await publish_async(
+            conn,
+            self.message(
+                consumer,
+                payload,
+                job_id=job_id,
+                tenant_id=tenant_id,
+                correlation_id=correlation_id,
+            ),
+            delay_seconds=delay_seconds,
+        )
+
+    def enqueue_sync(
+        self,
+        conn: object,
+        consumer: str,
+        payload: BaseModel | Mapping[str, Any],
+        *,
+        job_id: str,
+        tenant_id: str | None = None,
+        correlation_id: str | None = None,
+        delay_seconds: float = 0.0,
+    ) -> None:
+        """:meth:`enqueue` for sync code: the same message and the same SQL, on the caller's
+        sync connection (``psycopg.Connection``, psycopg2, SQLAlchemy ``Session`` or
+        ``Connection``), never committing it. The job exists exactly when it commits."""
+        from jobfence.producer import publish_sync
+
+        publish_sync(
             conn,
             self.message(
                 consumer,

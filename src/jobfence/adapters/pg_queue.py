@@ -49,20 +49,45 @@ async def publish_on(
     delay_seconds: float = 0.0,
     clock: Clock | None = None,
 ) -> None:
-    """Insert ``message`` on ``conn`` without committing: it joins the caller's transaction."""
-    await conn.execute(
-        SQL["publish"],
-        {
-            "queue": message.queue,
-            "consumer": message.consumer,
-            "job_id": message.job_id,
-            "body": message.body,
-            "tenant_id": message.tenant_id,
-            "correlation_id": message.correlation_id,
-            "now": _now(clock),
-            "delay": timedelta(seconds=max(delay_seconds, 0.0)),
-        },
-    )
+    """Insert ``message`` on ``conn`` without committing: it joins the caller's transaction.
+
+    Any other kind of connection is refused before a statement runs (a sync one has its own
+    entry points, :func:`jobfence.producer.publish_sync`)."""
+    require_async_connection(conn)
+    await conn.execute(SQL["publish"], publish_params(message, delay_seconds, clock))
+
+
+def require_async_connection(conn: object) -> None:
+    """Refuse anything but a psycopg ``AsyncConnection``, saying what to pass instead."""
+    if not isinstance(conn, AsyncConnection):
+        raise TypeError(
+            f"enqueue needs a psycopg.AsyncConnection (or a SQLAlchemy AsyncSession or"
+            f" AsyncConnection), got {_kind(conn)}; for a sync connection (psycopg.Connection,"
+            " psycopg2, SQLAlchemy Session or Connection) use app.enqueue_sync(conn, ...) or"
+            " jobfence.Producer(...).enqueue_sync(conn, ...)"
+        )
+
+
+def publish_params(
+    message: Message, delay_seconds: float = 0.0, clock: Clock | None = None
+) -> dict[str, object]:
+    """The parameters of the ``publish`` query: every producer, async or sync, runs it."""
+    return {
+        "queue": message.queue,
+        "consumer": message.consumer,
+        "job_id": message.job_id,
+        "body": message.body,
+        "tenant_id": message.tenant_id,
+        "correlation_id": message.correlation_id,
+        "now": _now(clock),
+        "delay": timedelta(seconds=max(delay_seconds, 0.0)),
+    }
+
+
+def _kind(conn: object) -> str:
+    """``module.Class`` of a connection, for errors that say what was passed."""
+    cls = type(conn)
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _receipt(delivery: Delivery) -> PgReceipt:

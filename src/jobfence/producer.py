@@ -1,0 +1,289 @@
+"""Enqueueing from outside a worker's App: by consumer name, and on sync connections.
+
+Every producer path is two steps. First the message is built, in one place per path:
+:meth:`jobfence.App.message` when the payload's schema is known, :func:`build_message` when only
+the consumer's name is. Then the one named query ``publish`` of ``adapters/pg_queue.sql`` runs
+on the caller's connection, never committing it: :func:`jobfence.adapters.pg_queue.publish_on`
+for a psycopg ``AsyncConnection`` (:func:`publish_async` also takes SQLAlchemy's asyncio
+sessions), :func:`publish_sync` for a sync one. There is no second, sync core: a sync producer
+differs only in how it hands the same statement to its driver.
+
+Sync connections accepted: ``psycopg.Connection``; a psycopg2 connection (``jobfence[psycopg2]``);
+a SQLAlchemy 2.x ``Session`` or ``Connection`` on the psycopg or psycopg2 driver
+(``jobfence[sqlalchemy]``). Async: a psycopg ``AsyncConnection``, or a SQLAlchemy
+``AsyncSession`` or ``AsyncConnection`` on the psycopg driver. psycopg2 and SQLAlchemy are
+never imported here: a connection of theirs can only exist once its program has imported them.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+import psycopg
+from psycopg import AsyncConnection
+from pydantic import BaseModel
+from pydantic_core import PydanticSerializationError
+
+from jobfence.adapters.pg_queue import SQL, publish_on, publish_params, require_async_connection
+from jobfence.codec import encode_payload, payload_problem
+from jobfence.errors import ConfigError, JobRefused
+from jobfence.limits import identifiers_problem
+from jobfence.model import Message
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncConnection as SAAsyncConnection
+    from sqlalchemy.ext.asyncio import AsyncSession
+
+# What the async producers accept; SQLAlchemy's types are only named here, never imported.
+AsyncTarget: TypeAlias = "AsyncConnection[Any] | AsyncSession | SAAsyncConnection"
+
+_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,200}$")
+# SQLAlchemy drivers whose paramstyle is the ``%(name)s`` of the named queries.
+_SQLALCHEMY_DRIVERS = ("psycopg", "psycopg2")
+_SYNC_KINDS = "a psycopg.Connection, a psycopg2 connection, or a SQLAlchemy Session or Connection"
+
+
+def build_message(
+    *,
+    queue: str,
+    consumer: str,
+    body: bytes,
+    job_id: str,
+    tenant_id: str | None,
+    correlation_id: str | None,
+) -> Message:
+    """The one step that turns an enqueue (typed or by name) into a :class:`Message`.
+
+    Raises :class:`~jobfence.JobRefused`, before any SQL, when an identifier breaks a limit
+    (:mod:`jobfence.limits`)."""
+    found = identifiers_problem(
+        queue=queue,
+        consumer=consumer,
+        job_id=job_id,
+        tenant_id=tenant_id,
+        correlation_id=correlation_id,
+    )
+    if found is not None:
+        raise JobRefused(*found)
+    return Message(
+        queue=queue,
+        consumer=consumer,
+        job_id=job_id,
+        body=body,
+        tenant_id=tenant_id,
+        correlation_id=correlation_id,
+    )
+
+
+def checked_body(payload: BaseModel | Mapping[str, Any]) -> bytes:
+    """``payload`` serialised, or :class:`~jobfence.JobRefused` when it holds what PostgreSQL
+    cannot store (a NUL character or a lone surrogate in a string)."""
+    try:
+        body = encode_payload(payload if isinstance(payload, BaseModel) else dict(payload))
+    except (UnicodeEncodeError, PydanticSerializationError) as exc:
+        if "surrogate" not in str(exc):
+            raise
+        raise JobRefused(
+            "payload", "payload contains a lone surrogate, which is not valid Unicode"
+        ) from None
+    if (problem := payload_problem(body)) is not None:
+        raise JobRefused("payload", problem)
+    return body
+
+
+def require_async_target(conn: object) -> None:
+    """Refuse, before any statement, what :func:`publish_async` cannot run on."""
+    if isinstance(conn, AsyncConnection) or _is_sqlalchemy_async(conn):
+        return
+    require_async_connection(conn)  # raises TypeError, saying what to pass instead
+
+
+async def publish_async(conn: AsyncTarget, message: Message, *, delay_seconds: float = 0.0) -> None:
+    """Insert ``message`` on an async connection without committing it (the ``publish`` query):
+    a psycopg ``AsyncConnection``, or a SQLAlchemy ``AsyncSession`` or ``AsyncConnection`` on
+    the psycopg driver. Anything else raises ``TypeError`` before a statement runs."""
+    if isinstance(conn, AsyncConnection):
+        await publish_on(conn, message, delay_seconds=delay_seconds)
+        return
+    require_async_target(conn)
+    sa_conn: Any = conn
+    if _is_sqlalchemy_session(conn):
+        sa_conn = await sa_conn.connection()  # the AsyncConnection of the session's transaction
+    _require_sqlalchemy_driver(sa_conn, "enqueue")
+    # Through SQLAlchemy, so that its transaction begins and covers the job (see publish_sync).
+    await sa_conn.exec_driver_sql(SQL.text("publish"), publish_params(message, delay_seconds))
+
+
+def publish_sync(conn: object, message: Message, *, delay_seconds: float = 0.0) -> None:
+    """Insert ``message`` on a sync connection without committing it (the ``publish`` query).
+
+    The job exists exactly when the caller's transaction commits. A connection of any other
+    kind is refused with a ``TypeError`` before a statement runs.
+    """
+    params = publish_params(message, delay_seconds)
+    if isinstance(conn, psycopg.Connection):
+        conn.execute(SQL["publish"], params)
+        return
+    if _is_psycopg2(conn):
+        with conn.cursor() as cur:  # type: ignore[attr-defined]
+            cur.execute(SQL.text("publish"), params)
+        return
+    sa_conn = _sqlalchemy_connection(conn)
+    if sa_conn is not None:
+        _require_sqlalchemy_driver(sa_conn, "enqueue_sync")
+        # Through SQLAlchemy, so that its own transaction begins (autobegin) and its commit or
+        # rollback covers the job; a statement run behind its back on the DBAPI connection
+        # would be rolled back when the connection returns to the pool.
+        sa_conn.exec_driver_sql(SQL.text("publish"), params)
+        return
+    if isinstance(conn, AsyncConnection):
+        raise TypeError(
+            "enqueue_sync needs a sync connection, got psycopg.AsyncConnection:"
+            " use `await app.enqueue(conn, ...)` or `await producer.enqueue(conn, ...)`"
+        )
+    raise TypeError(f"enqueue_sync needs {_SYNC_KINDS}, got {_kind(conn)}")
+
+
+def _kind(conn: object) -> str:
+    cls = type(conn)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _is_psycopg2(conn: object) -> bool:
+    extensions = sys.modules.get("psycopg2.extensions")
+    return extensions is not None and isinstance(conn, extensions.connection)
+
+
+def _require_sqlalchemy_driver(sa_conn: Any, what: str) -> None:
+    driver = sa_conn.dialect.driver
+    if driver not in _SQLALCHEMY_DRIVERS:
+        raise TypeError(
+            f"{what} on SQLAlchemy needs the psycopg or psycopg2 driver, got {driver!r}"
+            " (use a postgresql+psycopg:// or postgresql+psycopg2:// URL)"
+        )
+
+
+def _is_sqlalchemy_session(conn: object) -> bool:
+    asyncio_ext = sys.modules.get("sqlalchemy.ext.asyncio")
+    return asyncio_ext is not None and isinstance(conn, asyncio_ext.AsyncSession)
+
+
+def _is_sqlalchemy_async(conn: object) -> bool:
+    asyncio_ext = sys.modules.get("sqlalchemy.ext.asyncio")
+    return asyncio_ext is not None and isinstance(
+        conn, asyncio_ext.AsyncSession | asyncio_ext.AsyncConnection
+    )
+
+
+def _sqlalchemy_connection(conn: object) -> Any:
+    """The SQLAlchemy ``Connection`` behind a ``Session`` or ``Connection``, else None."""
+    orm = sys.modules.get("sqlalchemy.orm")
+    if orm is not None and isinstance(conn, orm.Session):
+        return conn.connection()  # the Connection that holds the session's transaction
+    engine = sys.modules.get("sqlalchemy.engine")
+    if engine is not None and isinstance(conn, engine.Connection):
+        return conn
+    return None
+
+
+class Producer:
+    """Enqueues jobs by consumer name, without importing the consumer's code.
+
+    ``routes`` maps each consumer name this producer may address to its queue, the two things
+    a message needs besides its payload::
+
+        producer = Producer(routes={"award_points": "loyalty"})
+        producer.enqueue_sync(conn, "award_points", {"account_id": 7, "points": 10},
+                              job_id="order-1:points")
+
+    Routes are configuration, given once, rather than an argument of every call: the queue of a
+    consumer is a deployment fact that a typo in one call site must not change. The payload is a
+    mapping or a pydantic model; it is not validated here (the producer has no schema): the
+    worker's App validates it, and a payload its schema rejects becomes a poison dead letter
+    (``attempts = 1``), exactly as from any other producer. Use :meth:`jobfence.App.enqueue`
+    to validate before enqueueing when the producer has the schema.
+    """
+
+    def __init__(self, *, routes: Mapping[str, str]) -> None:
+        for consumer, queue in routes.items():
+            for label, value in (("consumer name", consumer), ("queue name", queue)):
+                if not isinstance(value, str) or not _NAME.match(value):
+                    raise ConfigError(
+                        f"Producer routes: {label} {value!r} must be 1-200 characters of"
+                        " letters, digits and _ . : -"
+                    )
+        self._routes = dict(routes)
+
+    @property
+    def routes(self) -> Mapping[str, str]:
+        return dict(self._routes)
+
+    def message(
+        self,
+        consumer: str,
+        payload: BaseModel | Mapping[str, Any],
+        *,
+        job_id: str,
+        tenant_id: str | None = None,
+        correlation_id: str | None = None,
+    ) -> Message:
+        """The message for ``consumer``, its payload serialised but not validated."""
+        queue = self._routes.get(consumer)
+        if queue is None:
+            known = ", ".join(sorted(self._routes)) or "none"
+            raise ConfigError(
+                f"this Producer has no route for consumer {consumer!r} (it knows: {known});"
+                " add it to Producer(routes={...})"
+            )
+        if not isinstance(payload, BaseModel | Mapping):
+            raise TypeError(
+                f"payload must be a mapping or a pydantic model, got {type(payload).__name__}"
+            )
+        return build_message(
+            queue=queue,
+            consumer=consumer,
+            body=checked_body(payload),
+            job_id=job_id,
+            tenant_id=tenant_id,
+            correlation_id=correlation_id,
+        )
+
+    async def enqueue(
+        self,
+        conn: AsyncTarget,
+        consumer: str,
+        payload: BaseModel | Mapping[str, Any],
+        *,
+        job_id: str,
+        tenant_id: str | None = None,
+        correlation_id: str | None = None,
+        delay_seconds: float = 0.0,
+    ) -> None:
+        """Publish on the caller's async connection (see :func:`publish_async`), never
+        committing it: the job exists exactly when that transaction commits."""
+        require_async_target(conn)
+        message = self.message(
+            consumer, payload, job_id=job_id, tenant_id=tenant_id, correlation_id=correlation_id
+        )
+        await publish_async(conn, message, delay_seconds=delay_seconds)
+
+    def enqueue_sync(
+        self,
+        conn: object,
+        consumer: str,
+        payload: BaseModel | Mapping[str, Any],
+        *,
+        job_id: str,
+        tenant_id: str | None = None,
+        correlation_id: str | None = None,
+        delay_seconds: float = 0.0,
+    ) -> None:
+        """Publish on the caller's sync connection (see :func:`publish_sync`), never committing
+        it: the job exists exactly when that transaction commits."""
+        message = self.message(
+            consumer, payload, job_id=job_id, tenant_id=tenant_id, correlation_id=correlation_id
+        )
+        publish_sync(conn, message, delay_seconds=delay_seconds)
