@@ -10,11 +10,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import psycopg
 from fastapi import Body, Depends, FastAPI, Path, Query, Request, Response
@@ -66,6 +66,8 @@ from jobfence.observability import MetricsApp, metrics_registry
 from jobfence.ports import QueuePort
 
 log = logging.getLogger("jobfence.api")
+
+T = TypeVar("T")
 
 PREFIX = "/v1/core/dead-letters"
 
@@ -324,8 +326,7 @@ def _routes(app: FastAPI) -> None:
         timeout = services.settings.readiness_timeout_seconds
         try:
             async with asyncio.timeout(timeout):
-                async with services.pool.connection(timeout=timeout) as conn:
-                    await conn.execute("SELECT 1")
+                await _read(services, _select_one, wait=timeout)
         except (TimeoutError, PoolTimeout, psycopg.Error) as exc:
             log.warning("not ready: database unreachable (%s)", type(exc).__name__)
             raise ProblemError(
@@ -349,15 +350,14 @@ def _routes(app: FastAPI) -> None:
         """Dead letters matching every filter given, newest first (``created_at``, then
         ``id``). Follow ``next_cursor`` for the next page: rows inserted meanwhile never shift
         a page (keyset pagination)."""
-        async with services.pool.connection() as conn:
-            page = await ops.list_dead_letters_json(
-                conn,
-                query.to_filter(),
-                limit=query.limit,
-                cursor=query.cursor,
-                items=services.items,
+        flt = query.to_filter()
+
+        async def page(conn: psycopg.AsyncConnection[Any]) -> bytes:
+            return await ops.list_dead_letters_json(
+                conn, flt, limit=query.limit, cursor=query.cursor, items=services.items
             )
-        return _json(page)
+
+        return _json(await _read(services, page))
 
     @app.post(
         f"{PREFIX}/replay-bulk",
@@ -421,8 +421,7 @@ def _routes(app: FastAPI) -> None:
         run_id: Annotated[BulkReplayId, Path()], services: Svc, _: Reader
     ) -> BulkReplayOut:
         """A bulk replay's progress: its counts by result so far, out of ``total``."""
-        async with services.pool.connection() as conn:
-            run = await ops.get_bulk_replay(conn, run_id)
+        run = await _read(services, lambda conn: ops.get_bulk_replay(conn, run_id))
         return _bulk_out(services, run)
 
     @app.get(
@@ -439,11 +438,14 @@ def _routes(app: FastAPI) -> None:
     ) -> BulkItemsOut:
         """A bulk replay's items in dead letter id order, optionally only one ``result``
         (``pending``: not processed yet)."""
-        async with services.pool.connection() as conn:
+
+        async def read(conn: psycopg.AsyncConnection[Any]) -> list[ops.BulkItem]:
             await ops.get_bulk_replay(conn, run_id)  # 404 for an unknown run
-            items = await ops.list_bulk_items(
+            return await ops.list_bulk_items(
                 conn, run_id, result=query.result, after=query.after, limit=query.limit
             )
+
+        items = await _read(services, read)
         full = len(items) == query.limit
         return BulkItemsOut(
             items=[BulkItemOut.of(item) for item in items],
@@ -538,8 +540,36 @@ def _routes(app: FastAPI) -> None:
 
 
 async def _show(services: Services, dead_letter_id: int) -> Response:
-    async with services.pool.connection() as conn:
-        return _json(await ops.show_dead_letter_json(conn, dead_letter_id))
+    return _json(
+        await _read(services, lambda conn: ops.show_dead_letter_json(conn, dead_letter_id))
+    )
+
+
+async def _select_one(conn: psycopg.AsyncConnection[Any]) -> None:
+    await conn.execute("SELECT 1")
+
+
+async def _read(
+    services: Services,
+    read: Callable[[psycopg.AsyncConnection[Any]], Awaitable[T]],
+    *,
+    wait: float | None = None,
+) -> T:
+    """``read`` (statements that change nothing) on a pooled connection; once more on another
+    when the connection turns out lost (its server went away unnoticed, as in a network
+    blip). Never for a write: a write lost with its connection may have committed."""
+    for attempt in (1, 2):
+        try:
+            async with services.pool.connection(timeout=wait) as conn:
+                return await read(conn)
+        except psycopg.OperationalError:
+            if attempt == 2 or not conn.broken:
+                raise
+            # Its pool mates are likely as stale: check each (a round trip per idle
+            # connection, on this rare path only), so the pool drops the broken ones.
+            log.info("a read lost its database connection; checking the pool, then once more")
+            await services.pool.check()
+    raise AssertionError("unreachable")
 
 
 def _json(text: str | bytes) -> Response:
