@@ -559,11 +559,12 @@ async def _read(
     when the connection turns out lost (its server went away unnoticed, as in a network
     blip). Never for a write: a write lost with its connection may have committed."""
     for attempt in (1, 2):
+        lent: psycopg.AsyncConnection[Any] | None = None
         try:
-            async with services.pool.connection(timeout=wait) as conn:
-                return await read(conn)
-        except psycopg.OperationalError:
-            if attempt == 2 or not conn.broken:
+            async with services.pool.connection(timeout=wait) as lent:
+                return await read(lent)
+        except psycopg.OperationalError:  # PoolTimeout too, with nothing lent
+            if attempt == 2 or lent is None or not lent.broken:
                 raise
             # Its pool mates are likely as stale: check each (a round trip per idle
             # connection, on this rare path only), so the pool drops the broken ones.
