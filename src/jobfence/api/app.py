@@ -386,6 +386,9 @@ def _routes(app: FastAPI) -> None:
     ) -> Response:
         """Replay every ``pending_review`` dead letter matching the filter **now**: the
         snapshot is fixed at this call, so dead letters written later are never swept in.
+        Every pending dead letter, poison included, only with ``"all": true`` and no filter:
+        a body without a filter that does not say so is refused (422), and so is one with
+        both; nothing changes.
         ``dry_run`` only counts them. The run goes on in the background; follow it at the
         ``Location``. Each item ends ``replayed``, ``already_processed`` (its fence row exists:
         moved to replayed without republishing), ``not_pending`` or ``failed`` (the publish
@@ -396,6 +399,7 @@ def _routes(app: FastAPI) -> None:
             max_items=request.max_items,
             requested_by=principal.subject,
             dry_run=request.dry_run,
+            select_all=request.all,
         )
         if isinstance(result, int):
             out = BulkDryRunOut(

@@ -6,13 +6,11 @@ request PostgreSQL would refuse is a 422, never a 500.
 
 from __future__ import annotations
 
-import re
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Annotated, Literal, Self
 
 from pydantic import (
     AfterValidator,
-    AwareDatetime,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -21,6 +19,7 @@ from pydantic import (
     StringConstraints,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from jobfence import ops
 from jobfence.dead_letters import MAX_DISCARD_REASON, ReplayResult
@@ -47,18 +46,23 @@ def _not_blank(text: str) -> str:
     return text
 
 
-def _date_time_text(value: object) -> object:
-    """Only text (or a datetime) is a date-time here: pydantic would otherwise read a number,
-    or a string of digits, as Unix time, which the document does not promise."""
+def _date_time_text(value: object) -> datetime:
+    """A time filter, read as the CLI reads it (:func:`jobfence.ops.parse_time`): an ISO 8601
+    date or date-time, UTC when it has no offset. Only text (or a datetime): never a number
+    as Unix time."""
     if isinstance(value, datetime):
-        return value
-    if not isinstance(value, str) or _NUMBER.fullmatch(value.strip()):
-        raise ValueError("must be an ISO 8601 date-time with an offset, e.g. 2026-01-31T12:00:00Z")
-    return value
+        return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+    if not isinstance(value, str):
+        raise PydanticCustomError(
+            "date_time", f"must be text: an ISO 8601 date or time ({ops.TIME_RULE})"
+        )
+    try:
+        return ops.parse_time(value)
+    except ops.InvalidRequest as exc:
+        raise PydanticCustomError("date_time", str(exc)) from None
 
 
-_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
-DateTime = Annotated[AwareDatetime, BeforeValidator(_date_time_text)]
+DateTime = Annotated[datetime, BeforeValidator(_date_time_text)]
 FilterText = Annotated[
     str,
     StringConstraints(min_length=1, max_length=MAX_FILTER_CHARS, pattern=r"^[^\x00]*$"),
@@ -88,10 +92,12 @@ class _Filter(BaseModel):
     job_id: FilterText | None = None
     correlation_id: FilterText | None = None
     created_from: DateTime | None = Field(
-        default=None, description="created at or after (ISO 8601 with offset)"
+        default=None,
+        description="created at or after (ISO 8601 date or date-time; UTC without an offset)",
     )
     created_to: DateTime | None = Field(
-        default=None, description="created before (ISO 8601 with offset)"
+        default=None,
+        description="created before (ISO 8601 date or date-time; UTC without an offset)",
     )
 
     @model_validator(mode="after")
@@ -133,9 +139,15 @@ class BulkReplayRequest(_Filter):
         le=MAX_BULK_ITEMS,
         description="refuse (422) when more dead letters than this match",
     )
+    all: bool = Field(
+        default=False,
+        strict=True,
+        description="select every pending dead letter, poison included (no filter may be "
+        "given); without a filter, a request that does not say so is refused (422)",
+    )
 
     def to_filter(self) -> ops.DeadLetterFilter:
-        return ops.DeadLetterFilter(**self.model_dump(exclude={"dry_run", "max_items"}))
+        return ops.DeadLetterFilter(**self.model_dump(exclude={"dry_run", "max_items", "all"}))
 
 
 class DiscardRequest(BaseModel):
