@@ -176,6 +176,46 @@ async def test_acceptance_7_discard_without_a_valid_reason_is_422_and_the_row_is
     assert before["status"] == "pending_review"
 
 
+@pytest.mark.parametrize(
+    ("reason", "says"),
+    [
+        ("", "a discard requires a non-blank reason"),
+        (" \t\n\u2003", "a discard requires a non-blank reason"),
+        ("x" * 2001, "a discard reason is at most 2000 characters"),
+    ],
+    ids=["empty", "blank", "overlong"],
+)
+async def test_a_refused_discard_reason_says_what_the_cli_says_never_a_pattern(
+    api: Api, conn: AsyncConnection[Any], database_url: str, reason: str, says: str
+) -> None:
+    dl_id = await insert_dead_letter(conn, job_id="plain")
+    before = await dead_letter_row(conn, dl_id)
+
+    response = await api.client.post(
+        f"{PREFIX}/{dl_id}/discard", json={"reason": reason}, headers=auth()
+    )
+
+    problem = assert_problem(response, 422, type="urn:jobfence:problem:validation")
+    assert problem["detail"] == f"invalid: body.reason: {says}"
+    assert [error["msg"] for error in problem["errors"]] == [says]
+    assert "pattern" not in response.text and "^" not in response.text
+    assert await dead_letter_row(conn, dl_id) == before
+    done = await asyncio.to_thread(
+        run_jobfence,
+        database_url,
+        "dead-letters",
+        "discard",
+        str(dl_id),
+        "--reason",
+        reason,
+        "--actor",
+        "carol",
+    )
+    assert done.returncode == 2
+    assert done.stderr == f"jobfence: error: {says}\n"
+    assert await dead_letter_row(conn, dl_id) == before
+
+
 async def test_discard_body_that_is_not_json_is_422_problem(
     api: Api, conn: AsyncConnection[Any]
 ) -> None:

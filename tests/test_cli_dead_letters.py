@@ -675,7 +675,7 @@ ERRORS = [
     pytest.param(
         ["discard", "{id}", "--reason", " \t "],
         2,
-        "requires a non-blank reason",
+        "a discard requires a non-blank reason",
         id="discard-blank-reason",
     ),
     pytest.param(

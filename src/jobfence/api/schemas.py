@@ -17,12 +17,18 @@ from pydantic import (
     Field,
     JsonValue,
     StringConstraints,
+    WithJsonSchema,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
 
 from jobfence import ops
-from jobfence.dead_letters import MAX_DISCARD_REASON, ReplayResult
+from jobfence.dead_letters import (
+    BLANK_DISCARD_REASON,
+    LONG_DISCARD_REASON,
+    MAX_DISCARD_REASON,
+    ReplayResult,
+)
 
 MAX_BIGINT = 2**63 - 1
 MAX_BULK_ITEMS = 1_000_000
@@ -37,12 +43,6 @@ BulkResult = Literal["replayed", "already_processed", "not_pending", "failed", "
 def _no_surrogates(text: str) -> str:
     if any(0xD800 <= ord(ch) <= 0xDFFF for ch in text):
         raise ValueError("must be valid Unicode (no lone surrogates)")
-    return text
-
-
-def _not_blank(text: str) -> str:
-    if not text.strip():
-        raise ValueError("must not be blank")
     return text
 
 
@@ -68,13 +68,32 @@ FilterText = Annotated[
     StringConstraints(min_length=1, max_length=MAX_FILTER_CHARS, pattern=r"^[^\x00]*$"),
     AfterValidator(_no_surrogates),
 ]
+
+
+def _discard_reason(text: str) -> str:
+    """The CLI's words for a reason it refuses, never a pattern."""
+    if not text.strip():
+        raise PydanticCustomError("discard_reason", BLANK_DISCARD_REASON)
+    if len(text) > MAX_DISCARD_REASON:
+        raise PydanticCustomError("discard_reason", LONG_DISCARD_REASON)
+    if "\x00" in text:
+        raise PydanticCustomError("discard_reason", "a discard reason cannot hold a NUL character")
+    return text
+
+
 DiscardReason = Annotated[
     str,
-    StringConstraints(
-        min_length=1, max_length=MAX_DISCARD_REASON, pattern=r"^[^\x00]*[^\s\x00][^\x00]*$"
-    ),
-    AfterValidator(_not_blank),
+    AfterValidator(_discard_reason),
     AfterValidator(_no_surrogates),
+    # Documented as before: what a client may send.
+    WithJsonSchema(
+        {
+            "type": "string",
+            "minLength": 1,
+            "maxLength": MAX_DISCARD_REASON,
+            "pattern": r"^[^\x00]*[^\s\x00][^\x00]*$",
+        }
+    ),
 ]
 DeadLetterId = Annotated[int, Field(ge=1, le=MAX_BIGINT, description="the dead letter's id")]
 BulkReplayId = Annotated[int, Field(ge=1, le=MAX_BIGINT, description="the bulk replay's id")]
