@@ -14,13 +14,15 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
+from importlib.resources import files
 from typing import Annotated, Any, TypeVar
 
 import psycopg
 from fastapi import Body, Depends, FastAPI, Path, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
@@ -251,6 +253,8 @@ def create_app(
         summary="Find, inspect, replay and discard dead letters.",
         lifespan=lifespan,
         dependencies=[Depends(_single_valued_query)],
+        docs_url=None,  # served from the package instead of a CDN: see _docs
+        redoc_url=None,
     )
     verifier = TokenVerifier(settings)
     items = ops.ItemCache(settings.item_cache_bytes)
@@ -267,6 +271,7 @@ def create_app(
         include_in_schema=False,
     )
     problems.install(app)
+    _docs(app)
     _routes(app)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
@@ -299,6 +304,44 @@ class ItemCacheCollector:
         )
         yield GaugeMetricFamily(
             f"{prefix}_bytes", "bytes the API's list item cache holds", value=self.items.size_bytes
+        )
+
+
+# Swagger UI's files, as the fastapi-swagger package ships them: /docs works without internet.
+_DOCS_ASSETS = {
+    "swagger-ui-bundle.js": "text/javascript; charset=utf-8",
+    "swagger-ui.css": "text/css; charset=utf-8",
+    "favicon-32x32.png": "image/png",
+}
+DOCS_ASSETS = "/docs/assets"
+
+
+def _docs(app: FastAPI) -> None:
+    """``GET /docs``: Swagger UI on the OpenAPI document, every file it loads served by this
+    API from the installed package (no CDN, no other host). No token needed."""
+    assets = files("fastapi_swagger.resources")
+    content = {name: assets.joinpath(name).read_bytes() for name in _DOCS_ASSETS}
+
+    @app.get("/docs", include_in_schema=False)
+    async def swagger_ui(request: Request) -> HTMLResponse:
+        root = request.scope.get("root_path", "").rstrip("/")
+        return get_swagger_ui_html(
+            openapi_url=f"{root}{app.openapi_url}",
+            title=f"{app.title}: interactive documentation",
+            swagger_js_url=f"{root}{DOCS_ASSETS}/swagger-ui-bundle.js",
+            swagger_css_url=f"{root}{DOCS_ASSETS}/swagger-ui.css",
+            swagger_favicon_url=f"{root}{DOCS_ASSETS}/favicon-32x32.png",
+            swagger_ui_parameters={"validatorUrl": None},  # no call to an outside validator
+        )
+
+    @app.get(DOCS_ASSETS + "/{name}", include_in_schema=False)
+    async def swagger_asset(name: str) -> Response:
+        if name not in content:
+            raise ProblemError(problems.problem(404))
+        return Response(
+            content[name],
+            media_type=_DOCS_ASSETS[name],
+            headers={"Cache-Control": "public, max-age=86400"},
         )
 
 
@@ -519,7 +562,7 @@ def _routes(app: FastAPI) -> None:
     async def replay_dead_letter(
         id: Annotated[DeadLetterId, Path()], services: Svc, principal: Replayer
     ) -> ReplayOut:
-        """D8: republish the payload with the same ``job_id`` and ``correlation_id`` to the
+        """Republish the payload with the same ``job_id`` and ``correlation_id`` to the
         consumer that failed, and mark the dead letter ``replayed`` (by the token's ``sub``).
         A job whose fence row exists is not republished (``already_processed``)."""
         result = await ops.replay(services.pool, services.queue, id, actor=principal.subject)
@@ -593,7 +636,9 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
         summary=app.summary,
         description="Authenticate with `Authorization: Bearer <JWT>`; the permissions are "
         "`core.dead_letters.read`, `core.dead_letters.replay` and `core.dead_letters.discard`. "
-        "Every error is an RFC 9457 problem (`application/problem+json`).",
+        "Every error is an RFC 9457 problem (`application/problem+json`). Times "
+        "(`created_from`, `created_to`) are ISO 8601 dates or date-times; one without an "
+        "offset, a bare date included, is UTC.",
         routes=app.routes,
     )
     for path_item in schema.get("paths", {}).values():

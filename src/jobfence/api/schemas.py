@@ -254,7 +254,7 @@ class DeadLetterDetailOut(DeadLetterOut):
 
 
 class ReplayOut(BaseModel):
-    """What a replay did: the message it published (same job_id and correlation_id, D8), or,
+    """What a replay did: the message it published (same job_id and correlation_id), or,
     when the job's fence row already existed, that it published nothing."""
 
     dead_letter_id: int
