@@ -1,57 +1,60 @@
 """The Ops API after a network blip to PostgreSQL: every request once the database is back
 answers, and ``/readyz`` follows the database.
 
-The API runs for real (uvicorn on loopback) on a pool opened as ``jobfence api`` opens it,
-through a TCP proxy that cuts every connection (tests/tcp_proxy.py).
+The API runs for real (``jobfence api`` in a subprocess, or uvicorn in this process on a pool
+opened as the command opens it), through a TCP proxy that cuts every connection
+(tests/tcp_proxy.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import signal
+from pathlib import Path
 from typing import Any
 
+import httpx
 import psycopg
+import pytest
 from psycopg import AsyncConnection
 
 from jobfence import db
-from jobfence.api import ApiSettings
 from support import wait_until
 from tcp_proxy import tcp_proxy
-from test_api_support import PREFIX, SECRET, auth, insert_dead_letter, running_api
+from test_api_support import PREFIX, ApiProcess, auth, insert_dead_letter, running_api
 
 POOL_SIZE = 10
 REQUESTS = 3 * POOL_SIZE  # more than the pool holds, of each kind
 
 
+@pytest.mark.parametrize(
+    "probed", [True, False], ids=["readyz-probed-during-the-blip", "nothing-during-the-blip"]
+)
 async def test_every_request_after_a_database_blip_succeeds_and_readyz_follows_the_database(
-    database_url: str, conn: AsyncConnection[Any]
+    database_url: str, conn: AsyncConnection[Any], tmp_path: Path, probed: bool
 ) -> None:
     ids = [await insert_dead_letter(conn, job_id=f"blip-{n}") for n in range(REQUESTS)]
     async with tcp_proxy(database_url) as proxy:
         url = proxy.url(database_url)
-        # As `jobfence api` opens it: full from the start.
-        pool = await db.open_pool(
-            url, min_size=POOL_SIZE, max_size=POOL_SIZE, name="jobfence-api", large_reads=True
-        )
-        settings = ApiSettings(jwt_secret=SECRET, readiness_timeout_seconds=0.5)
+        api = ApiProcess(url, tmp_path, "--pool-size", str(POOL_SIZE), "--no-access-log")
         try:
-            async with running_api(pool, settings=settings) as api:
-                # Every pooled connection in use once, and back in the pool.
+            base_url = await api.base_url()
+            async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
+                # The pool is full (opened so) and each of its connections has served.
                 listed = await asyncio.gather(
-                    *(api.client.get(PREFIX, headers=auth()) for _ in range(POOL_SIZE))
+                    *(client.get(PREFIX, headers=auth()) for _ in range(2 * POOL_SIZE))
                 )
                 assert {r.status_code for r in listed} == {200}
-                await pool.check()
-                assert pool.get_stats()["pool_available"] == POOL_SIZE
                 assert proxy.carried >= POOL_SIZE
 
                 proxy.down()
                 loop = asyncio.get_running_loop()
                 cut_at = loop.time()
-                during = await api.client.get("/readyz")
-                assert during.status_code == 503, during.text
-                assert during.headers["content-type"].startswith("application/problem+json")
-                # A blip of half a second (at least).
+                if probed:  # as a load balancer does
+                    during = await client.get("/readyz")
+                    assert during.status_code == 503, during.text
+                    assert during.headers["content-type"].startswith("application/problem+json")
+                # A blip of half a second (at least: the proxy stays down until /readyz said so).
                 await asyncio.sleep(max(0.0, 0.5 - (loop.time() - cut_at)))
                 proxy.up()
 
@@ -67,25 +70,22 @@ async def test_every_request_after_a_database_blip_succeeds_and_readyz_follows_t
 
                 statuses: list[tuple[str, int, str]] = []
                 for n, dead_letter_id in enumerate(ids):
+                    one = f"{PREFIX}/{dead_letter_id}"
+                    # A write first: it is never tried twice, so only a connection checked
+                    # before it is lent saves it.
                     for what, response in (
-                        ("list", await api.client.get(PREFIX, headers=auth())),
-                        (
-                            "show",
-                            await api.client.get(f"{PREFIX}/{dead_letter_id}", headers=auth()),
-                        ),
-                        (
-                            "replay",
-                            await api.client.post(
-                                f"{PREFIX}/{dead_letter_id}/replay", headers=auth()
-                            ),
-                        ),
+                        ("replay", await client.post(f"{one}/replay", headers=auth())),
+                        ("show", await client.get(one, headers=auth())),
+                        ("list", await client.get(PREFIX, headers=auth())),
                     ):
                         statuses.append((f"{what} #{n}", response.status_code, response.text))
                 failed = [s for s in statuses if s[1] != 200]
                 assert not failed, failed[:5]
-                assert (await api.client.get("/readyz")).status_code == 200
+                assert (await client.get("/readyz")).status_code == 200
+            api.proc.send_signal(signal.SIGTERM)
+            assert await api.wait_exit() == 0
         finally:
-            await pool.close()
+            api.cleanup()
     replayed = await conn.execute(
         "SELECT count(*) FROM core.dead_letters WHERE status = 'replayed' AND id = ANY(%s)",
         (ids,),
@@ -106,6 +106,7 @@ async def test_reads_after_connections_were_cut_unnoticed_succeed(
             max_size=POOL_SIZE,
             name="jobfence-api",
             large_reads=True,
+            lend_checked=True,
         )
         try:
             async with running_api(pool) as api:

@@ -177,8 +177,11 @@ class CheckedPool(AsyncConnectionPool[psycopg.AsyncConnection[Any]]):
                 return conn
             log.info("pool %s: discarding a broken connection", self.name)
             await conn.close()
-            # Returned as found broken when lent: the pool replaces it and logs nothing alarming.
-            await self._putconn(conn, from_getconn=True)
+            try:
+                # Returned as found broken when lent: the pool replaces it, logging at INFO.
+                await self._putconn(conn, from_getconn=True)
+            except (AttributeError, TypeError):  # pragma: no cover - psycopg_pool < 3.3
+                await self.putconn(conn)  # the same, with a WARNING
         return await super().getconn(max(deadline - time.monotonic(), 0.0))
 
 
@@ -189,15 +192,19 @@ async def open_pool(
     max_size: int = 10,
     name: str = "jobfence",
     large_reads: bool = False,
+    lend_checked: bool = False,
 ) -> AsyncConnectionPool[Any]:
     """An open autocommit pool: the harness opens its own transactions explicitly.
     ``large_reads``: each connection reads large results in large pieces (see
     :func:`grow_read_buffer`; 256 KiB of memory per connection), for pools that list dead
-    letters.
-
-    The pool lends only connections not known to be broken (see :class:`CheckedPool`)."""
+    letters. ``lend_checked``: the pool lends only connections not known to be broken (see
+    :class:`CheckedPool`), for the API: after a network blip no request fails on a stale
+    connection. (A worker's pool lends as psycopg_pool does: a stale connection fails its
+    statement at once, which starts the worker's outage recovery without waiting for the
+    pool's timeout.)"""
     await check_connection(url)
-    pool: AsyncConnectionPool[Any] = CheckedPool(
+    pool_class = CheckedPool if lend_checked else AsyncConnectionPool
+    pool: AsyncConnectionPool[Any] = pool_class(
         url,
         min_size=min_size,
         max_size=max_size,

@@ -232,7 +232,8 @@ def create_app(
     settings: ApiSettings,
     metrics: CollectorRegistry | None = None,
 ) -> FastAPI:
-    """The API on ``pool`` (an open autocommit pool, see :func:`jobfence.open_pool`) and
+    """The API on ``pool`` (an open autocommit pool, see :func:`jobfence.open_pool`, best
+    with ``lend_checked=True``: no request fails on a connection a network blip broke) and
     ``queue`` (where replays publish). Bulk replays still running at shutdown are interrupted
     and stay resumable.
 
