@@ -65,7 +65,12 @@ ENDPOINTS = [
         "bulk-start", "POST", PREFIX + "/replay-bulk", PERMISSION_REPLAY, 202, {"queue": "q-dl"}
     ),
     Endpoint(
-        "bulk-dry-run", "POST", PREFIX + "/replay-bulk", PERMISSION_REPLAY, 200, {"dry_run": True}
+        "bulk-dry-run",
+        "POST",
+        PREFIX + "/replay-bulk",
+        PERMISSION_REPLAY,
+        200,
+        {"dry_run": True, "all": True},
     ),
     Endpoint("bulk-progress", "GET", PREFIX + "/replay-bulk/{run}", PERMISSION_READ, 200),
     Endpoint("bulk-items", "GET", PREFIX + "/replay-bulk/{run}/items", PERMISSION_READ, 200),

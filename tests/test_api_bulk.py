@@ -91,10 +91,60 @@ async def test_bulk_replay_dry_run_counts_the_pending_matches_and_changes_nothin
         BULK, json={"queue": "dry", "dry_run": True, "max_items": 4}, headers=auth()
     )
     assert over.json()["exceeds_max_items"] is True
-    everything = await api.client.post(BULK, json={"dry_run": True}, headers=auth())
+    everything = await api.client.post(BULK, json={"dry_run": True, "all": True}, headers=auth())
     assert everything.json()["matching"] == 6
     assert await scalar(conn, "SELECT count(*) FROM jobfence.bulk_replays") == 0
     assert await queued_job_ids(conn) == []
+
+
+async def _bulk_state(conn: AsyncConnection[Any]) -> tuple[Any, ...]:
+    statuses = await conn.execute("SELECT id, status FROM core.dead_letters ORDER BY id")
+    return (
+        await statuses.fetchall(),
+        await scalar(conn, "SELECT count(*) FROM jobfence.bulk_replays"),
+        await queued_job_ids(conn),
+    )
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        ({}, ops.BULK_ALL_NEEDED),
+        ({"dry_run": True}, ops.BULK_ALL_NEEDED),
+        ({"all": False, "max_items": 10}, ops.BULK_ALL_NEEDED),
+        ({"all": True, "queue": "everything"}, ops.BULK_ALL_WITH_FILTER),
+        ({"all": True, "dry_run": True, "created_from": "2026-01-01"}, ops.BULK_ALL_WITH_FILTER),
+    ],
+    ids=["empty", "dry-run", "all-false", "all-and-queue", "dry-run-all-and-date"],
+)
+async def test_bulk_replay_of_everything_needs_all_and_no_filter_else_422_and_nothing_changes(
+    api: Api, conn: AsyncConnection[Any], body: dict[str, Any], says: str
+) -> None:
+    await insert_dead_letter(conn, job_id="ok-1", queue="everything")
+    await insert_dead_letter(conn, job_id="poison-1", queue="everything", error_class="Poison")
+    before = await _bulk_state(conn)
+
+    refused = await api.client.post(BULK, json=body, headers=auth())
+
+    problem = assert_problem(refused, 422, type="urn:jobfence:problem:validation")
+    assert problem["detail"] == says
+    assert "--all in the CLI" in ops.BULK_ALL_NEEDED  # the same words as the CLI's
+    assert await _bulk_state(conn) == before
+
+
+async def test_bulk_replay_with_all_replays_every_pending_dead_letter(
+    api: Api, conn: AsyncConnection[Any]
+) -> None:
+    await insert_dead_letter(conn, job_id="ok-1", queue="a")
+    await insert_dead_letter(conn, job_id="poison-1", queue="b", error_class="Poison")
+
+    counted = await api.client.post(BULK, json={"all": True, "dry_run": True}, headers=auth())
+    assert counted.json()["matching"] == 2
+    started = await api.client.post(BULK, json={"all": True}, headers=auth())
+    assert started.status_code == 202, started.text
+    finished = await wait_bulk_finished(api, started.json()["id"])
+    assert finished["counts"]["replayed"] == 2
+    assert sorted(await queued_job_ids(conn)) == ["ok-1", "poison-1"]
 
 
 async def test_bulk_replay_over_max_items_is_422_with_the_matching_count_and_takes_nothing(
@@ -132,7 +182,10 @@ async def test_bulk_replay_over_max_items_is_422_with_the_matching_count_and_tak
         '{"max_items": "5"}',
         '{"max_items": 5.0}',
         '{"created_to": -3.78e-32}',
-        '{"created_from": "2026-01-01T00:00:00"}',
+        '{"created_from": "2026-13-01"}',
+        '{"created_from": 1767225600}',
+        '{"all": "yes"}',
+        '{"all": 1}',
         '{"queue": "q\\u0000"}',
         '{"queue": "\\ud800"}',
         '{"queue": ',

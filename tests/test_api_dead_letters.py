@@ -22,7 +22,7 @@ import pointsapp
 from jobfence import App, HardFailure, JobMeta, MemoryQueue, PgQueue, PrometheusMetrics, Worker
 from jobfence.api import PERMISSION_READ, ApiSettings
 from jobfence.api.schemas import DeadLetterQuery
-from support import scalar
+from support import run_jobfence, scalar
 from test_api_support import (
     PREFIX,
     SECRET,
@@ -174,6 +174,46 @@ async def test_acceptance_7_discard_without_a_valid_reason_is_422_and_the_row_is
     assert all(error["loc"][0] == "body" for error in problem["errors"])
     assert await dead_letter_row(conn, dl_id) == before
     assert before["status"] == "pending_review"
+
+
+@pytest.mark.parametrize(
+    ("reason", "says"),
+    [
+        ("", "a discard requires a non-blank reason"),
+        (" \t\n\u2003", "a discard requires a non-blank reason"),
+        ("x" * 2001, "a discard reason is at most 2000 characters"),
+    ],
+    ids=["empty", "blank", "overlong"],
+)
+async def test_a_refused_discard_reason_says_what_the_cli_says_never_a_pattern(
+    api: Api, conn: AsyncConnection[Any], database_url: str, reason: str, says: str
+) -> None:
+    dl_id = await insert_dead_letter(conn, job_id="plain")
+    before = await dead_letter_row(conn, dl_id)
+
+    response = await api.client.post(
+        f"{PREFIX}/{dl_id}/discard", json={"reason": reason}, headers=auth()
+    )
+
+    problem = assert_problem(response, 422, type="urn:jobfence:problem:validation")
+    assert problem["detail"] == f"invalid: body.reason: {says}"
+    assert [error["msg"] for error in problem["errors"]] == [says]
+    assert "pattern" not in response.text and "^" not in response.text
+    assert await dead_letter_row(conn, dl_id) == before
+    done = await asyncio.to_thread(
+        run_jobfence,
+        database_url,
+        "dead-letters",
+        "discard",
+        str(dl_id),
+        "--reason",
+        reason,
+        "--actor",
+        "carol",
+    )
+    assert done.returncode == 2
+    assert done.stderr == f"jobfence: error: {says}\n"
+    assert await dead_letter_row(conn, dl_id) == before
 
 
 async def test_discard_body_that_is_not_json_is_422_problem(
@@ -445,6 +485,69 @@ async def test_list_filters_each_select_exactly_their_rows(
 
 
 @pytest.mark.parametrize(
+    ("since", "until"),
+    [
+        ("2026-01-01", "2026-01-02"),
+        ("2026-01-01T00:00:00", "2026-01-02T00:00"),
+        ("2026-01-01T01:00:00+01:00", "2026-01-02T00:00:00Z"),
+    ],
+    ids=["dates", "naive-date-times", "with-offsets"],
+)
+async def test_a_time_without_an_offset_is_utc_in_the_api_and_the_cli_alike(
+    api: Api, conn: AsyncConnection[Any], database_url: str, since: str, until: str
+) -> None:
+    def at(text: str) -> datetime:
+        return datetime.fromisoformat(text).replace(tzinfo=UTC)
+
+    for job_id, created in (
+        ("before", "2025-12-31T23:59:59"),
+        ("first", "2026-01-01T00:00:00"),
+        ("later", "2026-01-01T23:59:59"),
+        ("after", "2026-01-02T00:00:00"),
+    ):
+        await insert_dead_letter(conn, job_id=job_id, created_at=at(created))
+
+    listed = await api.client.get(
+        PREFIX, params={"created_from": since, "created_to": until}, headers=auth()
+    )
+    assert listed.status_code == 200, listed.text
+    done = await asyncio.to_thread(
+        run_jobfence,
+        database_url,
+        "dead-letters",
+        "list",
+        "--since",
+        since,
+        "--until",
+        until,
+        "--json",
+    )
+    assert done.returncode == 0, done.stderr
+    by_cli = [item["job_id"] for item in json.loads(done.stdout)["items"]]
+    assert [item["job_id"] for item in listed.json()["items"]] == by_cli == ["later", "first"]
+
+
+async def test_a_garbage_time_is_refused_with_the_same_plain_message_in_the_api_and_the_cli(
+    api: Api, conn: AsyncConnection[Any], database_url: str
+) -> None:
+    await insert_dead_letter(conn, job_id="kept")
+    says = "not an ISO 8601 date or time (e.g. 2026-05-01 or 2026-05-01T12:00:00Z; without an"
+    listed = await api.client.get(PREFIX, params={"created_from": "2026-13-01"}, headers=auth())
+    problem = assert_problem(listed, 422, type="urn:jobfence:problem:validation")
+    [issue] = problem["errors"]
+    assert issue["loc"] == ["query", "created_from"]
+    assert issue["msg"].startswith(says), issue
+    assert "2026-13-01" not in listed.text  # never the value sent
+    done = await asyncio.to_thread(
+        run_jobfence, database_url, "dead-letters", "list", "--since", "2026-13-01"
+    )
+    assert done.returncode == 2
+    [line] = done.stderr.splitlines()
+    assert line.startswith("jobfence: error: ") and says in line, line
+    assert await count(conn, "SELECT count(*) FROM core.dead_letters") == 1
+
+
+@pytest.mark.parametrize(
     ("params", "field"),
     [
         ({"limit": "0"}, "limit"),
@@ -452,7 +555,7 @@ async def test_list_filters_each_select_exactly_their_rows(
         ({"status": "lost"}, "status"),
         ({"cursor": "not-a-cursor"}, None),
         ({"cursor": "W10"}, None),  # base64 of []
-        ({"created_from": "2026-01-01T00:00:00"}, "created_from"),  # no offset
+        ({"created_from": "2026-01-32"}, "created_from"),
         ({"created_from": "1700000000"}, "created_from"),  # Unix time is not a date-time
         ({"created_from": "2026-02-01T00:00:00Z", "created_to": "2026-01-01T00:00:00Z"}, None),
         ({"queue": "a\x00b"}, "queue"),

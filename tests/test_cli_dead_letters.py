@@ -485,12 +485,12 @@ def test_replay_bulk_dry_run_prints_the_count_and_changes_nothing(
 
     out = ok(dl("replay-bulk", "--queue", "loyalty", "--dry-run", url=database_url))
     assert out == "dry run: 3 pending dead letters match; nothing changed\n"
-    over = ok(dl("replay-bulk", "--dry-run", "--max-items", "2", url=database_url))
+    over = ok(dl("replay-bulk", "--all", "--dry-run", "--max-items", "2", url=database_url))
     assert over.splitlines() == [
         "dry run: 4 pending dead letters match; nothing changed",
         "a run would be refused: more than --max-items 2",
     ]
-    doc = json.loads(ok(dl("replay-bulk", "--dry-run", "--json", url=database_url)))
+    doc = json.loads(ok(dl("replay-bulk", "--all", "--dry-run", "--json", url=database_url)))
     assert doc == {"dry_run": True, "matching": 4, "max_items": 10_000}
     assert everything(db_conn) == before
 
@@ -573,7 +573,9 @@ async def _interrupted_run(database_url: str) -> int:
     second chunk never started: the operator's process died."""
     pool = await db.open_pool(database_url, max_size=2)
     try:
-        run = await ops.start_bulk_replay(pool, DeadLetterFilter(), requested_by="eve")
+        run = await ops.start_bulk_replay(
+            pool, DeadLetterFilter(), requested_by="eve", select_all=True
+        )
         assert isinstance(run, BulkReplay)
 
         def die(_: BulkReplay) -> None:
@@ -673,7 +675,7 @@ ERRORS = [
     pytest.param(
         ["discard", "{id}", "--reason", " \t "],
         2,
-        "requires a non-blank reason",
+        "a discard requires a non-blank reason",
         id="discard-blank-reason",
     ),
     pytest.param(
@@ -686,13 +688,35 @@ ERRORS = [
         ["replay", "{id}", "--actor", "  "], 2, "resolved_by must name", id="replay-blank-actor"
     ),
     pytest.param(
-        ["replay-bulk", "--max-items", "1"],
+        ["replay-bulk", "--all", "--max-items", "1"],
         2,
         "2 pending dead letters match, more than max_items=1",
         id="bulk-too-large",
     ),
     pytest.param(
-        ["replay-bulk", "--max-items", "0"], 2, "max_items must be >= 1", id="bulk-max-zero"
+        ["replay-bulk", "--all", "--max-items", "0"],
+        2,
+        "max_items must be >= 1",
+        id="bulk-max-zero",
+    ),
+    pytest.param(["replay-bulk"], 2, ops.BULK_ALL_NEEDED, id="bulk-no-filter-no-all"),
+    pytest.param(
+        ["replay-bulk", "--dry-run"], 2, ops.BULK_ALL_NEEDED, id="bulk-dry-run-no-filter-no-all"
+    ),
+    pytest.param(
+        ["replay-bulk", "--all", "--queue", "loyalty"],
+        2,
+        ops.BULK_ALL_WITH_FILTER,
+        id="bulk-all-and-filter",
+    ),
+    pytest.param(
+        ["replay-bulk", "--all", "--since", "2026-01-01", "--dry-run"],
+        2,
+        ops.BULK_ALL_WITH_FILTER,
+        id="bulk-dry-run-all-and-filter",
+    ),
+    pytest.param(
+        ["replay-bulk", "--resume", "1", "--all"], 2, "it takes no --all", id="resume-all"
     ),
     pytest.param(
         ["replay-bulk", "--resume", "4242"], 1, "no bulk replay with id 4242", id="resume-unknown"

@@ -138,9 +138,7 @@ async def test_discard_dead_letter_with_a_blank_reason_raises_and_leaves_the_row
     before = await _row(conn, dead_letter_id)
 
     for reason in BLANK_REASONS[1:]:
-        with pytest.raises(
-            ValueError, match="discarding a dead letter requires a non-blank reason"
-        ):
+        with pytest.raises(ValueError, match="a discard requires a non-blank reason"):
             await discard_dead_letter(pool, dead_letter_id, reason=reason, resolved_by="ops@x")  # type: ignore[arg-type]
         assert await _row(conn, dead_letter_id) == before, reason
 

@@ -489,7 +489,12 @@ async def test_bulk_dry_run_counts_and_changes_nothing(
         pool, DeadLetterFilter(queue="loyalty"), requested_by="ops-test", dry_run=True
     )
     everything = await ops.start_bulk_replay(
-        pool, DeadLetterFilter(), requested_by="ops-test", dry_run=True, max_items=1
+        pool,
+        DeadLetterFilter(),
+        requested_by="ops-test",
+        dry_run=True,
+        max_items=1,
+        select_all=True,
     )
 
     assert counted == 4
@@ -506,14 +511,18 @@ async def test_bulk_more_than_max_items_is_refused_and_takes_nothing(
     before = await statuses(conn)
 
     with pytest.raises(BulkTooLarge) as refused:
-        await ops.start_bulk_replay(pool, DeadLetterFilter(), requested_by="ops", max_items=2)
+        await ops.start_bulk_replay(
+            pool, DeadLetterFilter(), requested_by="ops", max_items=2, select_all=True
+        )
 
     assert (refused.value.matching, refused.value.max_items) == (3, 2)
     assert await statuses(conn) == before
     assert await scalar(conn, "SELECT count(*) FROM jobfence.bulk_replays") == 0
     assert await scalar(conn, "SELECT count(*) FROM jobfence.bulk_replay_items") == 0
     assert await queued(conn) == []
-    run = await start(pool, DeadLetterFilter(), max_items=3)  # exactly max_items is fine
+    run = await start(
+        pool, DeadLetterFilter(), max_items=3, select_all=True
+    )  # exactly max_items is fine
     assert run.total == 3
 
 
@@ -528,9 +537,46 @@ async def test_bulk_more_than_max_items_is_refused_and_takes_nothing(
 async def test_bulk_start_refuses_bad_requests(
     pool: AsyncConnectionPool[Any], kwargs: dict[str, Any], says: str
 ) -> None:
-    args: dict[str, Any] = {"flt": DeadLetterFilter(), "requested_by": "ops"} | kwargs
+    args: dict[str, Any] = {
+        "flt": DeadLetterFilter(),
+        "requested_by": "ops",
+        "select_all": True,
+    } | kwargs
     with pytest.raises(InvalidRequest, match=says):
         await ops.start_bulk_replay(pool, **args)
+
+
+@pytest.mark.parametrize("dry_run", [False, True], ids=["run", "dry-run"])
+@pytest.mark.parametrize(
+    ("flt", "select_all", "says"),
+    [
+        (DeadLetterFilter(), False, ops.BULK_ALL_NEEDED),
+        (DeadLetterFilter(status="pending_review"), False, ops.BULK_ALL_NEEDED),
+        (DeadLetterFilter(queue="loyalty"), True, ops.BULK_ALL_WITH_FILTER),
+    ],
+    ids=["no-filter", "status-only", "filter-and-all"],
+)
+async def test_bulk_start_selects_everything_only_when_asked_and_never_with_a_filter(
+    pool: AsyncConnectionPool[Any],
+    conn: psycopg.AsyncConnection[Any],
+    flt: DeadLetterFilter,
+    *,
+    select_all: bool,
+    says: str,
+    dry_run: bool,
+) -> None:
+    await seed_pending(conn, 2)
+    before = await statuses(conn)
+
+    with pytest.raises(InvalidRequest) as refused:
+        await ops.start_bulk_replay(
+            pool, flt, requested_by="ops", select_all=select_all, dry_run=dry_run
+        )
+
+    assert str(refused.value) == says
+    assert await statuses(conn) == before
+    assert await scalar(conn, "SELECT count(*) FROM jobfence.bulk_replays") == 0
+    assert await queued(conn) == []
 
 
 async def test_bulk_snapshot_excludes_dead_letters_created_after_the_start(
@@ -589,7 +635,7 @@ async def test_bulk_run_republishes_each_with_same_ids_and_original_body(
         payload_encoding="base64",
         created_at=BASE,
     )
-    run = await start(pool, DeadLetterFilter())
+    run = await start(pool, DeadLetterFilter(), select_all=True)
     queue = PgQueue(pool)
     try:
         final = await ops.run_bulk_replay(pool, queue, run.id, actor="alice")
@@ -636,7 +682,7 @@ async def test_bulk_item_already_fenced_is_not_republished_and_one_discarded_mea
         "INSERT INTO core.processed_jobs (job_id, consumer, expires_at)"
         " VALUES ('b-0', 'award_points', now() + interval '1 day')"
     )
-    run = await start(pool, DeadLetterFilter())
+    run = await start(pool, DeadLetterFilter(), select_all=True)
     # Between the snapshot and the run, someone discards one of its dead letters.
     discarded_row = await ops.discard(pool, discarded, reason="refunded by hand", actor="bob")
 
@@ -673,7 +719,7 @@ async def test_bulk_progress_is_reported_after_each_chunk(
     pool: AsyncConnectionPool[Any], conn: psycopg.AsyncConnection[Any]
 ) -> None:
     await seed_pending(conn, 7)
-    run = await start(pool, DeadLetterFilter())
+    run = await start(pool, DeadLetterFilter(), select_all=True)
     seen: list[tuple[int, int, str]] = []
 
     def progress(state: BulkReplay) -> None:
@@ -730,7 +776,7 @@ async def test_bulk_run_interrupted_between_chunks_leaves_each_item_done_or_pend
     pool: AsyncConnectionPool[Any], conn: psycopg.AsyncConnection[Any]
 ) -> None:
     await seed_pending(conn, 5)
-    run = await start(pool, DeadLetterFilter())
+    run = await start(pool, DeadLetterFilter(), select_all=True)
 
     def stop_after_first_chunk(state: BulkReplay) -> None:
         raise Interrupted(f"stopped at {state.counts}")
@@ -834,7 +880,7 @@ async def test_bulk_run_interrupted_inside_a_chunk_rolls_that_chunk_back_then_re
     pool: AsyncConnectionPool[Any], conn: psycopg.AsyncConnection[Any]
 ) -> None:
     await seed_pending(conn, 5)
-    run = await start(pool, DeadLetterFilter())
+    run = await start(pool, DeadLetterFilter(), select_all=True)
 
     crashing = CrashingPgQueue(pool, crash_on="b-3")  # second item of the second chunk
     try:
@@ -864,7 +910,7 @@ async def test_two_processes_resuming_the_same_run_do_each_item_once(
     pool: AsyncConnectionPool[Any], conn: psycopg.AsyncConnection[Any]
 ) -> None:
     await seed_pending(conn, 30)
-    run = await start(pool, DeadLetterFilter())
+    run = await start(pool, DeadLetterFilter(), select_all=True)
     queue = PgQueue(pool)
     try:
         await asyncio.gather(
@@ -907,7 +953,7 @@ async def test_bulk_publish_failure_with_an_external_broker_is_failed_and_stays_
     pool: AsyncConnectionPool[Any], conn: psycopg.AsyncConnection[Any]
 ) -> None:
     ids = await seed_pending(conn, 5)
-    run = await start(pool, DeadLetterFilter())
+    run = await start(pool, DeadLetterFilter(), select_all=True)
     broker = FlakyBroker(refuse={"b-1", "b-3"})
 
     final = await ops.run_bulk_replay(pool, broker, run.id, actor="alice", chunk_size=2)

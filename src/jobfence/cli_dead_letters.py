@@ -66,14 +66,11 @@ _run_id = _positive_id("bulk replay")
 
 
 def _timestamp(text: str) -> datetime:
-    """ISO 8601 (a date, or a date and time); without an offset it is UTC."""
+    """ISO 8601 (a date, or a date and time); without an offset it is UTC (ops.parse_time)."""
     try:
-        value = datetime.fromisoformat(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"not an ISO 8601 date or time: {text!r} (e.g. 2026-05-01 or 2026-05-01T12:00:00Z)"
-        ) from None
-    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+        return ops.parse_time(text)
+    except InvalidRequest as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
 
 
 def _group_keys(text: str) -> list[str]:
@@ -94,10 +91,13 @@ def _add_filters(p: argparse.ArgumentParser, *, status: bool) -> None:
         "--since",
         type=_timestamp,
         metavar="TIME",
-        help="created at or after TIME (ISO 8601; UTC when it has no offset)",
+        help="created at or after TIME (ISO 8601 date or date-time; UTC without an offset)",
     )
     g.add_argument(
-        "--until", type=_timestamp, metavar="TIME", help="created before TIME (ISO 8601)"
+        "--until",
+        type=_timestamp,
+        metavar="TIME",
+        help="created before TIME (ISO 8601 date or date-time; UTC without an offset)",
     )
 
 
@@ -191,6 +191,13 @@ def add_parser(sub: Any) -> None:
         "of the call (a fixed snapshot), in chunks; an interrupted run resumes with --resume.",
     )
     _add_filters(p, status=False)
+    p.add_argument(
+        "--all",
+        action="store_true",
+        dest="select_all",
+        help="every pending dead letter, poison included (takes no filter; without a filter, "
+        "replay-bulk refuses unless given)",
+    )
     p.add_argument("--dry-run", action="store_true", help="print how many match; change nothing")
     p.add_argument(
         "--max-items",
@@ -510,6 +517,7 @@ async def _cmd_replay_bulk(args: argparse.Namespace) -> int:
             name
             for name, value in (
                 ("filters", flt.to_json()),
+                ("--all", args.select_all),
                 ("--dry-run", args.dry_run),
                 ("--max-items", args.max_items is not None),
             )
@@ -519,12 +527,19 @@ async def _cmd_replay_bulk(args: argparse.Namespace) -> int:
             raise InvalidRequest(
                 f"--resume continues a run on its own snapshot: it takes no {', '.join(given)}"
             )
+    else:  # refused before connecting (start_bulk_replay checks the same)
+        ops.check_bulk_selection(flt, select_all=args.select_all)
     max_items = ops.DEFAULT_BULK_MAX if args.max_items is None else args.max_items
     actor = _actor(args)
     async with _pool() as pool:
         if args.dry_run:
             matching = await ops.start_bulk_replay(
-                pool, flt, max_items=max_items, requested_by=actor, dry_run=True
+                pool,
+                flt,
+                max_items=max_items,
+                requested_by=actor,
+                dry_run=True,
+                select_all=args.select_all,
             )
             assert isinstance(matching, int)
             if args.json:
@@ -540,7 +555,7 @@ async def _cmd_replay_bulk(args: argparse.Namespace) -> int:
             verb = "resuming"
         else:
             started = await ops.start_bulk_replay(
-                pool, flt, max_items=max_items, requested_by=actor
+                pool, flt, max_items=max_items, requested_by=actor, select_all=args.select_all
             )
             assert isinstance(started, BulkReplay)
             run = started

@@ -6,12 +6,15 @@ from __future__ import annotations
 import importlib.util
 import logging
 import re
+import select
+import time
 import warnings
 from pathlib import Path
 from typing import Any
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.pq import ConnStatus
 from psycopg_pool import AsyncConnectionPool
 
 from jobfence.config import (
@@ -187,6 +190,59 @@ async def grow_read_buffer(conn: psycopg.AsyncConnection[Any]) -> None:
     await cur.fetchall()
 
 
+def looks_broken(conn: psycopg.AsyncConnection[Any]) -> bool:
+    """Whether an idle connection is known to be unusable, found without a round trip: it is
+    closed, or its socket reports the server's side gone (the end of the stream or an error
+    when libpq reads what is waiting there). A connection whose peer vanished without a word
+    (a cable cut) still looks usable here; its first statement fails instead."""
+    if conn.closed or conn.broken:
+        return True
+    pgconn = conn.pgconn
+    if pgconn.status != ConnStatus.OK:
+        return True
+    try:
+        fd = pgconn.socket
+        if hasattr(select, "poll"):
+            poller = select.poll()
+            poller.register(fd, select.POLLIN)
+            waiting = bool(poller.poll(0))
+        else:  # pragma: no cover - Windows
+            waiting = bool(select.select([fd], [], [], 0)[0])
+        if waiting:
+            # Something arrived while idle: a notice, a parameter change, or the end of the
+            # stream, which libpq turns into a bad status.
+            pgconn.consume_input()
+    except (OSError, ValueError, psycopg.Error):
+        return True
+    return pgconn.status != ConnStatus.OK
+
+
+class CheckedPool(AsyncConnectionPool[psycopg.AsyncConnection[Any]]):
+    """A pool that lends only connections not known to be broken (:func:`looks_broken`, no
+    round trip): a broken one is discarded and the next one taken at once, so after a network
+    blip no request pays for a stale connection. (psycopg_pool's own ``check`` callback waits
+    with a growing backoff after each failed check: with a pool of stale connections a request
+    would wait out most of its timeout.)"""
+
+    async def getconn(
+        self,
+        timeout: float | None = None,  # noqa: ASYNC109 - psycopg_pool's signature
+    ) -> psycopg.AsyncConnection[Any]:
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        for _ in range(self.max_size):
+            conn = await super().getconn(max(deadline - time.monotonic(), 0.0))
+            if not looks_broken(conn):
+                return conn
+            log.info("pool %s: discarding a broken connection", self.name)
+            await conn.close()
+            try:
+                # Returned as found broken when lent: the pool replaces it, logging at INFO.
+                await self._putconn(conn, from_getconn=True)
+            except (AttributeError, TypeError):  # pragma: no cover - psycopg_pool < 3.3
+                await self.putconn(conn)  # the same, with a WARNING
+        return await super().getconn(max(deadline - time.monotonic(), 0.0))
+
+
 async def open_pool(
     url: str,
     *,
@@ -194,13 +250,19 @@ async def open_pool(
     max_size: int = 10,
     name: str = "jobfence",
     large_reads: bool = False,
+    lend_checked: bool = False,
 ) -> AsyncConnectionPool[Any]:
     """An open autocommit pool: the harness opens its own transactions explicitly.
     ``large_reads``: each connection reads large results in large pieces (see
     :func:`grow_read_buffer`; 256 KiB of memory per connection), for pools that list dead
-    letters."""
+    letters. ``lend_checked``: the pool lends only connections not known to be broken (see
+    :class:`CheckedPool`), for the API: after a network blip no request fails on a stale
+    connection. (A worker's pool lends as psycopg_pool does: a stale connection fails its
+    statement at once, which starts the worker's outage recovery without waiting for the
+    pool's timeout.)"""
     await check_connection(url)
-    pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
+    pool_class = CheckedPool if lend_checked else AsyncConnectionPool
+    pool: AsyncConnectionPool[Any] = pool_class(
         url,
         min_size=min_size,
         max_size=max_size,

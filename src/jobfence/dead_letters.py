@@ -20,6 +20,9 @@ from jobfence.pgtx import begin_with
 from jobfence.ports import QueuePort
 
 MAX_DISCARD_REASON = 2000
+# What the CLI and the API say about a reason they refuse.
+BLANK_DISCARD_REASON = "a discard requires a non-blank reason"
+LONG_DISCARD_REASON = f"a discard reason is at most {MAX_DISCARD_REASON} characters"
 
 
 def _check_actor(resolved_by: str) -> None:
@@ -159,9 +162,9 @@ async def discard_dead_letter(
     """Move a pending dead letter to ``discarded``. A blank reason is refused here, and by the
     database's own constraint if this check is bypassed."""
     if not reason or not reason.strip():
-        raise ValueError("discarding a dead letter requires a non-blank reason")
+        raise ValueError(BLANK_DISCARD_REASON)
     if len(reason) > MAX_DISCARD_REASON:
-        raise ValueError(f"a discard reason is at most {MAX_DISCARD_REASON} characters")
+        raise ValueError(LONG_DISCARD_REASON)
     _check_actor(resolved_by)
     async with pool.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
         await cur.execute(

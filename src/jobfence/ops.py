@@ -11,7 +11,7 @@ import functools
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from psycopg import AsyncConnection, AsyncCursor, sql
@@ -58,6 +58,8 @@ __all__ = [
     "DeadLetterPage",
     "InvalidRequest",
     "ItemCache",
+    "check_bulk_selection",
+    "parse_time",
     "count_dead_letters",
     "discard",
     "get_bulk_replay",
@@ -98,6 +100,19 @@ class BulkTooLarge(JobfenceError):
         )
         self.matching = matching
         self.max_items = max_items
+
+
+TIME_RULE = "e.g. 2026-05-01 or 2026-05-01T12:00:00Z; without an offset it is UTC"
+
+
+def parse_time(text: str) -> datetime:
+    """A time filter's value (``created_from``/``created_to``, ``--since``/``--until``): an
+    ISO 8601 date or date-time; one without an offset (a date included) is taken as UTC."""
+    try:
+        value = datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise InvalidRequest(f"not an ISO 8601 date or time ({TIME_RULE})") from None
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
 
 
 @dataclass(frozen=True, slots=True)
@@ -698,6 +713,27 @@ class BulkItem:
     processed_at: datetime | None
 
 
+BULK_ALL_NEEDED = (
+    "no filter given: a bulk replay of every pending dead letter (poison included) must be "
+    'asked for explicitly: --all in the CLI, "all": true in the API'
+)
+BULK_ALL_WITH_FILTER = (
+    "a filter and all contradict each other: all selects every pending dead letter; "
+    "give either filters or all"
+)
+
+
+def check_bulk_selection(flt: DeadLetterFilter, *, select_all: bool) -> None:
+    """A bulk replay selects by filter, or everything when asked for explicitly: no filter
+    without ``select_all`` (:data:`BULK_ALL_NEEDED`), and not both
+    (:data:`BULK_ALL_WITH_FILTER`). ``status`` is not a filter here."""
+    filtered = any(v is not None for k, v in asdict(flt).items() if k != "status")
+    if select_all and filtered:
+        raise InvalidRequest(BULK_ALL_WITH_FILTER)
+    if not select_all and not filtered:
+        raise InvalidRequest(BULK_ALL_NEEDED)
+
+
 def _pending_filter(flt: DeadLetterFilter) -> DeadLetterFilter:
     if flt.status not in (None, "pending_review"):
         raise InvalidRequest("bulk replay takes pending_review dead letters only")
@@ -711,9 +747,12 @@ async def start_bulk_replay(
     max_items: int = DEFAULT_BULK_MAX,
     requested_by: str,
     dry_run: bool = False,
+    select_all: bool = False,
 ) -> BulkReplay | int:
     """Fix the snapshot: the pending dead letters matching ``flt`` now, and only those.
 
+    ``flt`` without a filter selects every pending dead letter, and only with ``select_all``
+    (which takes no filter): see :func:`check_bulk_selection`; a refusal changes nothing.
     ``dry_run`` returns how many match and changes nothing. More matches than ``max_items``
     raise :class:`BulkTooLarge` (nothing is taken). Otherwise the run is recorded with its items
     and returned; process it with :func:`run_bulk_replay`.
@@ -722,6 +761,7 @@ async def start_bulk_replay(
         raise InvalidRequest("max_items must be >= 1")
     if not requested_by.strip():
         raise InvalidRequest("requested_by must name who asks")
+    check_bulk_selection(flt, select_all=select_all)
     flt = _pending_filter(flt)
     async with pool.connection() as conn:
         if dry_run:

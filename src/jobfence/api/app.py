@@ -10,17 +10,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
-from typing import Annotated, Any
+from importlib.resources import files
+from typing import Annotated, Any, TypeVar
 
 import psycopg
 from fastapi import Body, Depends, FastAPI, Path, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
@@ -66,6 +68,8 @@ from jobfence.observability import MetricsApp, metrics_registry
 from jobfence.ports import QueuePort
 
 log = logging.getLogger("jobfence.api")
+
+T = TypeVar("T")
 
 PREFIX = "/v1/core/dead-letters"
 
@@ -228,7 +232,8 @@ def create_app(
     settings: ApiSettings,
     metrics: CollectorRegistry | None = None,
 ) -> FastAPI:
-    """The API on ``pool`` (an open autocommit pool, see :func:`jobfence.open_pool`) and
+    """The API on ``pool`` (an open autocommit pool, see :func:`jobfence.open_pool`, best
+    with ``lend_checked=True``: no request fails on a connection a network blip broke) and
     ``queue`` (where replays publish). Bulk replays still running at shutdown are interrupted
     and stay resumable.
 
@@ -249,6 +254,8 @@ def create_app(
         summary="Find, inspect, replay and discard dead letters.",
         lifespan=lifespan,
         dependencies=[Depends(_single_valued_query)],
+        docs_url=None,  # served from the package instead of a CDN: see _docs
+        redoc_url=None,
     )
     verifier = TokenVerifier(settings)
     items = ops.ItemCache(settings.item_cache_bytes)
@@ -265,6 +272,7 @@ def create_app(
         include_in_schema=False,
     )
     problems.install(app)
+    _docs(app)
     _routes(app)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
@@ -300,6 +308,44 @@ class ItemCacheCollector:
         )
 
 
+# Swagger UI's files, as the fastapi-swagger package ships them: /docs works without internet.
+_DOCS_ASSETS = {
+    "swagger-ui-bundle.js": "text/javascript; charset=utf-8",
+    "swagger-ui.css": "text/css; charset=utf-8",
+    "favicon-32x32.png": "image/png",
+}
+DOCS_ASSETS = "/docs/assets"
+
+
+def _docs(app: FastAPI) -> None:
+    """``GET /docs``: Swagger UI on the OpenAPI document, every file it loads served by this
+    API from the installed package (no CDN, no other host). No token needed."""
+    assets = files("fastapi_swagger.resources")
+    content = {name: assets.joinpath(name).read_bytes() for name in _DOCS_ASSETS}
+
+    @app.get("/docs", include_in_schema=False)
+    async def swagger_ui(request: Request) -> HTMLResponse:
+        root = request.scope.get("root_path", "").rstrip("/")
+        return get_swagger_ui_html(
+            openapi_url=f"{root}{app.openapi_url}",
+            title=f"{app.title}: interactive documentation",
+            swagger_js_url=f"{root}{DOCS_ASSETS}/swagger-ui-bundle.js",
+            swagger_css_url=f"{root}{DOCS_ASSETS}/swagger-ui.css",
+            swagger_favicon_url=f"{root}{DOCS_ASSETS}/favicon-32x32.png",
+            swagger_ui_parameters={"validatorUrl": None},  # no call to an outside validator
+        )
+
+    @app.get(DOCS_ASSETS + "/{name}", include_in_schema=False)
+    async def swagger_asset(name: str) -> Response:
+        if name not in content:
+            raise ProblemError(problems.problem(404))
+        return Response(
+            content[name],
+            media_type=_DOCS_ASSETS[name],
+            headers={"Cache-Control": "public, max-age=86400"},
+        )
+
+
 def _version() -> str:
     try:
         return version("jobfence")
@@ -324,8 +370,7 @@ def _routes(app: FastAPI) -> None:
         timeout = services.settings.readiness_timeout_seconds
         try:
             async with asyncio.timeout(timeout):
-                async with services.pool.connection(timeout=timeout) as conn:
-                    await conn.execute("SELECT 1")
+                await _read(services, _select_one, wait=timeout)
         except (TimeoutError, PoolTimeout, psycopg.Error) as exc:
             log.warning("not ready: database unreachable (%s)", type(exc).__name__)
             raise ProblemError(
@@ -349,15 +394,14 @@ def _routes(app: FastAPI) -> None:
         """Dead letters matching every filter given, newest first (``created_at``, then
         ``id``). Follow ``next_cursor`` for the next page: rows inserted meanwhile never shift
         a page (keyset pagination)."""
-        async with services.pool.connection() as conn:
-            page = await ops.list_dead_letters_json(
-                conn,
-                query.to_filter(),
-                limit=query.limit,
-                cursor=query.cursor,
-                items=services.items,
+        flt = query.to_filter()
+
+        async def page(conn: psycopg.AsyncConnection[Any]) -> bytes:
+            return await ops.list_dead_letters_json(
+                conn, flt, limit=query.limit, cursor=query.cursor, items=services.items
             )
-        return _json(page)
+
+        return _json(await _read(services, page))
 
     @app.post(
         f"{PREFIX}/replay-bulk",
@@ -386,6 +430,9 @@ def _routes(app: FastAPI) -> None:
     ) -> Response:
         """Replay every ``pending_review`` dead letter matching the filter **now**: the
         snapshot is fixed at this call, so dead letters written later are never swept in.
+        Every pending dead letter, poison included, only with ``"all": true`` and no filter:
+        a body without a filter that does not say so is refused (422), and so is one with
+        both; nothing changes.
         ``dry_run`` only counts them. The run goes on in the background; follow it at the
         ``Location``. Each item ends ``replayed``, ``already_processed`` (its fence row exists:
         moved to replayed without republishing), ``not_pending`` or ``failed`` (the publish
@@ -396,6 +443,7 @@ def _routes(app: FastAPI) -> None:
             max_items=request.max_items,
             requested_by=principal.subject,
             dry_run=request.dry_run,
+            select_all=request.all,
         )
         if isinstance(result, int):
             out = BulkDryRunOut(
@@ -421,8 +469,7 @@ def _routes(app: FastAPI) -> None:
         run_id: Annotated[BulkReplayId, Path()], services: Svc, _: Reader
     ) -> BulkReplayOut:
         """A bulk replay's progress: its counts by result so far, out of ``total``."""
-        async with services.pool.connection() as conn:
-            run = await ops.get_bulk_replay(conn, run_id)
+        run = await _read(services, lambda conn: ops.get_bulk_replay(conn, run_id))
         return _bulk_out(services, run)
 
     @app.get(
@@ -439,11 +486,14 @@ def _routes(app: FastAPI) -> None:
     ) -> BulkItemsOut:
         """A bulk replay's items in dead letter id order, optionally only one ``result``
         (``pending``: not processed yet)."""
-        async with services.pool.connection() as conn:
+
+        async def read(conn: psycopg.AsyncConnection[Any]) -> list[ops.BulkItem]:
             await ops.get_bulk_replay(conn, run_id)  # 404 for an unknown run
-            items = await ops.list_bulk_items(
+            return await ops.list_bulk_items(
                 conn, run_id, result=query.result, after=query.after, limit=query.limit
             )
+
+        items = await _read(services, read)
         full = len(items) == query.limit
         return BulkItemsOut(
             items=[BulkItemOut.of(item) for item in items],
@@ -513,7 +563,7 @@ def _routes(app: FastAPI) -> None:
     async def replay_dead_letter(
         id: Annotated[DeadLetterId, Path()], services: Svc, principal: Replayer
     ) -> ReplayOut:
-        """D8: republish the payload with the same ``job_id`` and ``correlation_id`` to the
+        """Republish the payload with the same ``job_id`` and ``correlation_id`` to the
         consumer that failed, and mark the dead letter ``replayed`` (by the token's ``sub``).
         A job whose fence row exists is not republished (``already_processed``)."""
         result = await ops.replay(services.pool, services.queue, id, actor=principal.subject)
@@ -538,8 +588,37 @@ def _routes(app: FastAPI) -> None:
 
 
 async def _show(services: Services, dead_letter_id: int) -> Response:
-    async with services.pool.connection() as conn:
-        return _json(await ops.show_dead_letter_json(conn, dead_letter_id))
+    return _json(
+        await _read(services, lambda conn: ops.show_dead_letter_json(conn, dead_letter_id))
+    )
+
+
+async def _select_one(conn: psycopg.AsyncConnection[Any]) -> None:
+    await conn.execute("SELECT 1")
+
+
+async def _read(
+    services: Services,
+    read: Callable[[psycopg.AsyncConnection[Any]], Awaitable[T]],
+    *,
+    wait: float | None = None,
+) -> T:
+    """``read`` (statements that change nothing) on a pooled connection; once more on another
+    when the connection turns out lost (its server went away unnoticed, as in a network
+    blip). Never for a write: a write lost with its connection may have committed."""
+    for attempt in (1, 2):
+        lent: psycopg.AsyncConnection[Any] | None = None
+        try:
+            async with services.pool.connection(timeout=wait) as lent:
+                return await read(lent)
+        except psycopg.OperationalError:  # PoolTimeout too, with nothing lent
+            if attempt == 2 or lent is None or not lent.broken:
+                raise
+            # Its pool mates are likely as stale: check each (a round trip per idle
+            # connection, on this rare path only), so the pool drops the broken ones.
+            log.info("a read lost its database connection; checking the pool, then once more")
+            await services.pool.check()
+    raise AssertionError("unreachable")
 
 
 def _json(text: str | bytes) -> Response:
@@ -558,7 +637,9 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
         summary=app.summary,
         description="Authenticate with `Authorization: Bearer <JWT>`; the permissions are "
         "`core.dead_letters.read`, `core.dead_letters.replay` and `core.dead_letters.discard`. "
-        "Every error is an RFC 9457 problem (`application/problem+json`).",
+        "Every error is an RFC 9457 problem (`application/problem+json`). Times "
+        "(`created_from`, `created_to`) are ISO 8601 dates or date-times; one without an "
+        "offset, a bare date included, is UTC.",
         routes=app.routes,
     )
     for path_item in schema.get("paths", {}).values():

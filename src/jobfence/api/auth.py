@@ -286,7 +286,7 @@ class _BearerScheme(HTTPBearer):
 _bearer = _BearerScheme(
     auto_error=False,
     bearerFormat="JWT",
-    description="A JWT with `sub`, `exp` and a `permissions` list (D9).",
+    description="A JWT with `sub`, `exp` and a `permissions` list.",
 )
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 

@@ -155,13 +155,16 @@ def install(app: FastAPI) -> None:
         # Only where, what and why: never the input, which could be long or sensitive.
         issues = [_issue(e) for e in exc.errors()]
         fields = ", ".join(".".join(str(p) for p in i.loc) for i in issues) or "the request"
+        detail = f"invalid: {fields}"
+        if len(issues) == 1:  # say why, as the CLI would
+            detail += f": {issues[0].msg}"
         return respond(
             request,
             ValidationProblem(
                 type=TYPE_VALIDATION,
                 title="Request validation failed",
                 status=422,
-                detail=f"invalid: {fields}",
+                detail=detail,
                 errors=issues,
             ),
         )

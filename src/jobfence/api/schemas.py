@@ -6,24 +6,29 @@ request PostgreSQL would refuse is a 422, never a 500.
 
 from __future__ import annotations
 
-import re
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Annotated, Literal, Self
 
 from pydantic import (
     AfterValidator,
-    AwareDatetime,
     BaseModel,
     BeforeValidator,
     ConfigDict,
     Field,
     JsonValue,
     StringConstraints,
+    WithJsonSchema,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from jobfence import ops
-from jobfence.dead_letters import MAX_DISCARD_REASON, ReplayResult
+from jobfence.dead_letters import (
+    BLANK_DISCARD_REASON,
+    LONG_DISCARD_REASON,
+    MAX_DISCARD_REASON,
+    ReplayResult,
+)
 
 MAX_BIGINT = 2**63 - 1
 MAX_BULK_ITEMS = 1_000_000
@@ -41,36 +46,54 @@ def _no_surrogates(text: str) -> str:
     return text
 
 
-def _not_blank(text: str) -> str:
-    if not text.strip():
-        raise ValueError("must not be blank")
-    return text
-
-
-def _date_time_text(value: object) -> object:
-    """Only text (or a datetime) is a date-time here: pydantic would otherwise read a number,
-    or a string of digits, as Unix time, which the document does not promise."""
+def _date_time_text(value: object) -> datetime:
+    """A time filter, read as the CLI reads it (:func:`jobfence.ops.parse_time`): an ISO 8601
+    date or date-time, UTC when it has no offset. Only text (or a datetime): never a number
+    as Unix time."""
     if isinstance(value, datetime):
-        return value
-    if not isinstance(value, str) or _NUMBER.fullmatch(value.strip()):
-        raise ValueError("must be an ISO 8601 date-time with an offset, e.g. 2026-01-31T12:00:00Z")
-    return value
+        return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+    if not isinstance(value, str):
+        raise PydanticCustomError(
+            "date_time", f"must be text: an ISO 8601 date or time ({ops.TIME_RULE})"
+        )
+    try:
+        return ops.parse_time(value)
+    except ops.InvalidRequest as exc:
+        raise PydanticCustomError("date_time", str(exc)) from None
 
 
-_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
-DateTime = Annotated[AwareDatetime, BeforeValidator(_date_time_text)]
+DateTime = Annotated[datetime, BeforeValidator(_date_time_text)]
 FilterText = Annotated[
     str,
     StringConstraints(min_length=1, max_length=MAX_FILTER_CHARS, pattern=r"^[^\x00]*$"),
     AfterValidator(_no_surrogates),
 ]
+
+
+def _discard_reason(text: str) -> str:
+    """The CLI's words for a reason it refuses, never a pattern."""
+    if not text.strip():
+        raise PydanticCustomError("discard_reason", BLANK_DISCARD_REASON)
+    if len(text) > MAX_DISCARD_REASON:
+        raise PydanticCustomError("discard_reason", LONG_DISCARD_REASON)
+    if "\x00" in text:
+        raise PydanticCustomError("discard_reason", "a discard reason cannot hold a NUL character")
+    return text
+
+
 DiscardReason = Annotated[
     str,
-    StringConstraints(
-        min_length=1, max_length=MAX_DISCARD_REASON, pattern=r"^[^\x00]*[^\s\x00][^\x00]*$"
-    ),
-    AfterValidator(_not_blank),
+    AfterValidator(_discard_reason),
     AfterValidator(_no_surrogates),
+    # Documented as before: what a client may send.
+    WithJsonSchema(
+        {
+            "type": "string",
+            "minLength": 1,
+            "maxLength": MAX_DISCARD_REASON,
+            "pattern": r"^[^\x00]*[^\s\x00][^\x00]*$",
+        }
+    ),
 ]
 DeadLetterId = Annotated[int, Field(ge=1, le=MAX_BIGINT, description="the dead letter's id")]
 BulkReplayId = Annotated[int, Field(ge=1, le=MAX_BIGINT, description="the bulk replay's id")]
@@ -88,10 +111,12 @@ class _Filter(BaseModel):
     job_id: FilterText | None = None
     correlation_id: FilterText | None = None
     created_from: DateTime | None = Field(
-        default=None, description="created at or after (ISO 8601 with offset)"
+        default=None,
+        description="created at or after (ISO 8601 date or date-time; UTC without an offset)",
     )
     created_to: DateTime | None = Field(
-        default=None, description="created before (ISO 8601 with offset)"
+        default=None,
+        description="created before (ISO 8601 date or date-time; UTC without an offset)",
     )
 
     @model_validator(mode="after")
@@ -133,9 +158,15 @@ class BulkReplayRequest(_Filter):
         le=MAX_BULK_ITEMS,
         description="refuse (422) when more dead letters than this match",
     )
+    all: bool = Field(
+        default=False,
+        strict=True,
+        description="select every pending dead letter, poison included (no filter may be "
+        "given); without a filter, a request that does not say so is refused (422)",
+    )
 
     def to_filter(self) -> ops.DeadLetterFilter:
-        return ops.DeadLetterFilter(**self.model_dump(exclude={"dry_run", "max_items"}))
+        return ops.DeadLetterFilter(**self.model_dump(exclude={"dry_run", "max_items", "all"}))
 
 
 class DiscardRequest(BaseModel):
@@ -225,7 +256,7 @@ class DeadLetterDetailOut(DeadLetterOut):
 
 
 class ReplayOut(BaseModel):
-    """What a replay did: the message it published (same job_id and correlation_id, D8), or,
+    """What a replay did: the message it published (same job_id and correlation_id), or,
     when the job's fence row already existed, that it published nothing."""
 
     dead_letter_id: int

@@ -80,6 +80,7 @@ async def serve(
         max_size=options.pool_size,
         name="jobfence-api",
         large_reads=True,
+        lend_checked=True,
     )
     queue = PgQueue(pool)
     try:
