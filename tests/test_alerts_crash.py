@@ -150,7 +150,7 @@ async def test_relay_killed_while_better_stack_holds_its_answer_opens_no_second_
 ) -> None:
     server.script("POST", INCIDENTS, [hold()])
     await write_dead_letter(conn, "k1")
-    env = relay_env(database_url, server, JOBFENCE_BETTERSTACK_TIMEOUT="30")
+    env = relay_env(database_url, server, JOBFENCE_BETTERSTACK_TIMEOUT="3")
     first = cli_relay(env, tmp_path / "first.log")
     processes.append(first)
 

@@ -83,28 +83,35 @@ async def test_a_group_still_pending_after_escalate_after_escalates_once_never_w
     finally:
         await queue.close()
 
-    posts = [p.json() for p in server.posts()]
-    assert len(posts) == 5
-    escalations = {value(p, "error_class"): p for p in posts[3:]}
-    assert set(escalations) == {"Untouched", "HalfResolved"}
-    assert all(value(p, "jobfence_alert") == "escalation" for p in escalations.values())
-    assert value(escalations["Untouched"], "dead_letters") == "2"
-    assert value(escalations["HalfResolved"], "dead_letters") == "1"
-    assert escalations["HalfResolved"]["name"] == (
-        "jobfence: 1 dead letter still pending review after 72h on loyalty/award_points"
-    )
-    assert "HalfResolved-1" in escalations["HalfResolved"]["description"]
-    assert "HalfResolved-0" not in escalations["HalfResolved"]["description"]
+    assert len(server.posts()) == 3, "escalation opens no new incident while one is open"
+    incident_of = {
+        i["attributes"]["metadata"]["error_class"][0]["value"]: i["id"]
+        for i in server.incident_list()
+    }
+    assert set(server.escalations) == {incident_of["Untouched"], incident_of["HalfResolved"]}
+    for bodies in server.escalations.values():
+        assert bodies == [
+            {
+                "escalation_type": "Organization",
+                "call": False,
+                "sms": False,
+                "email": True,
+                "push": True,
+            }
+        ], "escalated once, through the documented endpoint"
+    assert server.state(incident_of["AllResolved"]) == "resolved_by_api"
+    assert server.state(incident_of["Untouched"]) == "open"
     rows = await alert_rows(conn)
     assert sorted(r["kind"] for r in rows) == ["dead_letters"] * 3 + ["escalation"] * 2
-    assert all(
-        r["dedup_key"].startswith("jobfence-esc-") for r in rows if r["kind"] == "escalation"
-    )
+    escalations = [r for r in rows if r["kind"] == "escalation"]
+    assert {r["incident_id"] for r in escalations} == set(server.escalations)
+    assert {r["outcome"] for r in escalations} == {"escalated"}
     assert (
         await scalar(conn, "SELECT count(*) FROM jobfence.alert_groups WHERE escalation_decided")
         == 3
     )
     assert relay.stats.sent == {"dead_letters": 3, "escalation": 2}
+    assert relay.stats.escalated == 2
 
 
 async def test_an_escalation_whose_dead_letters_were_resolved_before_it_went_out_is_cancelled(
