@@ -277,9 +277,9 @@ class FakeBetterStack:
         with self._lock:
             for r in self.requests:
                 incident = _INCIDENT_PATH.match(r.path)
-                if incident and (incident.group(2) or "get") == action:
-                    found.append(r)
-                elif action == "comment" and _COMMENTS_PATH.match(r.path):
+                if (incident and (incident.group(2) or "get") == action) or (
+                    action == "comment" and _COMMENTS_PATH.match(r.path)
+                ):
                     found.append(r)
         return found
 

@@ -1,4 +1,5 @@
-"""A relay killed between Better Stack's answer and its own record opens no second incident.
+"""A relay killed between Better Stack's answer and its own record opens no second incident,
+resolves once (a second resolve answers 409: done) and escalates the same incident.
 
 The relay runs as ``jobfence alert-relay`` in a subprocess and is SIGKILLed at the worst
 moment: after Better Stack created the incident (and, in the first test, after it answered
@@ -17,6 +18,7 @@ from typing import Any
 
 import pytest
 from psycopg import AsyncConnection
+from psycopg_pool import AsyncConnectionPool
 
 from alert_helpers import (
     TESTS_DIR,
@@ -27,6 +29,7 @@ from alert_helpers import (
     write_dead_letter,
 )
 from fake_betterstack import INCIDENTS, FakeBetterStack, hold
+from jobfence import discard_dead_letter
 from support import wait_until
 
 STALLING_RELAY = TESTS_DIR / "alert_relay_proc.py"
@@ -191,3 +194,100 @@ def test_the_fake_servers_hold_is_released_on_close() -> None:
     fake.close()
     assert done.wait(5)
     thread.join(5)
+
+
+async def test_relay_killed_after_better_stack_resolved_before_recording_resolves_once(
+    *,
+    database_url: str,
+    pool: AsyncConnectionPool[Any],
+    conn: AsyncConnection[Any],
+    server: FakeBetterStack,
+    tmp_path: Path,
+    processes: list[RelayProcess],
+) -> None:
+    dead_letter_id = await write_dead_letter(conn, "r1")
+    assert dead_letter_id is not None
+    env = relay_env(database_url, server)
+    marker = tmp_path / "resolved"
+    first = RelayProcess([str(STALLING_RELAY), str(marker), "resolve"], env, tmp_path / "first.log")
+    processes.append(first)
+    await wait_for_alerts(conn, "sent", 1, timeout=20)
+    await discard_dead_letter(pool, dead_letter_id, reason="handled", resolved_by="ops")
+
+    async def answered() -> bool:
+        return first.alive() and marker.exists()
+
+    await wait_until(answered, timeout=20, message="Better Stack's answer to the resolve")
+    [incident] = server.incident_list()
+    assert server.state(incident["id"]) == "resolved_by_api"
+    [row] = await incident_state(conn)
+    assert row[:2] == ("resolving", 1), "requested and attempted, not recorded"
+    await first.kill()
+
+    second = cli_relay(env, tmp_path / "second.log")
+    processes.append(second)
+
+    async def recorded() -> bool:
+        return (await incident_state(conn))[0][0] == "resolved"
+
+    await wait_until(recorded, timeout=20, message="the restarted relay to record the resolve")
+    [row] = await incident_state(conn)
+    assert row == ("resolved", 2, "jobfence", "jobfence alert relay")
+    assert [c.status for c in server.calls("resolve")] == [200, 409], "409: done already"
+    assert len(server.incident_list()) == 1
+    second.proc.send_signal(signal.SIGTERM)
+    assert await second.wait_exit() == 0
+    assert "resolved 1" in second.output()
+
+
+async def test_relay_killed_after_better_stack_escalated_before_recording_opens_nothing_new(
+    database_url: str,
+    conn: AsyncConnection[Any],
+    server: FakeBetterStack,
+    tmp_path: Path,
+    processes: list[RelayProcess],
+) -> None:
+    await write_dead_letter(conn, "e1")
+    env = relay_env(database_url, server, JOBFENCE_ALERT_ESCALATE_AFTER="1")
+    marker = tmp_path / "escalated"
+    first = RelayProcess(
+        [str(STALLING_RELAY), str(marker), "escalate"], env, tmp_path / "first.log"
+    )
+    processes.append(first)
+
+    async def answered() -> bool:
+        return first.alive() and marker.exists()
+
+    await wait_until(answered, timeout=20, message="Better Stack's answer to the escalate")
+    alert_id, incident_id = marker.read_text().split()
+    [incident] = server.incident_list()
+    assert incident["id"] == incident_id
+    assert len(server.escalations[incident_id]) == 1
+    rows = await alert_rows(conn)
+    assert [(r["kind"], r["state"]) for r in rows] == [
+        ("dead_letters", "sent"),
+        ("escalation", "pending"),
+    ]
+    assert rows[1]["id"] == int(alert_id)
+    await first.kill()
+
+    second = cli_relay(env, tmp_path / "second.log")
+    processes.append(second)
+    await wait_for_alerts(conn, "sent", 2, timeout=25)
+    rows = await alert_rows(conn)
+    assert (rows[1]["outcome"], rows[1]["incident_id"]) == ("escalated", incident_id)
+    assert len(server.incident_list()) == 1, "no second incident"
+    assert len(server.posts()) == 1
+    # The escalate whose answer was never recorded is sent again, on the same incident: at
+    # least once (a lost escalation would be worse than a repeated notification).
+    assert 1 <= len(server.escalations[incident_id]) <= 2
+    second.proc.send_signal(signal.SIGTERM)
+    assert await second.wait_exit() == 0
+    assert "escalated 1" in second.output()
+
+
+async def incident_state(conn: AsyncConnection[Any]) -> list[tuple[Any, ...]]:
+    cur = await conn.execute(
+        "SELECT state, resolve_attempts, resolution, resolved_by FROM jobfence.alert_incidents"
+    )
+    return await cur.fetchall()

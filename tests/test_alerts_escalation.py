@@ -18,6 +18,7 @@ from alert_helpers import (
     fast_settings,
     make_relay,
     running,
+    sink_for,
     wait_for_alerts,
     wait_rounds,
     write_dead_letter,
@@ -155,3 +156,78 @@ async def test_escalation_turned_off_never_escalates(
         clock.advance(hours=1000)
         await wait_rounds(relay)
     assert len(server.posts()) == 1
+
+
+async def test_escalation_escalates_the_open_incident_through_the_documented_endpoint(
+    database_url: str, conn: AsyncConnection[Any], server: FakeBetterStack
+) -> None:
+    await write_dead_letter(conn, "e1")
+    clock = MovableClock()
+    sink = sink_for(server, policy_id="4711", requester_email="oncall@example.com")
+    relay = make_relay(database_url, server, clock=clock, sink=sink)
+    async with running(relay):
+        clock.advance(seconds=1)
+        await wait_for_alerts(conn, "sent", 1)
+        [incident] = server.incident_list()
+        server.acknowledge_by_person(incident["id"])  # acknowledged: still open
+        clock.advance(hours=73)
+        await wait_for_alerts(conn, "sent", 2)
+        await wait_rounds(relay)
+    await sink.aclose()
+    assert len(server.posts()) == 1, "no new incident"
+    [call] = server.calls("escalate")
+    assert call.path == f"/api/v3/incidents/{incident['id']}/escalate"
+    assert call.status == 200
+    assert call.json() == {
+        "escalation_type": "Policy",
+        "policy_id": 4711,
+        "call": False,
+        "sms": False,
+        "email": True,
+        "push": True,
+    }
+    escalation = (await alert_rows(conn))[1]
+    assert (escalation["kind"], escalation["outcome"], escalation["incident_id"]) == (
+        "escalation",
+        "escalated",
+        incident["id"],
+    )
+    assert await scalar(conn, "SELECT escalated_at IS NOT NULL FROM jobfence.alert_incidents")
+
+
+async def test_escalation_after_a_person_resolved_the_incident_with_dead_letters_pending_opens_one(
+    database_url: str, conn: AsyncConnection[Any], server: FakeBetterStack
+) -> None:
+    await write_dead_letter(conn, "p1")
+    await write_dead_letter(conn, "p2")
+    clock = MovableClock()
+    relay = make_relay(database_url, server, clock=clock)
+    async with running(relay):
+        clock.advance(seconds=1)
+        await wait_for_alerts(conn, "sent", 1)
+        [incident] = server.incident_list()
+        server.resolve_by_person(incident["id"], "bob@example.com")  # but nothing was replayed
+        clock.advance(hours=73)
+        await wait_for_alerts(conn, "sent", 2)
+        await wait_rounds(relay)
+        clock.advance(hours=200)
+        await wait_rounds(relay)
+    assert server.calls("escalate") == [], "a resolved incident is not escalated"
+    _, second = server.posts()
+    body = second.json()
+    assert value(body, "jobfence_alert") == "escalation"
+    assert value(body, "dead_letters") == "2"
+    assert body["name"].startswith("jobfence: 2 dead letters still pending review after 72h")
+    rows = await alert_rows(conn)
+    assert [(r["kind"], r["outcome"]) for r in rows] == [
+        ("dead_letters", "opened"),
+        ("escalation", "opened"),
+    ], "once per group"
+    cur = await conn.execute(
+        "SELECT incident_id, state, resolution FROM jobfence.alert_incidents ORDER BY id"
+    )
+    new_id = server.incident_list()[1]["id"]
+    assert await cur.fetchall() == [
+        (incident["id"], "resolved", "person"),
+        (new_id, "open", None),
+    ], "the new incident is the key's open one (it resolves when the dead letters are)"

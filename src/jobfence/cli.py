@@ -144,9 +144,7 @@ async def _cmd_cleanup(args: argparse.Namespace) -> int:
                 logging.getLogger("jobfence.cleanup").warning(warning)
             if args.every is None:
                 try:
-                    result = await cleanup_expired(
-                        conn, batch_size=args.batch_size, metrics=sink
-                    )
+                    result = await cleanup_expired(conn, batch_size=args.batch_size, metrics=sink)
                 except psycopg.Error:
                     sink.cleanup_failed()  # the heartbeat reports the failure (/fail)
                     raise
