@@ -238,6 +238,11 @@ class FakeBetterStack:
     def release(self) -> None:
         self._release.set()
 
+    def unscript(self) -> None:
+        """Forget the scripted answers not used yet: the normal behaviour again."""
+        with self._lock:
+            self._scripts.clear()
+
     def resolve_by_person(self, incident_id: str, who: str = "alice@example.com") -> None:
         """What a person does in Better Stack's UI."""
         with self._lock:
