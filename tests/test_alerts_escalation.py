@@ -231,3 +231,23 @@ async def test_escalation_after_a_person_resolved_the_incident_with_dead_letters
         (incident["id"], "resolved", "person"),
         (new_id, "open", None),
     ], "the new incident is the key's open one (it resolves when the dead letters are)"
+
+
+async def test_groups_merged_into_one_incident_escalate_it_once(
+    database_url: str, conn: AsyncConnection[Any], server: FakeBetterStack
+) -> None:
+    clock = MovableClock()
+    relay = make_relay(database_url, server, clock=clock)
+    async with running(relay):
+        for n in range(3):  # three windows, one incident
+            await write_dead_letter(conn, f"w{n}")
+            clock.advance(seconds=1)
+            await wait_for_alerts(conn, "sent", n + 1)
+        clock.advance(hours=73)
+        await wait_for_alerts(conn, "sent", 6)
+        await wait_rounds(relay)
+    [incident] = server.incident_list()
+    assert len(server.escalations[incident["id"]]) == 1, "one escalate call per incident"
+    rows = await alert_rows(conn)
+    assert [r["outcome"] for r in rows if r["kind"] == "escalation"] == ["escalated"] * 3
+    assert relay.stats.escalated == 1
