@@ -157,8 +157,8 @@ INCIDENT_ACTIONS = (
 class PrometheusAlertMetrics:
     """The Better Stack relay's metrics (a :class:`~jobfence.ports.AlertMetricsSink`).
 
-    ``jobfence_alerts_sent_total{kind}`` counts incidents opened (kind: dead_letters or
-    escalation); ``jobfence_alerts_failed_total{kind, reason}`` counts failed delivery attempts
+    ``jobfence_alerts_sent_total{kind}`` counts alerts handled (kind: dead_letters or
+    escalation: an incident opened, a group counted on the open one, or that one escalated); ``jobfence_alerts_failed_total{kind, reason}`` counts failed delivery attempts
     (reason: network, rate_limited, server_error, or rejected for a 4xx that is not retried);
     ``jobfence_alerts_pending`` is how many alerts wait to be delivered, as the relay last saw.
     ``jobfence_alert_incidents_total{action}`` counts incident lifecycle steps (opened, merged,
@@ -172,7 +172,8 @@ class PrometheusAlertMetrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.sent = Counter(
             "jobfence_alerts_sent",
-            "Alerts delivered to Better Stack (incidents opened), by kind.",
+            "Alerts handled at Better Stack (incident opened, counted on the open one, or "
+            "escalated), by kind.",
             ("kind",),
             registry=self.registry,
         )
