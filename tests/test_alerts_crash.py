@@ -291,3 +291,52 @@ async def incident_state(conn: AsyncConnection[Any]) -> list[tuple[Any, ...]]:
         "SELECT state, resolve_attempts, resolution, resolved_by FROM jobfence.alert_incidents"
     )
     return await cur.fetchall()
+
+
+@pytest.mark.parametrize("step", ["resolve", "escalate"])
+async def test_relay_killed_while_better_stack_holds_its_answer_resolves_or_escalates_the_same(
+    *,
+    database_url: str,
+    pool: AsyncConnectionPool[Any],
+    conn: AsyncConnection[Any],
+    server: FakeBetterStack,
+    tmp_path: Path,
+    processes: list[RelayProcess],
+    step: str,
+) -> None:
+    dead_letter_id = await write_dead_letter(conn, "h1")
+    assert dead_letter_id is not None
+    env = relay_env(
+        database_url, server, JOBFENCE_BETTERSTACK_TIMEOUT="3", JOBFENCE_ALERT_ESCALATE_AFTER="3"
+    )
+    first = cli_relay(env, tmp_path / "first.log")
+    processes.append(first)
+    await wait_for_alerts(conn, "sent", 1, timeout=20)
+    [incident] = server.incident_list()
+    server.script("POST", f"{INCIDENTS}/{incident['id']}/{step}", [hold()])
+    if step == "resolve":
+        await discard_dead_letter(pool, dead_letter_id, reason="handled", resolved_by="ops")
+
+    async def done_at_better_stack() -> bool:
+        return first.alive() and server.created.is_set()
+
+    await wait_until(done_at_better_stack, timeout=20, message=f"Better Stack to {step}")
+    await first.kill()
+    server.release()  # the held answer goes nowhere
+
+    second = cli_relay(env, tmp_path / "second.log")
+    processes.append(second)
+    if step == "resolve":
+
+        async def recorded() -> bool:
+            return (await incident_state(conn))[0][0] == "resolved"
+
+        await wait_until(recorded, timeout=25, message="the resolve to be recorded")
+        assert (await incident_state(conn))[0][2:] == ("jobfence", "jobfence alert relay")
+        assert [c.status for c in server.calls("resolve")] == [None, 409]
+    else:
+        await wait_for_alerts(conn, "sent", 2, timeout=25)
+        assert 1 <= len(server.escalations[incident["id"]]) <= 2, "the same incident"
+    assert len(server.incident_list()) == 1, "no second incident"
+    second.proc.send_signal(signal.SIGTERM)
+    assert await second.wait_exit() == 0

@@ -157,23 +157,40 @@ def test_the_fake_models_incident_state(server: FakeBetterStack) -> None:
 
 
 async def test_a_failure_sustained_for_an_hour_opens_one_incident_and_few_requests(
-    database_url: str, conn: AsyncConnection[Any], server: FakeBetterStack
+    database_url: str,
+    pool: AsyncConnectionPool[Any],
+    conn: AsyncConnection[Any],
+    server: FakeBetterStack,
 ) -> None:
-    """One dead letter every 10 s for an hour (the clock moved a minute at a time)."""
+    """One dead letter every 10 s for an hour (the clock moved a minute at a time), then all
+    of them discarded."""
     clock = MovableClock()
     metrics = RecordingAlertMetrics()
     relay = make_relay(
         database_url, server, clock=clock, metrics=metrics, settings=minute_settings()
     )
+    written: list[int] = []
     async with running(relay):
         for minute in range(60):
             for n in range(6):
-                await write_dead_letter(conn, f"m{minute}-{n}")
+                dead_letter_id = await write_dead_letter(conn, f"m{minute}-{n}")
+                assert dead_letter_id is not None
+                written.append(dead_letter_id)
             clock.advance(seconds=60)
             await settle(conn, relay)
+        [incident] = await incident_rows(conn)
+        during = len(server.api_requests())
+        for dead_letter_id in written:
+            await discard_dead_letter(pool, dead_letter_id, reason="fixed", resolved_by="ops")
+
+        async def resolved() -> bool:
+            return [r["state"] for r in await incident_rows(conn)] == ["resolved"]
+
+        await wait_until(resolved, message="the incident to be resolved")
+    assert [c.status for c in server.calls("resolve")] == [200]
+    assert len(server.api_requests()) == during + 1, "clearing it costs one request"
     groups = await scalar(conn, "SELECT count(*) FROM jobfence.alert_groups")
-    [incident] = await incident_rows(conn)
-    requests = server.api_requests()
+    requests = server.api_requests()[:during]
     figures = {
         "dead letters": 360,
         "grouping windows": groups,
@@ -181,6 +198,7 @@ async def test_a_failure_sustained_for_an_hour_opens_one_incident_and_few_reques
         "updates (comments)": len(server.calls("comment")),
         "state checks (GET)": len(server.calls("get")),
         "requests": len(requests),
+        "requests to resolve it": len(server.api_requests()) - during,
     }
     print(f"\none hour of failure, one dead letter per 10 s: {figures}")
     assert groups >= 60, "a window per minute: many windows"

@@ -158,8 +158,9 @@ class PrometheusAlertMetrics:
     """The Better Stack relay's metrics (a :class:`~jobfence.ports.AlertMetricsSink`).
 
     ``jobfence_alerts_sent_total{kind}`` counts alerts handled (kind: dead_letters or
-    escalation: an incident opened, a group counted on the open one, or that one escalated); ``jobfence_alerts_failed_total{kind, reason}`` counts failed delivery attempts
-    (reason: network, rate_limited, server_error, or rejected for a 4xx that is not retried);
+    escalation: an incident opened, a group counted on the open one, or that one escalated);
+    ``jobfence_alerts_failed_total{kind, reason}`` counts failed attempts (reason: network,
+    rate_limited, server_error, or rejected for a 4xx that is not retried);
     ``jobfence_alerts_pending`` is how many alerts wait to be delivered, as the relay last saw.
     ``jobfence_alert_incidents_total{action}`` counts incident lifecycle steps (opened, merged,
     updated, resolved, resolved_by_person, escalated); ``jobfence_alerts_refused`` is how many
