@@ -28,7 +28,7 @@ from alert_helpers import (
     wait_for_alerts,
     write_dead_letter,
 )
-from fake_betterstack import INCIDENTS, FakeBetterStack, hold
+from fake_betterstack import INCIDENTS, FakeBetterStack, hold, stall
 from jobfence import discard_dead_letter
 from support import wait_until
 
@@ -338,5 +338,40 @@ async def test_relay_killed_while_better_stack_holds_its_answer_resolves_or_esca
         await wait_for_alerts(conn, "sent", 2, timeout=25)
         assert 1 <= len(server.escalations[incident["id"]]) <= 2, "the same incident"
     assert len(server.incident_list()) == 1, "no second incident"
+    second.proc.send_signal(signal.SIGTERM)
+    assert await second.wait_exit() == 0
+
+
+async def test_relay_killed_while_better_stack_is_still_creating_waits_before_looking_up(
+    database_url: str,
+    conn: AsyncConnection[Any],
+    server: FakeBetterStack,
+    tmp_path: Path,
+    processes: list[RelayProcess],
+) -> None:
+    # Better Stack takes 3 s to create the incident; the relay is killed meanwhile and
+    # restarted at once. Looking the key up at once would find nothing and open a second
+    # incident: the restarted relay waits until the lost attempt is older than the timeout
+    # (2 s) plus 5 s.
+    server.script("POST", INCIDENTS, [stall(3.0)])
+    await write_dead_letter(conn, "slow-1")
+    env = relay_env(database_url, server)
+    first = cli_relay(env, tmp_path / "first.log")
+    processes.append(first)
+
+    async def posted() -> bool:
+        return first.alive() and len(server.posts()) == 1
+
+    await wait_until(posted, timeout=20, message="the create to reach Better Stack")
+    await first.kill()
+    second = cli_relay(env, tmp_path / "second.log")
+    processes.append(second)
+    await wait_for_alerts(conn, "sent", 1, timeout=25)
+    [post] = server.posts()
+    [lookup] = server.lists()
+    assert lookup.at - post.at >= 7.0 - 0.1, "not before the timeout plus the margin"
+    assert len(server.incident_list()) == 1, "no second incident"
+    [row] = await alert_rows(conn)
+    assert (row["state"], row["outcome"]) == ("sent", "found")
     second.proc.send_signal(signal.SIGTERM)
     assert await second.wait_exit() == 0

@@ -5,6 +5,7 @@ success again once delivery works; the cleanup's reports a failed round as a fai
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -45,8 +46,12 @@ async def beats_after(server: FakeBetterStack, start: int, kind: str, count: int
 
 
 async def test_a_refused_create_flips_the_heartbeat_to_fail_until_retry_failed_delivers_it(
-    database_url: str, conn: AsyncConnection[Any], server: FakeBetterStack
+    database_url: str,
+    conn: AsyncConnection[Any],
+    server: FakeBetterStack,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
+    caplog.set_level(logging.DEBUG)
     heartbeat = BetterStackHeartbeat(server.heartbeat_url("relay"), name="alert relay")
     metrics = RecordingAlertMetrics()
     relay = make_relay(
@@ -78,6 +83,8 @@ async def test_a_refused_create_flips_the_heartbeat_to_fail_until_retry_failed_d
     }
     assert metrics.heartbeat[-1] is True
     assert metrics.refused[-1] == 0
+    assert "HTTP Request: GET http://127.0.0.1" in caplog.text
+    assert "secret-token" not in caplog.text, "the heartbeat URL, /fail too, is never logged"
 
 
 async def test_an_alert_waiting_longer_than_the_bound_flips_the_heartbeat_to_fail(

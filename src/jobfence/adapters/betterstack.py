@@ -413,9 +413,9 @@ _HEARTBEAT_REDACTION = _RedactHeartbeatUrls()
 
 def _mask_in_httpx_logs(url: str) -> None:
     masked = f"{_origin(url)}/***"
-    for variant in (url.rstrip("/") + "/fail", url):  # the longer one first
-        _HEARTBEAT_REDACTION.urls[variant] = masked
-        _HEARTBEAT_REDACTION.urls[str(httpx.URL(variant))] = masked  # as httpx prints it
+    # url/fail (the failure beat) starts with url: it is masked as origin/***/fail.
+    _HEARTBEAT_REDACTION.urls[url] = masked
+    _HEARTBEAT_REDACTION.urls[str(httpx.URL(url))] = masked  # as httpx prints it
     httpx_log = logging.getLogger("httpx")
     if _HEARTBEAT_REDACTION not in httpx_log.filters:
         httpx_log.addFilter(_HEARTBEAT_REDACTION)
