@@ -251,3 +251,26 @@ async def test_groups_merged_into_one_incident_escalate_it_once(
     rows = await alert_rows(conn)
     assert [r["outcome"] for r in rows if r["kind"] == "escalation"] == ["escalated"] * 3
     assert relay.stats.escalated == 1
+
+
+async def test_an_escalate_refused_because_a_person_just_resolved_it_opens_a_new_incident(
+    database_url: str, conn: AsyncConnection[Any], server: FakeBetterStack
+) -> None:
+    await write_dead_letter(conn, "j1")
+    clock = MovableClock()
+    # What the relay knows of the state is never out of date here: only the escalate's 409
+    # tells it that a person resolved the incident in between.
+    relay = make_relay(
+        database_url, server, clock=clock, settings=fast_settings(state_max_age_seconds=1e9)
+    )
+    async with running(relay):
+        clock.advance(seconds=1)
+        await wait_for_alerts(conn, "sent", 1)
+        [incident] = server.incident_list()
+        server.resolve_by_person(incident["id"])
+        clock.advance(hours=73)
+        await wait_for_alerts(conn, "sent", 2)
+    [refused] = server.calls("escalate")
+    assert refused.status == 409
+    assert len(server.incident_list()) == 2, "the escalation opened a new incident"
+    assert [r["outcome"] for r in await alert_rows(conn)] == ["opened", "opened"]

@@ -632,7 +632,7 @@ class AlertRelay:
             try:
                 await self._sink.escalate_incident(incident.incident_id)
             except DeliveryError as exc:
-                if exc.status in (404, 409, 422):
+                if exc.status in (404, 409):
                     # Resolved (or gone) since we looked: look again, then try again soon;
                     # the next attempt opens a new incident if it is resolved.
                     await conn.execute(SQL["incident_checked_expire"], {"id": incident.id})
