@@ -193,6 +193,7 @@ class FakeBetterStack:
         self.heartbeats: list[Recorded] = []
         self.escalations: dict[str, list[dict[str, Any]]] = {}
         self.comments: dict[str, list[str]] = {}
+        self._resolved_via: dict[str, str] = {}  # incident id -> "person" or "api"
         self.created = threading.Event()  # set when a held request has created its incident
         self.down: str | None = None  # "drop" (connection closed) or "stall" (no answer)
         self.stall_seconds = 5.0
@@ -248,9 +249,8 @@ class FakeBetterStack:
         with self._lock:
             attributes = self.incidents[incident_id]["attributes"]
             assert attributes["resolved_at"] is None, "already resolved"
-            attributes.update(
-                resolved_at=_now(), resolved_by=who, status="Resolved", resolved_via="person"
-            )
+            attributes.update(resolved_at=_now(), resolved_by=who, status="Resolved")
+            self._resolved_via[incident_id] = "person"
 
     def acknowledge_by_person(self, incident_id: str, who: str = "alice@example.com") -> None:
         with self._lock:
@@ -262,7 +262,7 @@ class FakeBetterStack:
         with self._lock:
             attributes = self.incidents[incident_id]["attributes"]
             if attributes["resolved_at"] is not None:
-                return f"resolved_by_{attributes['resolved_via']}"
+                return f"resolved_by_{self._resolved_via[incident_id]}"
             return "acknowledged" if attributes["acknowledged_at"] is not None else "open"
 
     # -- views ------------------------------------------------------------------------------
@@ -449,8 +449,8 @@ class FakeBetterStack:
                     resolved_at=_now(),
                     resolved_by=body.get("resolved_by") or "API",
                     status="Resolved",
-                    resolved_via="api",
                 )
+                self._resolved_via[incident["id"]] = "api"
             else:
                 self.escalations.setdefault(incident["id"], []).append(dict(body))
             return 200, {"data": json.loads(json.dumps(incident))}
@@ -534,7 +534,6 @@ class FakeBetterStack:
                     "acknowledged_by": None,
                     "resolved_at": None,
                     "resolved_by": None,
-                    "resolved_via": None,
                     "status": "Started",
                     "team_name": body.get("team_name"),
                     "requester_email": body.get("requester_email"),

@@ -46,6 +46,9 @@ def test_alert_config_defaults() -> None:
     )
     assert config.relay_heartbeat_url is None
     assert config.cleanup_heartbeat_url is None
+    assert config.allow_http is False
+    assert (config.state_max_age_seconds, config.update_interval_seconds) == (60.0, 600.0)
+    assert config.delivery_bound_seconds == 600.0
 
 
 def test_alert_config_reads_every_variable() -> None:
@@ -63,6 +66,10 @@ def test_alert_config_reads_every_variable() -> None:
             "JOBFENCE_BETTERSTACK_CLEANUP_HEARTBEAT_URL": "https://hb.example/cleanup",
             "JOBFENCE_ALERT_GROUP_WINDOW": "2m",
             "JOBFENCE_ALERT_ESCALATE_AFTER": "3d",
+            "JOBFENCE_BETTERSTACK_ALLOW_HTTP": "1",
+            "JOBFENCE_ALERT_STATE_MAX_AGE": "30s",
+            "JOBFENCE_ALERT_UPDATE_INTERVAL": "5m",
+            "JOBFENCE_ALERT_DELIVERY_BOUND": "20m",
         }
     )
     assert config.api_url == "http://127.0.0.1:9999"
@@ -75,6 +82,9 @@ def test_alert_config_reads_every_variable() -> None:
     assert config.escalate_after_seconds == 3 * 86400.0
     assert config.relay_heartbeat_url == "https://hb.example/relay"
     assert config.cleanup_heartbeat_url == "https://hb.example/cleanup"
+    assert config.allow_http is True
+    assert (config.state_max_age_seconds, config.update_interval_seconds) == (30.0, 300.0)
+    assert config.delivery_bound_seconds == 1200.0
     assert (
         alert_config_from_env({"JOBFENCE_ALERT_ESCALATE_AFTER": "off"}).escalate_after_seconds
         is None
@@ -91,6 +101,9 @@ def test_alert_config_reads_every_variable() -> None:
         ("JOBFENCE_BETTERSTACK_TIMEOUT", "0"),
         ("JOBFENCE_ALERT_GROUP_WINDOW", "-5"),
         ("JOBFENCE_ALERT_ESCALATE_AFTER", "72 hours"),
+        ("JOBFENCE_ALERT_STATE_MAX_AGE", "0"),
+        ("JOBFENCE_ALERT_UPDATE_INTERVAL", "often"),
+        ("JOBFENCE_ALERT_DELIVERY_BOUND", "-1m"),
     ],
 )
 def test_alert_config_refuses_a_bad_value_naming_the_variable(name: str, value: str) -> None:

@@ -950,7 +950,7 @@ class AlertRelay:
         cur = await conn.execute(SQL["relay_health"], {"now": self._now()})
         row = await cur.fetchone()
         assert row is not None
-        refused, oldest_waiting, _unresolved = row
+        refused, oldest_waiting = row
         if self._metrics is not None:
             self._metrics.alerts_refused(int(refused))
         ok = int(refused) == 0 and (

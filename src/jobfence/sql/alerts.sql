@@ -403,5 +403,4 @@ SELECT
         coalesce(%(now)s::timestamptz, now())
         - least((SELECT min(created_at) FROM jobfence.alerts WHERE state = 'pending'),
                 (SELECT min(resolve_requested_at) FROM jobfence.alert_incidents
-                 WHERE state = 'resolving'))))::double precision AS oldest_waiting_seconds,
-    (SELECT count(*) FROM jobfence.alert_incidents WHERE state <> 'resolved') AS unresolved;
+                 WHERE state = 'resolving'))))::double precision AS oldest_waiting_seconds;
