@@ -143,7 +143,11 @@ async def _cmd_cleanup(args: argparse.Namespace) -> int:
             if (warning := await schema.autovacuum_warning(conn)) is not None:
                 logging.getLogger("jobfence.cleanup").warning(warning)
             if args.every is None:
-                result = await cleanup_expired(conn, batch_size=args.batch_size, metrics=sink)
+                try:
+                    result = await cleanup_expired(conn, batch_size=args.batch_size, metrics=sink)
+                except psycopg.Error:
+                    sink.cleanup_failed()  # the heartbeat reports the failure (/fail)
+                    raise
                 print(f"removed {result.deleted} expired fence rows in {result.batches} batch(es)")
                 return 0
         stop = asyncio.Event()

@@ -113,11 +113,14 @@ class MetricsSink(Protocol):
 
 
 class CleanupMetricsSink(Protocol):
-    """Where the fence cleanup reports: rows removed (per committed batch) and each success."""
+    """Where the fence cleanup reports: rows removed (per committed batch), each success and
+    each failed round."""
 
     def cleanup_rows_removed(self, count: int) -> None: ...
 
     def cleanup_succeeded(self) -> None: ...
+
+    def cleanup_failed(self) -> None: ...
 
 
 class AlertMetricsSink(Protocol):
@@ -129,3 +132,14 @@ class AlertMetricsSink(Protocol):
     def alert_failed(self, kind: str, reason: str) -> None: ...
 
     def alerts_pending(self, count: int) -> None: ...
+
+    def incident_action(self, action: str) -> None:
+        """One step of an incident's lifecycle at Better Stack: opened, merged (a group's dead
+        letters counted on the open incident), updated (a comment), resolved (by the relay),
+        resolved_by_person (seen), escalated."""
+
+    def alerts_refused(self, count: int) -> None:
+        """Alerts and resolves refused for good, as the relay last counted them."""
+
+    def heartbeat_state(self, ok: bool) -> None:
+        """What the relay's heartbeat last reported: success (True) or failure."""
