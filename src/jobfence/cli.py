@@ -34,12 +34,33 @@ def _load_app(spec: str) -> App:
         sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise JobfenceError(f"cannot import module {module_name!r}: {exc}") from None
-    app = getattr(module, attr, None)
+    except Exception as exc:
+        missing = isinstance(exc, ModuleNotFoundError) and exc.name is not None
+        if missing and (module_name == exc.name or module_name.startswith(f"{exc.name}.")):
+            raise JobfenceError(f"cannot import module {module_name!r}: {exc}") from None
+        # The module exists but fails while importing: its own error, first line.
+        text = str(exc).strip()
+        first = text.splitlines()[0] if text else ""
+        raise JobfenceError(
+            f"module {module_name!r} does not import: {type(exc).__name__}: {first}"
+        ) from None
+    if not hasattr(module, attr):
+        apps = sorted(name for name, value in vars(module).items() if isinstance(value, App))
+        hint = f" (its jobfence.App: {', '.join(apps)})" if apps else ""
+        raise JobfenceError(f"module {module_name!r} has no attribute {attr!r}{hint}")
+    app = getattr(module, attr)
     if not isinstance(app, App):
         raise JobfenceError(f"{spec} is not a jobfence.App (found {type(app).__name__})")
     return app
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("jobfence")
+    except PackageNotFoundError:  # pragma: no cover - run from a source tree, not installed
+        return "unknown (not installed)"
 
 
 async def _cmd_migrate(args: argparse.Namespace) -> int:
@@ -281,6 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
         "JOBFENCE_DATABASE_URL, or an embedded PostgreSQL in ./.jobfence/pgdata when unset.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
+    parser.add_argument(
+        "--version", action="version", version=f"jobfence {_version()}", help="print the version"
+    )
     parser.add_argument(
         "--log-format",
         choices=("text", "json"),
