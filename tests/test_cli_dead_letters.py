@@ -639,7 +639,10 @@ ERRORS = [
         "no dead letter with id 999999",
         id="discard-unknown",
     ),
-    pytest.param(["list", "--cursor", "bogus"], 2, "cursor is not one", id="bad-cursor"),
+    pytest.param(["list", "--cursor", "bogus"],
+        2,
+        "jobfence: error: --cursor is not one that jobfence dead-letters list printed",
+        id="bad-cursor",),
     pytest.param(
         ["list", "--since", "last tuesday"], 2, "not an ISO 8601 date or time", id="bad-since"
     ),
@@ -649,14 +652,14 @@ ERRORS = [
     pytest.param(
         ["list", "--since", "2026-03-02", "--until", "2026-03-01"],
         2,
-        "created_from must be before created_to",
+        "--since must be before --until",
         id="empty-range",
     ),
     pytest.param(
         ["list", "--status", "pending"], 2, "argument --status: invalid choice", id="bad-status"
     ),
-    pytest.param(["list", "--limit", "501"], 2, "limit must be between 1 and 500", id="limit-high"),
-    pytest.param(["list", "--limit", "0"], 2, "limit must be between 1 and 500", id="limit-zero"),
+    pytest.param(["list", "--limit", "501"], 2, "--limit must be between 1 and 500", id="limit-high"),
+    pytest.param(["list", "--limit", "0"], 2, "--limit must be between 1 and 500", id="limit-zero"),
     pytest.param(["list", "--group-by", "tenant"], 2, "group by one or more of", id="bad-group"),
     pytest.param(
         ["list", "--group-by", "queue", "--cursor", "x"],
@@ -683,16 +686,20 @@ ERRORS = [
         id="discard-long-reason",
     ),
     pytest.param(
-        ["replay", "{id}", "--actor", "  "], 2, "resolved_by must name", id="replay-blank-actor"
+        ["replay", "{id}", "--actor", "  "], 2, "--actor must name who", id="replay-blank-actor"
     ),
     pytest.param(
         ["replay-bulk", "--max-items", "1"],
         2,
-        "2 pending dead letters match, more than max_items=1",
+        "2 pending dead letters match, more than --max-items 1: narrow the filters or raise"
+        " --max-items",
         id="bulk-too-large",
     ),
     pytest.param(
-        ["replay-bulk", "--max-items", "0"], 2, "max_items must be >= 1", id="bulk-max-zero"
+        ["replay-bulk", "--max-items", "0"],
+        2,
+        "argument --max-items: not a whole number >= 1: '0'",
+        id="bulk-max-zero",
     ),
     pytest.param(
         ["replay-bulk", "--resume", "4242"], 1, "no bulk replay with id 4242", id="resume-unknown"
@@ -725,5 +732,6 @@ def test_an_error_a_person_can_cause_is_one_line_and_changes_nothing(
 
     line = one_error_line(done)
     assert says in line
+    assert "API" not in line  # the HTTP API's wording (its parameters) never shows here
     assert done.returncode == status
     assert everything(db_conn) == before

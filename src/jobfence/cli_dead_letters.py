@@ -25,10 +25,11 @@ from psycopg_pool import AsyncConnectionPool
 from jobfence import db, ops, schema
 from jobfence.codec import PAYLOAD_BASE64, original_body
 from jobfence.errors import DeadLetterConflict, DeadLetterNotFound
-from jobfence.ops import BulkReplay, DeadLetterFilter, InvalidRequest
+from jobfence.ops import BulkReplay, BulkTooLarge, DeadLetterFilter, InvalidCursor, InvalidRequest
 
 ENV_ACTOR = "JOBFENCE_ACTOR"
 EXIT_REFUSED = 1  # not found, not pending, failed or unfinished bulk items
+EXIT_INVALID = 2  # a request that cannot be served as asked
 CELL_WIDTH = 48  # longer table cells are cut (the --json output keeps them whole)
 FAILED_SHOWN = 20  # failed bulk items listed in the readable summary
 
@@ -59,6 +60,17 @@ def _positive_id(what: str) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+def _count(text: str) -> int:
+    """An argparse type for a count of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"not a whole number >= 1: {text!r}")
+    return value
 
 
 _dead_letter_id = _positive_id("dead letter")
@@ -125,6 +137,8 @@ def _add_actor(p: argparse.ArgumentParser) -> None:
 
 def _actor(args: argparse.Namespace) -> str:
     if args.actor is not None:
+        if not str(args.actor).strip():
+            raise InvalidRequest("--actor must name who does it, not a blank string")
         return str(args.actor)
     from_env = os.environ.get(ENV_ACTOR, "").strip()
     if from_env:
@@ -194,7 +208,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--dry-run", action="store_true", help="print how many match; change nothing")
     p.add_argument(
         "--max-items",
-        type=int,
+        type=_count,
         default=None,
         help=f"refuse when more match ({ops.DEFAULT_BULK_MAX})",
     )
@@ -215,7 +229,8 @@ def add_parser(sub: Any) -> None:
 
 def _guarded(command: Command) -> Command:
     """A missing dead letter or bulk run, or a dead letter no longer pending, is one line and
-    exit status 1."""
+    exit status 1; a request refused by :mod:`jobfence.ops` is worded with this command's flags,
+    exit status 2."""
 
     async def run(args: argparse.Namespace) -> int:
         try:
@@ -223,8 +238,33 @@ def _guarded(command: Command) -> Command:
         except (DeadLetterNotFound, DeadLetterConflict, ops.BulkReplayNotFound) as exc:
             _error(str(exc))
             return EXIT_REFUSED
+        except (InvalidRequest, BulkTooLarge) as exc:
+            _error(_in_flags(exc))
+            return EXIT_INVALID
 
     return run
+
+
+# ops names the parameters of its functions (the HTTP API's too); here a person typed flags.
+_FLAG_MESSAGES = {
+    "limit": f"--limit must be between 1 and {ops.MAX_PAGE}",
+    "created_from": "--since must be before --until",
+}
+
+
+def _in_flags(exc: InvalidRequest | BulkTooLarge) -> str:
+    """The message of a request refused by :mod:`jobfence.ops`, in terms of this CLI's flags."""
+    if isinstance(exc, InvalidCursor):
+        return (
+            "--cursor is not one that jobfence dead-letters list printed: pass the value after "
+            "'next cursor:' whole"
+        )
+    if isinstance(exc, BulkTooLarge):
+        return (
+            f"{exc.matching} pending dead letters match, more than --max-items {exc.max_items}:"
+            " narrow the filters or raise --max-items"
+        )
+    return _FLAG_MESSAGES.get(exc.field or "", str(exc))
 
 
 # --- formatting ---------------------------------------------------------------------------

@@ -56,6 +56,7 @@ __all__ = [
     "DeadLetterGroup",
     "DeadLetterItem",
     "DeadLetterPage",
+    "InvalidCursor",
     "InvalidRequest",
     "ItemCache",
     "count_dead_letters",
@@ -75,9 +76,26 @@ __all__ = [
 
 
 class InvalidRequest(JobfenceError):
-    """A request that cannot be served as asked (bad cursor, bad filter value)."""
+    """A request that cannot be served as asked (bad cursor, bad filter value).
+
+    ``field`` names the parameter at fault by its name here (``cursor``, ``limit``,
+    ``created_from``...), or is None; the message uses these names too. Each edge words it for
+    its own audience: the HTTP API by its parameters, the CLI by its flags."""
 
     __module__ = "jobfence"
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class InvalidCursor(InvalidRequest):
+    """A cursor that no list page returned: mistyped, cut short, or made up."""
+
+    __module__ = "jobfence"
+
+    def __init__(self) -> None:
+        super().__init__("cursor is not one a list page returned", field="cursor")
 
 
 class BulkReplayNotFound(InvalidRequest):
@@ -120,7 +138,7 @@ class DeadLetterFilter:
                 f"status must be one of {', '.join(STATUSES)}, not {self.status!r}"
             )
         if self.created_from and self.created_to and self.created_from >= self.created_to:
-            raise InvalidRequest("created_from must be before created_to")
+            raise InvalidRequest("created_from must be before created_to", field="created_from")
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -229,7 +247,7 @@ def decode_cursor(cursor: str) -> tuple[datetime, int]:
         created, dead_letter_id = json.loads(base64.urlsafe_b64decode(padded.encode()))
         return datetime.fromisoformat(created), int(dead_letter_id)
     except (ValueError, TypeError, OverflowError, binascii.Error):
-        raise InvalidRequest("cursor is not one this API returned") from None
+        raise InvalidCursor from None
 
 
 def _list_query(
@@ -238,7 +256,7 @@ def _list_query(
     """The named query ``base`` with ``flt``'s WHERE clause, newest first, ``limit + 1`` rows
     (one more tells whether there is a next page)."""
     if not 1 <= limit <= MAX_PAGE:
-        raise InvalidRequest(f"limit must be between 1 and {MAX_PAGE}")
+        raise InvalidRequest(f"limit must be between 1 and {MAX_PAGE}", field="limit")
     params: dict[str, Any] = {}
     if cursor:
         created_at, dead_letter_id = decode_cursor(cursor)
@@ -618,7 +636,7 @@ async def group_pending(
     if not keys or not keys <= set(GROUP_KEYS):
         raise InvalidRequest(f"group by one or more of {', '.join(GROUP_KEYS)}, not {list(by)}")
     if not 1 <= limit <= MAX_PAGE:
-        raise InvalidRequest(f"limit must be between 1 and {MAX_PAGE}")
+        raise InvalidRequest(f"limit must be between 1 and {MAX_PAGE}", field="limit")
     if flt.status not in (None, "pending_review"):
         raise InvalidRequest("groups count pending_review dead letters only")
     where, params = replace(flt, status="pending_review").where()
