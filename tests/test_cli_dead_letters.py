@@ -351,6 +351,88 @@ def test_show_decodes_a_printable_base64_payload_and_escapes_one_that_is_not(
     assert "\x1b" not in binary  # a terminal escape in a payload is shown, never interpreted
 
 
+FIVE_MB = 5 * 1024 * 1024
+SHOWN_AT_MOST = 16 * 1024  # the fields, 4 KiB of each payload part, last_error
+
+
+def _payload_section(out: str) -> str:
+    """What show printed between ``payload:`` and ``last_error:``."""
+    return out.split("\npayload:\n", 1)[1].split("\nlast_error:\n", 1)[0]
+
+
+def test_show_cuts_a_5_mb_payload_says_how_much_was_left_out_and_full_prints_it_all(
+    database_url: str, db_conn: psycopg.Connection[Any]
+) -> None:
+    payload = {"blob": "é" + "x" * FIVE_MB, "account_id": 1}  # jsonb's key order
+    dl_id = seed(db_conn, "big", payload=payload)
+    before = everything(db_conn)
+
+    out = ok(dl("show", str(dl_id), url=database_url))
+    assert len(out.encode()) < SHOWN_AT_MOST
+    whole = json.dumps(payload, indent=2, ensure_ascii=False)
+    assert whole.startswith('{\n  "blob"')
+    left_out = len(whole.encode()) - len(whole[:4096].encode())
+    assert (
+        f"\n... {left_out:,} more bytes of the payload not shown; --full prints everything,"
+        " --payload-out FILE writes the payload\n"
+    ) in out
+    assert _payload_section(out).startswith(whole[:4096])
+    assert out.endswith("last_error:\npointsapp.Flaky: ledger timeout\n  File handler.py, line 3, in award\n")
+
+    full = ok(dl("show", str(dl_id), "--full", url=database_url))
+    assert json.loads(_payload_section(full)) == payload
+    assert "more bytes" not in full
+    document = json.loads(ok(dl("show", str(dl_id), "--json", url=database_url)))
+    assert document["payload"] == payload  # --json is never cut
+    assert everything(db_conn) == before
+
+
+def test_show_payload_out_writes_every_byte_of_a_5_mb_base64_payload_and_full_prints_it(
+    database_url: str, db_conn: psycopg.Connection[Any], tmp_path: Path
+) -> None:
+    raw = os.urandom(FIVE_MB)  # not UTF-8: kept as base64 (D6)
+    dl_id = seed(db_conn, "binary", payload=_wrapped(raw), payload_encoding="base64")
+    target = tmp_path / "payload.bin"
+
+    out = ok(dl("show", str(dl_id), "--payload-out", str(target), url=database_url))
+    assert len(out.encode()) < SHOWN_AT_MOST
+    assert f"payload: {FIVE_MB} bytes kept as base64 (" in out
+    assert f"payload written to {target} ({FIVE_MB:,} bytes)" in out
+    assert "more bytes of the payload not shown" in out
+    assert target.read_bytes() == raw
+
+    full = ok(dl("show", str(dl_id), "--full", url=database_url))
+    [data] = [line for line in full.splitlines() if line.startswith("  base64: ")]
+    assert base64.b64decode(data.removeprefix("  base64: ")) == raw
+
+
+def test_show_payload_out_writes_a_json_payload_as_stored_and_never_overwrites_a_file(
+    database_url: str, db_conn: psycopg.Connection[Any], tmp_path: Path
+) -> None:
+    document = '{"amount": 1.00000000000000000001, "big": 12345678901234567890123, "blob": "%s"}'
+    inserted = db_conn.execute(
+        "INSERT INTO core.dead_letters (job_id, queue, consumer, payload, payload_encoding,"
+        " attempts, last_error, error_class) VALUES ('json', 'loyalty', 'award_points', %s,"
+        " 'json', 1, 'E: x', 'E') RETURNING id",
+        (document.replace("%s", "y" * 9000),),
+    ).fetchone()
+    assert inserted is not None
+    dl_id = inserted[0]
+    stored = db_conn.execute("SELECT payload::text FROM core.dead_letters").fetchone()[0]
+    target = tmp_path / "payload.json"
+
+    ok(dl("show", str(dl_id), "--payload-out", str(target), url=database_url))
+    assert target.read_bytes() == stored.encode()  # the stored document's text, digits and all
+
+    target.write_bytes(b"keep me")
+    line = one_error_line(dl("show", str(dl_id), "--payload-out", str(target), url=database_url))
+    assert line == (
+        f"jobfence: error: --payload-out {target}: the file exists; name a new file"
+        " (nothing is overwritten)"
+    )
+    assert target.read_bytes() == b"keep me"
+
+
 # -- replay --------------------------------------------------------------------------------
 
 

@@ -23,6 +23,7 @@ from psycopg.types.string import ByteaBinaryLoader
 from psycopg_pool import AsyncConnectionPool
 
 from jobfence._sql import Queries
+from jobfence.codec import original_body
 from jobfence.dead_letters import (
     DeadLetter,
     ReplayResult,
@@ -67,6 +68,7 @@ __all__ = [
     "list_dead_letters",
     "list_dead_letters_json",
     "list_page_query",
+    "payload_body",
     "replay",
     "run_bulk_replay",
     "show_dead_letter",
@@ -666,6 +668,16 @@ async def show_dead_letter(conn: AsyncConnection[Any], dead_letter_id: int) -> D
     )
     row = await cur.fetchone()
     return DeadLetterDetail(dead_letter=letter, fence_exists=bool(row and row[0]))
+
+
+async def payload_body(conn: AsyncConnection[Any], dead_letter_id: int) -> bytes:
+    """The bytes a replay of the dead letter publishes: the original bytes of a base64 payload,
+    the stored JSON document's text (UTF-8) otherwise."""
+    cur = await conn.execute(SQL["payload_body"], {"id": dead_letter_id})
+    row = await cur.fetchone()
+    if row is None:
+        raise DeadLetterNotFound(f"no dead letter with id {dead_letter_id}")
+    return original_body(row[0], row[1])
 
 
 async def show_dead_letter_json(conn: AsyncConnection[Any], dead_letter_id: int) -> str:
