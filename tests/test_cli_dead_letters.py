@@ -377,7 +377,9 @@ def test_show_cuts_a_5_mb_payload_says_how_much_was_left_out_and_full_prints_it_
         " --payload-out FILE writes the payload\n"
     ) in out
     assert _payload_section(out).startswith(whole[:4096])
-    assert out.endswith("last_error:\npointsapp.Flaky: ledger timeout\n  File handler.py, line 3, in award\n")
+    assert out.endswith(
+        "last_error:\npointsapp.Flaky: ledger timeout\n  File handler.py, line 3, in award\n"
+    )
 
     full = ok(dl("show", str(dl_id), "--full", url=database_url))
     assert json.loads(_payload_section(full)) == payload
@@ -721,10 +723,12 @@ ERRORS = [
         "no dead letter with id 999999",
         id="discard-unknown",
     ),
-    pytest.param(["list", "--cursor", "bogus"],
+    pytest.param(
+        ["list", "--cursor", "bogus"],
         2,
         "jobfence: error: --cursor is not one that jobfence dead-letters list printed",
-        id="bad-cursor",),
+        id="bad-cursor",
+    ),
     pytest.param(
         ["list", "--since", "last tuesday"], 2, "not an ISO 8601 date or time", id="bad-since"
     ),
@@ -740,7 +744,9 @@ ERRORS = [
     pytest.param(
         ["list", "--status", "pending"], 2, "argument --status: invalid choice", id="bad-status"
     ),
-    pytest.param(["list", "--limit", "501"], 2, "--limit must be between 1 and 500", id="limit-high"),
+    pytest.param(
+        ["list", "--limit", "501"], 2, "--limit must be between 1 and 500", id="limit-high"
+    ),
     pytest.param(["list", "--limit", "0"], 2, "--limit must be between 1 and 500", id="limit-zero"),
     pytest.param(["list", "--group-by", "tenant"], 2, "group by one or more of", id="bad-group"),
     pytest.param(

@@ -17,8 +17,7 @@ def test_version_prints_the_installed_package_version() -> None:
 def test_worker_with_a_misspelt_attribute_says_the_module_has_no_such_attribute() -> None:
     line = one_error_line(run_cli("worker", "cliapps.short_ttl:ap", url=NOWHERE))
     assert line == (
-        "jobfence: error: module 'cliapps.short_ttl' has no attribute 'ap'"
-        " (its jobfence.App: app)"
+        "jobfence: error: module 'cliapps.short_ttl' has no attribute 'ap' (its jobfence.App: app)"
     )
 
 

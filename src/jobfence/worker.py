@@ -39,6 +39,7 @@ class WorkerStats:
 
     outcomes: Counter[str] = field(default_factory=Counter)
     released: int = 0
+    cut_off: int = 0  # running jobs cut off by shutdown (given back, rolled back)
 
     @property
     def handled(self) -> int:
@@ -107,6 +108,7 @@ class Worker:
         self.stats = WorkerStats()
         self._pool = pool
         self._stopping = asyncio.Event()
+        self._stop_now = asyncio.Event()
         self._buffer: asyncio.Queue[Delivery] = asyncio.Queue()
         self._room = asyncio.Event()
         self._progress = asyncio.Event()
@@ -115,9 +117,24 @@ class Worker:
         self._outage = asyncio.Event()
         self._fetch_failures = 0
 
-    def stop(self) -> None:
-        """Ask the worker to finish in-flight jobs, give back the rest and return."""
+    def stop(self, *, now: bool = False) -> None:
+        """Ask the worker to finish in-flight jobs (for up to ``shutdown_grace_seconds``), give
+        back the rest and return. ``now``: cut the running jobs off at once instead (their
+        transactions roll back) and give them back too; nothing is lost, and the fence makes
+        their next run safe."""
         self._stopping.set()
+        if now:
+            self._stop_now.set()
+
+    @property
+    def stopping(self) -> bool:
+        """True once :meth:`stop` was called."""
+        return self._stopping.is_set()
+
+    @property
+    def running(self) -> int:
+        """How many jobs are running now (taken from the buffer, not finished)."""
+        return self._busy
 
     def check(self) -> None:
         """Start-up checks: D3 fence TTLs; the retry overrides' rationales and the consumers
@@ -225,15 +242,7 @@ class Worker:
         await self._wait_or_stop(asyncio.sleep(delay), None)
 
     async def _wait_or_stop(self, aw: Any, max_seconds: float | None) -> None:
-        stop = asyncio.ensure_future(self._stopping.wait())
-        other = asyncio.ensure_future(aw)
-        try:
-            await asyncio.wait(
-                {stop, other}, timeout=max_seconds, return_when=asyncio.FIRST_COMPLETED
-            )
-        finally:
-            for task in (stop, other):
-                task.cancel()
+        await _until_set(self._stopping, aw, max_seconds)
 
     async def _process_loop(self) -> None:
         """Take deliveries from the buffer and run them. A processor holds one pooled connection
@@ -448,10 +457,12 @@ class Worker:
             await self._release_held()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.shutdown_grace_seconds
-        while self._busy and (remaining := deadline - loop.time()) > 0:
+        while self._busy and not self._stop_now.is_set():
+            if (remaining := deadline - loop.time()) <= 0:
+                break
             self._progress.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._progress.wait(), remaining)
+            await _until_set(self._stop_now, self._progress.wait(), remaining)
+        self.stats.cut_off = self._busy
         for task in processors:
             task.cancel()
         for task in processors:
@@ -459,3 +470,16 @@ class Worker:
                 await task
         await self.acks.close()
         await self._release_held()
+
+
+async def _until_set(event: asyncio.Event, aw: Any, max_seconds: float | None) -> None:
+    """Wait for ``aw``, at most until ``event`` is set or ``max_seconds`` have passed."""
+    setting = asyncio.ensure_future(event.wait())
+    other = asyncio.ensure_future(aw)
+    try:
+        await asyncio.wait(
+            {setting, other}, timeout=max_seconds, return_when=asyncio.FIRST_COMPLETED
+        )
+    finally:
+        for task in (setting, other):
+            task.cancel()

@@ -169,7 +169,9 @@ def install(app: FastAPI) -> None:
     async def _invalid(request: Request, exc: InvalidRequest) -> ProblemResponse:
         # The shared layer names its own parameters, which are this API's; a cursor is worded
         # for a client of this API (the CLI words each for its flags).
-        detail = "cursor is not one this API returned" if isinstance(exc, InvalidCursor) else str(exc)
+        detail = (
+            "cursor is not one this API returned" if isinstance(exc, InvalidCursor) else str(exc)
+        )
         return respond(
             request,
             ValidationProblem(
