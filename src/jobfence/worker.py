@@ -25,6 +25,7 @@ from jobfence.harness import (
     log_fields,
 )
 from jobfence.model import Delivery
+from jobfence.outage_log import POOL_LOGGER, OutageLog, reason
 from jobfence.ports import MetricsSink, QueuePort
 from jobfence.schema import autovacuum_warning, ensure_migrated
 
@@ -115,6 +116,7 @@ class Worker:
         self._busy = 0
         self._unreleased: list[Delivery] = []
         self._outage = asyncio.Event()
+        self._outage_log = OutageLog(log)
         self._fetch_failures = 0
 
     def stop(self, *, now: bool = False) -> None:
@@ -169,10 +171,15 @@ class Worker:
             asyncio.create_task(self._process_loop(), name=f"jobfence-processor-{i}")
             for i in range(self.concurrency)
         ]
+        pool_log = logging.getLogger(POOL_LOGGER)
+        pool_log.addFilter(self._outage_log)  # its per-connection warnings: see OutageLog
         try:
             await self._fetch_loop(until)
         finally:
-            await self._shutdown(processors)
+            try:
+                await self._shutdown(processors)
+            finally:
+                pool_log.removeFilter(self._outage_log)
         return self.stats
 
     async def _fetch_loop(self, until: RunUntil) -> None:
@@ -229,16 +236,18 @@ class Worker:
         recovery, which gives back what this worker held."""
         self._fetch_failures += 1
         delay = min(0.5 * 2 ** (self._fetch_failures - 1), 30.0)
-        text = str(exc).strip()
-        log.warning(
-            "cannot %s (%s: %s); retrying in %.1fs",
-            doing,
-            type(exc).__name__,
-            text.splitlines()[0] if text else "",
-            delay,
-        )
         if is_connection_loss(exc, None):
+            self._outage_log.went_away(exc)
             self._outage.set()
+        else:
+            text = str(exc).strip()
+            log.warning(
+                "cannot %s (%s: %s); retrying in %.1fs",
+                doing,
+                type(exc).__name__,
+                text.splitlines()[0] if text else "",
+                delay,
+            )
         await self._wait_or_stop(asyncio.sleep(delay), None)
 
     async def _wait_or_stop(self, aw: Any, max_seconds: float | None) -> None:
@@ -273,7 +282,7 @@ class Worker:
                     raise
                 if waiting is None and left is None:
                     # not about a delivery: returning the connection failed
-                    log.warning("could not return a connection to the pool: %s", exc)
+                    log.warning("could not return a connection to the pool: %s", reason(exc))
 
     def _take_waiting(self) -> Delivery | None:
         """The next delivery in the buffer, if one is there now, counted as busy."""
@@ -392,12 +401,13 @@ class Worker:
     def _lost(self, delivery: Delivery, exc: Exception) -> None:
         """The database went away while ``delivery`` was ours: keep it to give back, and let
         the fetch loop recover (D7)."""
-        log.warning(
+        log.debug(
             "database unreachable while handling job %s: %s",
             delivery.message.job_id,
-            exc,
+            reason(exc),
             extra=log_fields(delivery),
         )
+        self._outage_log.went_away(exc)
         self._unreleased.append(delivery)
         self._outage.set()
         self._room.set()
@@ -411,20 +421,17 @@ class Worker:
                 async with self._pool.connection(timeout=5.0) as conn:
                     await conn.execute("SELECT 1")
             except Exception as exc:
-                log.warning(
-                    "database still unreachable (%s), retrying in %.1fs",
-                    type(exc).__name__,
-                    backoff,
-                )
+                self._outage_log.still_down(exc)
                 await self._wait_or_stop(asyncio.sleep(backoff), None)
                 backoff = min(backoff * 2, 30.0)
                 continue
             break
         if self._stopping.is_set():
             return  # shutdown releases what is held, as far as the database lets it
+        released = self.stats.released
         await self._release_held()
         self._outage.clear()
-        log.info("database reachable again: resuming")
+        self._outage_log.back(self.stats.released - released)
 
     def _drain_buffer_to_unreleased(self) -> None:
         while True:
@@ -437,17 +444,27 @@ class Worker:
 
     async def _release_held(self) -> None:
         held, self._unreleased = self._unreleased, []
+        kept: list[Delivery] = []
+        error: Exception | None = None
         for delivery in held:
             try:
                 await self.queue.release(delivery)
                 self.stats.released += 1
             except Exception as exc:
-                log.warning(
-                    "could not release job %s (%s); it returns when its lease runs out",
+                kept.append(delivery)
+                error = exc
+                log.debug(
+                    "could not release job %s (%s)",
                     delivery.message.job_id,
-                    type(exc).__name__,
+                    reason(exc),
                     extra=log_fields(delivery),
                 )
+        if error is not None:  # one line, not one per job
+            log.warning(
+                "could not release %d job(s) (%s); they return when their lease runs out",
+                len(kept),
+                reason(error),
+            )
 
     async def _shutdown(self, processors: list[asyncio.Task[None]]) -> None:
         """Give back at once what has not started, so other workers can take it; let running
