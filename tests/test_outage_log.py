@@ -46,6 +46,7 @@ async def test_an_outage_logs_one_line_when_the_database_goes_one_when_back_and_
             return metrics.count("succeeded") >= 5
 
         await wait_until(some_done, message="the first jobs to succeed")
+        before = len(caplog.records)  # start-up lines (autovacuum off...) are not the outage's
         proxy.cut()
 
         async def noticed() -> bool:
@@ -70,15 +71,15 @@ async def test_an_outage_logs_one_line_when_the_database_goes_one_when_back_and_
     assert len(back) == 1, messages
     found = re.fullmatch(
         r"database back after (\d+\.\d)s, (\d+) job\(s\) released: resuming"
-        r"( \(\d+ psycopg\.pool warning\(s\) held back\))?",
+        r"( \(\d+ psycopg warning\(s\) held back\))?",
         back[0],
     )
     assert found is not None, back[0]
     assert float(found[1]) >= OUTAGE_SECONDS
     assert int(found[2]) == stats.released >= 1
     assert not [m for m in messages if REPR.search(m)], messages
-    warnings = [m for r, m in zip(records, messages, strict=True) if r.levelno >= logging.WARNING]
-    assert len(warnings) <= 4, warnings  # went away; the acks', the listener's first failure
+    warnings = [r.getMessage() for r in caplog.records[before:] if r.levelno >= logging.WARNING]
+    assert len(warnings) <= 3, warnings  # went away; the acks', the listener's first failure
     assert not [m for m in messages if "still unreachable" in m]  # 3 s < 30 s
     # Nothing lost, nothing twice, no retry burnt.
     assert await scalar(conn, "SELECT count(*) FROM awards") == JOBS

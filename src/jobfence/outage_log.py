@@ -1,8 +1,8 @@
 """What a worker logs about a database outage: one line when the database goes away, one when it
 is back (how long it was gone, how many jobs were given back), and between them at most one line
-every ``still_down_every`` seconds. psycopg_pool's own warnings about each broken connection and
-failed reconnection are held back meanwhile and counted in the line that says it is back. No line
-shows an object's repr (``<psycopg.AsyncConnection [BAD] at 0x...>``)."""
+every ``still_down_every`` seconds. psycopg's and psycopg_pool's own warnings about each broken
+connection, pipeline and failed reconnection are held back meanwhile and counted in the line that
+says it is back. No line shows an object's repr (``<psycopg.AsyncConnection [BAD] at 0x...>``)."""
 
 from __future__ import annotations
 
@@ -14,11 +14,17 @@ from collections.abc import Callable
 from jobfence.harness import is_connection_loss
 
 STILL_DOWN_EVERY = 30.0  # seconds between two "still unreachable" lines
-POOL_LOGGER = "psycopg.pool"
+PSYCOPG_LOGGERS = ("psycopg", "psycopg.pool")  # a filter applies to its own logger's records
 
 # An object's repr names its class with its module (``<psycopg.AsyncConnection [BAD] at 0x...>``,
 # ``<jobfence.pgtx._Chained ...>``); reprs nest, so they are removed from the inside out.
-_DISCARDING = ("discarding broken connection", "discarding closed connection")
+# Held back even outside an outage: each follows an error the worker reports itself (the
+# connection broke; a pipeline's block failed and psycopg drops the second error).
+_ALWAYS_HELD_BACK = (
+    "discarding broken connection",
+    "discarding closed connection",
+    "error ignored terminating",
+)
 _REPR = re.compile(r"<[A-Za-z_]\w*(?:\.\w+)+[^<>]*>")
 
 
@@ -42,8 +48,8 @@ def reason(exc: BaseException) -> str:
 
 
 class OutageLog:
-    """The log lines of one worker's outages; also a :class:`logging.Filter` for the
-    ``psycopg.pool`` logger (see :meth:`filter`)."""
+    """The log lines of one worker's outages; also a :class:`logging.Filter` for psycopg's
+    loggers (see :meth:`filter`)."""
 
     def __init__(
         self,
@@ -97,18 +103,18 @@ class OutageLog:
             "database back after %.1fs, %d job(s) released: resuming%s",
             gone,
             released,
-            f" ({held_back} {POOL_LOGGER} warning(s) held back)" if held_back else "",
+            f" ({held_back} psycopg warning(s) held back)" if held_back else "",
         )
 
     def filter(self, record: logging.LogRecord) -> bool:
-        """For the ``psycopg.pool`` logger: hold back its WARNINGs during an outage, and its
-        "discarding broken/closed connection" always (the worker says why it broke); they
-        are counted in the next :meth:`back` line. With that logger at DEBUG, all pass."""
-        if record.levelno < logging.WARNING or logging.getLogger(POOL_LOGGER).isEnabledFor(
+        """For the ``psycopg`` and ``psycopg.pool`` loggers: hold back their WARNINGs during an
+        outage, and always those in ``_ALWAYS_HELD_BACK``; they are counted in the next
+        :meth:`back` line. With that logger at DEBUG (``jobfence -v``), all pass."""
+        if record.levelno < logging.WARNING or logging.getLogger(record.name).isEnabledFor(
             logging.DEBUG
         ):
             return True
-        if self.down or str(record.msg).startswith(_DISCARDING):
+        if self.down or str(record.msg).startswith(_ALWAYS_HELD_BACK):
             self._held_back += 1
             return False
         return True

@@ -25,7 +25,7 @@ from jobfence.harness import (
     log_fields,
 )
 from jobfence.model import Delivery
-from jobfence.outage_log import POOL_LOGGER, OutageLog, reason
+from jobfence.outage_log import PSYCOPG_LOGGERS, OutageLog, reason
 from jobfence.ports import MetricsSink, QueuePort
 from jobfence.schema import autovacuum_warning, ensure_migrated
 
@@ -171,15 +171,17 @@ class Worker:
             asyncio.create_task(self._process_loop(), name=f"jobfence-processor-{i}")
             for i in range(self.concurrency)
         ]
-        pool_log = logging.getLogger(POOL_LOGGER)
-        pool_log.addFilter(self._outage_log)  # its per-connection warnings: see OutageLog
+        psycopg_logs = [logging.getLogger(name) for name in PSYCOPG_LOGGERS]
+        for logger in psycopg_logs:  # their per-connection warnings: see OutageLog
+            logger.addFilter(self._outage_log)
         try:
             await self._fetch_loop(until)
         finally:
             try:
                 await self._shutdown(processors)
             finally:
-                pool_log.removeFilter(self._outage_log)
+                for logger in psycopg_logs:
+                    logger.removeFilter(self._outage_log)
         return self.stats
 
     async def _fetch_loop(self, until: RunUntil) -> None:
