@@ -14,6 +14,7 @@ import contextlib
 import getpass
 import json
 import os
+import re
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import asdict
@@ -261,10 +262,14 @@ def _guarded(command: Command) -> Command:
 
 
 # ops names the parameters of its functions (the HTTP API's too); here a person typed flags.
-_FLAG_MESSAGES = {
-    "limit": f"--limit must be between 1 and {ops.MAX_PAGE}",
-    "created_from": "--since must be before --until",
+_FLAGS = {
+    "limit": "--limit",
+    "created_from": "--since",
+    "created_to": "--until",
+    "max_items": "--max-items",
+    "requested_by": "--actor",
 }
+_PARAMETER = re.compile(r"\b(" + "|".join(_FLAGS) + r")\b")
 
 
 def _in_flags(exc: InvalidRequest | BulkTooLarge) -> str:
@@ -279,7 +284,9 @@ def _in_flags(exc: InvalidRequest | BulkTooLarge) -> str:
             f"{exc.matching} pending dead letters match, more than --max-items {exc.max_items}:"
             " narrow the filters or raise --max-items"
         )
-    return _FLAG_MESSAGES.get(exc.field or "", str(exc))
+    if exc.field in _FLAGS:  # the message names ops' parameters: name the flags instead
+        return _PARAMETER.sub(lambda m: _FLAGS[m[1]], str(exc))
+    return str(exc)
 
 
 # --- formatting ---------------------------------------------------------------------------
