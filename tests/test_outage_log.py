@@ -11,6 +11,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg_pool import AsyncConnectionPool
 
 import pointsapp
 from jobfence import PgQueue, PrometheusMetrics, Worker, db
@@ -87,6 +88,75 @@ async def test_an_outage_logs_one_line_when_the_database_goes_one_when_back_and_
     assert await scalar(conn, "SELECT count(*) FROM core.processed_jobs") == JOBS
     assert await scalar(conn, "SELECT count(*) FROM core.dead_letters") == 0
     assert metrics.count("retried") == 0
+
+
+async def test_a_worker_stopped_during_an_outage_logs_one_line_for_the_jobs_it_cannot_release(
+    database_url: str, conn: psycopg.AsyncConnection[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    await conn.execute(pointsapp.SCHEMA_SQL)
+    app = pointsapp.build_app()
+    async with conn.transaction():
+        for i in range(JOBS):
+            payload = {"account_id": i % 10 + 1, "points": 1, "mode": "slow"}
+            await app.enqueue(conn, "award_points", payload, job_id=f"j{i}")
+    proxy = OutageProxy(database_url)
+    await proxy.start()
+    # A short pool timeout: each release during the outage fails within 0.5 s, not 30 s.
+    pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
+        proxy.url, max_size=5, kwargs={"autocommit": True}, open=False, timeout=0.5
+    )
+    await pool.open(wait=True)
+    queue = PgQueue(pool, poll_interval_seconds=0.1)
+    metrics = PrometheusMetrics()
+    worker = Worker(
+        app, pool, queue, concurrency=3, poll_seconds=0.1, lease_seconds=2.0, metrics=metrics
+    )
+    caplog.set_level(logging.INFO, logger="jobfence")
+    run = asyncio.create_task(worker.run())
+    try:
+
+        async def some_done() -> bool:
+            return metrics.count("succeeded") >= 5
+
+        await wait_until(some_done, message="the first jobs to succeed")
+        proxy.cut()
+
+        async def noticed() -> bool:
+            return "database went away" in caplog.text
+
+        await wait_until(noticed, message="the worker to notice the outage")
+        worker.stop()
+        stats = await asyncio.wait_for(run, timeout=60)
+    finally:
+        worker.stop()
+        await asyncio.wait_for(asyncio.shield(run), timeout=60)
+        await queue.close()
+        await pool.close()
+        await proxy.close()
+
+    messages = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    lines = [m for m in messages if m.startswith("could not release")]
+    assert len(lines) == 1, messages
+    found = re.fullmatch(
+        r"could not release (\d+) job\(s\) \(PoolTimeout: [^<>]*\); they return when their"
+        r" lease runs out",
+        lines[0],
+    )
+    assert found is not None, lines[0]
+    assert int(found[1]) >= 1
+    assert stats.released == 0
+    # They come back after their lease: a second worker applies every job exactly once.
+    direct = await db.open_pool(database_url, max_size=5)
+    second_queue = PgQueue(direct, poll_interval_seconds=0.1)
+    try:
+        second = Worker(app, direct, second_queue, concurrency=3, poll_seconds=0.1)
+        await asyncio.wait_for(second.run(until="empty"), timeout=60)
+    finally:
+        await second_queue.close()
+        await direct.close()
+    assert await scalar(conn, "SELECT count(*) FROM awards") == JOBS
+    assert await scalar(conn, "SELECT count(DISTINCT job_id) FROM awards") == JOBS
+    assert await scalar(conn, "SELECT count(*) FROM core.dead_letters") == 0
 
 
 def test_a_long_outage_logs_still_unreachable_at_most_once_per_interval(

@@ -446,15 +446,13 @@ class Worker:
 
     async def _release_held(self) -> None:
         held, self._unreleased = self._unreleased, []
-        kept: list[Delivery] = []
-        error: Exception | None = None
+        failed, error = 0, None
         for delivery in held:
             try:
                 await self.queue.release(delivery)
                 self.stats.released += 1
             except Exception as exc:
-                kept.append(delivery)
-                error = exc
+                failed, error = failed + 1, exc
                 log.debug(
                     "could not release job %s (%s)",
                     delivery.message.job_id,
@@ -464,7 +462,7 @@ class Worker:
         if error is not None:  # one line, not one per job
             log.warning(
                 "could not release %d job(s) (%s); they return when their lease runs out",
-                len(kept),
+                failed,
                 reason(error),
             )
 
