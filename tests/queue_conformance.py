@@ -61,6 +61,10 @@ class QueueEnv:
     work_conn: psycopg.AsyncConnection[Any] | None = None
     # Returns once a receiver started in a task is really waiting (e.g. its listener is up).
     until_receiver_waits: Callable[[], Awaitable[None]] = _yield_to_the_loop
+    # Brokers: open another adapter instance on the same broker and names (another worker), and
+    # cut an instance's broker connection abruptly, as a crash or a network fault would.
+    open_queue: Callable[[], Awaitable[QueuePort]] | None = None
+    drop_connection: Callable[[QueuePort], Awaitable[None]] | None = None
     lease_seconds: float = 0.0  # 0: the default for the clock (30 s fake, 0.5 s real)
     delay_seconds: float = 0.0  # 0: the default for the clock (60 s fake, 0.5 s real)
 
@@ -75,20 +79,29 @@ class QueueEnv:
             self.clock.advance(seconds)
 
     async def receive(
-        self, queues: Sequence[str] = (QUEUE,), *, max_messages: int = 10
+        self,
+        queues: Sequence[str] = (QUEUE,),
+        *,
+        max_messages: int = 10,
+        on: QueuePort | None = None,
     ) -> list[Delivery]:
-        return await self.queue.receive(
+        queue = on if on is not None else self.queue
+        return await queue.receive(
             queues, max_messages=max_messages, lease_seconds=self.lease_seconds
         )
 
     async def receive_soon(
-        self, queues: Sequence[str] = (QUEUE,), *, max_messages: int = 10
+        self,
+        queues: Sequence[str] = (QUEUE,),
+        *,
+        max_messages: int = 10,
+        on: QueuePort | None = None,
     ) -> list[Delivery]:
         """Receive what is due now (fake clock) or falls due within a few seconds (real time)."""
         got: list[Delivery] = []
 
         async def some() -> bool:
-            got.extend(await self.receive(queues, max_messages=max_messages))
+            got.extend(await self.receive(queues, max_messages=max_messages, on=on))
             return bool(got)
 
         timeout = 0.0 if self.clock is not None else 10.0
@@ -295,8 +308,9 @@ class QueueConformance:
 
     async def test_a_delayed_publish_is_received_only_after_the_delay(self, env: QueueEnv) -> None:
         if not env.queue.capabilities.delayed_publish:
-            with pytest.raises(ConfigError):
+            with pytest.raises(ConfigError, match="delayed publish"):
                 await env.queue.publish(message("delayed"), delay_seconds=env.delay_seconds)
+            assert (await env.queue.size([QUEUE])).total == 0, "a refused publish adds nothing"
             return
         await env.queue.publish(message("delayed"), delay_seconds=env.delay_seconds)
 
@@ -313,7 +327,12 @@ class QueueConformance:
         assert await env.queue.size([QUEUE]) == QueueSize(due=0, total=0)
         for name in ("leased", "due-1", "due-2"):
             await env.queue.publish(message(name))
-        await env.queue.publish(message("scheduled"), delay_seconds=env.delay_seconds)
+        if env.queue.capabilities.delayed_publish:
+            await env.queue.publish(message("scheduled"), delay_seconds=env.delay_seconds)
+        else:  # held back by a retry instead: leased, then retried with a delay
+            await env.queue.publish(message("scheduled"))
+            (held,) = await env.receive(max_messages=1)
+            assert await env.queue.retry(held, delay_seconds=60.0, error="later") is True
         await env.queue.publish(message("elsewhere", queue=OTHER_QUEUE))
         assert job_ids(await env.receive(max_messages=1)) == ["leased"]
 
@@ -355,6 +374,15 @@ class QueueConformance:
         assert 0.29 <= elapsed < 3.0
 
     async def test_messages_are_received_in_order_of_due_time(self, env: QueueEnv) -> None:
+        if not env.queue.capabilities.delayed_publish:
+            with pytest.raises(ConfigError, match="delayed publish"):
+                await env.queue.publish(message("due-last"), delay_seconds=env.delay_seconds)
+            assert (await env.queue.size([QUEUE])).total == 0, "a refused publish adds nothing"
+            for name in ("due-first", "due-second", "due-third"):
+                await env.queue.publish(message(name))
+            order = [job_ids(await env.receive(max_messages=1)) for _ in range(3)]
+            assert order == [["due-first"], ["due-second"], ["due-third"]]
+            return
         await env.queue.publish(message("due-last"), delay_seconds=env.delay_seconds)
         await env.queue.publish(message("due-fourth"), delay_seconds=env.delay_seconds / 2)
         for name in ("due-first", "due-second", "due-third"):
@@ -426,3 +454,67 @@ class QueueConformance:
             receiver.cancel()
         assert got == []
         await env.queue.close()  # closing twice is harmless
+
+
+class BrokerConformance(QueueConformance):
+    """What a broker shows and the PostgreSQL queue never had: a client connection that drops
+    while it holds a lease, a delivery count kept by the broker (a fresh client sees it), and an
+    ack that comes after the lease was lost. The env provides ``open_queue`` and
+    ``drop_connection``."""
+
+    async def test_a_delivery_whose_connection_drops_comes_back_with_the_next_attempt(
+        self, env: QueueEnv
+    ) -> None:
+        assert env.open_queue is not None and env.drop_connection is not None
+        await env.queue.publish(message("dropped"))
+        (first,) = await env.receive()
+        assert first.attempt == 1
+
+        await env.drop_connection(env.queue)
+        other = await env.open_queue()
+        (second,) = await env.receive_soon(on=other)
+
+        assert (second.message, second.attempt) == (first.message, 2)
+        assert await other.ack(second) is True
+        assert await other.size([QUEUE]) == QueueSize(due=0, total=0)
+
+    async def test_the_delivery_count_is_kept_by_the_broker_not_the_client(
+        self, env: QueueEnv
+    ) -> None:
+        assert env.open_queue is not None
+        await env.queue.publish(message("counted"))
+        (first,) = await env.receive()
+        await env.elapse(env.lease_seconds + 1)
+        (second,) = await env.receive_soon()
+        assert second.attempt == 2
+        await env.queue.close()  # the client that counted goes away, holding the lease
+
+        fresh = await env.open_queue()
+        (third,) = await env.receive_soon(on=fresh)
+        assert (third.message, third.attempt) == (first.message, 3)
+        assert await fresh.retry(third, delay_seconds=0.0, error="Flaky: again") is True
+        await fresh.close()
+
+        later = await env.open_queue()
+        (fourth,) = await env.receive_soon(on=later)
+        assert (fourth.message, fourth.attempt) == (first.message, 4)
+        assert await later.ack(fourth) is True
+
+    async def test_an_ack_after_the_lease_was_lost_is_refused_and_the_new_holder_keeps_it(
+        self, env: QueueEnv
+    ) -> None:
+        assert env.open_queue is not None
+        await env.queue.publish(message("late"))
+        (late,) = await env.receive()
+        other = await env.open_queue()
+        (current,) = await env.receive_soon(on=other)  # once the first lease has run out
+        assert current.attempt == 2
+
+        assert await env.queue.ack(late) is False
+        assert await env.queue.retry(late, delay_seconds=0.0, error="late worker") is False
+        await env.queue.release(late)
+
+        assert await other.size([QUEUE]) == QueueSize(due=0, total=1)
+        assert await env.receive(on=other) == []
+        assert await other.ack(current) is True
+        assert await other.size([QUEUE]) == QueueSize(due=0, total=0)
