@@ -62,9 +62,9 @@ class QueueEnv:
     # Returns once a receiver started in a task is really waiting (e.g. its listener is up).
     until_receiver_waits: Callable[[], Awaitable[None]] = _yield_to_the_loop
     # Brokers: open another adapter instance on the same broker and names (another worker), and
-    # cut an instance's broker connection abruptly, as a crash or a network fault would.
+    # cut ``queue``'s broker connection abruptly, as a crash or a network fault would.
     open_queue: Callable[[], Awaitable[QueuePort]] | None = None
-    drop_connection: Callable[[QueuePort], Awaitable[None]] | None = None
+    drop_connection: Callable[[], Awaitable[None]] | None = None
     lease_seconds: float = 0.0  # 0: the default for the clock (30 s fake, 0.5 s real)
     delay_seconds: float = 0.0  # 0: the default for the clock (60 s fake, 0.5 s real)
 
@@ -263,6 +263,24 @@ class QueueConformance:
         await env.queue.ack(current)
         assert await env.queue.size([QUEUE]) == QueueSize(due=0, total=0)
 
+    async def test_an_ack_after_the_lease_ran_out_before_a_takeover_follows_the_capability(
+        self, env: QueueEnv
+    ) -> None:
+        await env.queue.publish(message("overdue"))
+        (overdue,) = await env.receive()
+        await env.elapse(env.lease_seconds + 1)
+        if env.clock is None:  # real time: let the lease run out
+            await asyncio.sleep(env.lease_seconds * 1.2)
+
+        if env.queue.capabilities.exact_stale_ack:
+            assert await env.queue.ack(overdue) is True, "nobody took it over: the ack stands"
+            assert await env.queue.size([QUEUE]) == QueueSize(due=0, total=0)
+            return
+        assert await env.queue.ack(overdue) is False, "refused by the client's lease clock"
+        (again,) = await env.receive_soon()
+        assert (again.message, again.attempt) == (overdue.message, 2)
+        assert await env.queue.ack(again) is True
+
     async def test_retry_makes_the_message_due_only_after_the_delay_and_counts_the_attempt(
         self, env: QueueEnv
     ) -> None:
@@ -325,14 +343,14 @@ class QueueConformance:
 
     async def test_size_counts_due_and_total_messages_per_queue(self, env: QueueEnv) -> None:
         assert await env.queue.size([QUEUE]) == QueueSize(due=0, total=0)
+        if not env.queue.capabilities.delayed_publish:  # held back by a retry with a delay
+            await env.queue.publish(message("scheduled"))
+            (held,) = await env.receive(max_messages=1)
+            assert await env.queue.retry(held, delay_seconds=60.0, error="later") is True
         for name in ("leased", "due-1", "due-2"):
             await env.queue.publish(message(name))
         if env.queue.capabilities.delayed_publish:
             await env.queue.publish(message("scheduled"), delay_seconds=env.delay_seconds)
-        else:  # held back by a retry instead: leased, then retried with a delay
-            await env.queue.publish(message("scheduled"))
-            (held,) = await env.receive(max_messages=1)
-            assert await env.queue.retry(held, delay_seconds=60.0, error="later") is True
         await env.queue.publish(message("elsewhere", queue=OTHER_QUEUE))
         assert job_ids(await env.receive(max_messages=1)) == ["leased"]
 
@@ -470,7 +488,7 @@ class BrokerConformance(QueueConformance):
         (first,) = await env.receive()
         assert first.attempt == 1
 
-        await env.drop_connection(env.queue)
+        await env.drop_connection()
         other = await env.open_queue()
         (second,) = await env.receive_soon(on=other)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
+from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 import redis.asyncio as aioredis
@@ -11,6 +12,7 @@ import redis.asyncio as aioredis
 from jobfence import QueueCapabilities
 from jobfence.adapters.redis_streams import RedisStreamsQueue
 from queue_conformance import BrokerConformance, QueueEnv
+from support import TcpProxy
 
 
 class TestRedisStreamsConformance(BrokerConformance):
@@ -26,13 +28,14 @@ class TestRedisStreamsConformance(BrokerConformance):
             opened.append(queue)
             return queue
 
-        async def drop_connection(queue: object) -> None:
-            assert isinstance(queue, RedisStreamsQueue)
-            await queue._redis.connection_pool.disconnect()  # abrupt: no ack, no goodbye
-
-        yield QueueEnv(
-            queue=await open_queue(), open_queue=open_queue, drop_connection=drop_connection
-        )
+        parts = urlsplit(redis_url)
+        async with TcpProxy(parts.hostname or "127.0.0.1", parts.port or 6379) as proxy:
+            # The queue under test reaches Redis through a proxy that can cut it off.
+            dropped = RedisStreamsQueue(
+                urlunsplit(parts._replace(netloc=f"127.0.0.1:{proxy.port}")), prefix=prefix
+            )
+            opened.append(dropped)
+            yield QueueEnv(queue=dropped, open_queue=open_queue, drop_connection=proxy.cut)
         for queue in opened:
             await queue.close()
         admin = aioredis.Redis.from_url(redis_url)
