@@ -536,3 +536,20 @@ class BrokerConformance(QueueConformance):
         assert await env.receive(on=other) == []
         assert await other.ack(current) is True
         assert await other.size([QUEUE]) == QueueSize(due=0, total=0)
+
+    async def test_size_sees_another_clients_lease_or_declares_that_it_does_not(
+        self, env: QueueEnv
+    ) -> None:
+        assert env.open_queue is not None
+        other = await env.open_queue()
+        await env.queue.publish(message("theirs"))
+        (theirs,) = await env.receive(on=other)
+
+        if env.queue.capabilities.exact_size:
+            assert await env.queue.size([QUEUE]) == QueueSize(due=0, total=1)
+        else:
+            assert await env.queue.size([QUEUE]) == QueueSize(due=0, total=0), (
+                "declared: another client's lease is not seen"
+            )
+        assert await other.size([QUEUE]) == QueueSize(due=0, total=1)
+        assert await other.ack(theirs) is True
