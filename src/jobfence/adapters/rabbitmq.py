@@ -25,8 +25,9 @@ Every publish waits for the broker's publisher confirm; messages are persistent.
   second for the broker's TTL check and the receiver's poll), and a queue has at most about 240
   wait queues, each existing only while in use.
 - **Size**: AMQP shows a queue's ready messages only. ``size`` adds what this adapter instance
-  holds (leases) and scheduled (its wait queues); leases and delayed messages of other
-  instances are not seen (``capabilities.exact_size`` is False).
+  holds (leases) and scheduled (counted until 5 s after each falls due, to cover its way back
+  from the wait queue); leases and delayed messages of other instances are not seen
+  (``capabilities.exact_size`` is False).
 - A waiting ``receive`` polls with ``basic.get`` every 50 ms.
 
 Not transactional: ``publish`` and ``ack`` refuse a database transaction.
@@ -70,6 +71,7 @@ _POLL_SECONDS = 0.05
 _WAIT_STEP = 1.05
 _WAIT_BASE_MS = 100
 _WAIT_EXPIRES_EXTRA_MS = 60_000
+_ARRIVAL_GRACE = 5.0
 
 
 def wait_bucket_ms(delay_seconds: float) -> int:
@@ -126,8 +128,8 @@ class RabbitMQQueue:
         self._lock = asyncio.Lock()
         self._declared: dict[str, AbstractQueue] = {}
         self._held: set[RabbitReceipt] = set()
-        # queue -> the wait queues this instance scheduled messages in
-        self._scheduled_in: dict[str, set[str]] = {}
+        # queue -> when each message this instance scheduled falls due (loop time)
+        self._scheduled: dict[str, list[float]] = {}
         self._background: set[asyncio.Task[None]] = set()
         self._closed = False
 
@@ -180,7 +182,6 @@ class RabbitMQQueue:
                 "x-overflow": "reject-publish",
             },
         )
-        self._scheduled_in.setdefault(queue, set()).add(name)
         return name
 
     # -- the port -----------------------------------------------------------------------
@@ -200,6 +201,8 @@ class RabbitMQQueue:
         await self._queue(message.queue)
         if delay_seconds > 0:
             routing_key = await self._wait_queue(message.queue, delay_seconds)
+            due_at = asyncio.get_running_loop().time() + wait_bucket_ms(delay_seconds) / 1000
+            self._scheduled.setdefault(message.queue, []).append(due_at)
         else:
             routing_key = self._name(message.queue)
         headers: dict[str, Any] = {_H_CONSUMER: message.consumer, _H_PRIOR: prior}
@@ -336,21 +339,23 @@ class RabbitMQQueue:
     async def size(self, queues: Sequence[str]) -> QueueSize:
         """Ready messages (due), plus this instance's leases and scheduled messages (total)."""
         due = total = 0
-        await self._open_channel()
+        now = asyncio.get_running_loop().time()
         for queue in queues:
             name = self._name(queue)
             ready = await self._ready(name)
             held = sum(1 for r in self._held if r.queue_name == name)
-            scheduled = 0
-            for wait_name in sorted(self._scheduled_in.get(queue, ())):
-                scheduled += await self._ready(wait_name)
+            # Counted until a while after they fall due: once expired from its wait queue, a
+            # message is on its way back (dead-lettering) and counted by neither queue.
+            pending = [t for t in self._scheduled.get(queue, []) if t + _ARRIVAL_GRACE > now]
+            self._scheduled[queue] = pending
             due += ready
-            total += ready + held + scheduled
+            total += ready + held + len(pending)
         return QueueSize(due=due, total=total)
 
     async def _ready(self, name: str) -> int:
         """Messages ready in queue ``name`` (0 when it does not exist), on a channel of its own
         so a missing queue (which closes the channel) leaves the main one open."""
+        await self._open_channel()
         assert self._conn is not None
         probe = await self._conn.channel(publisher_confirms=False)
         try:
