@@ -11,7 +11,7 @@ import redis.asyncio as aioredis
 
 from jobfence import QueueCapabilities
 from jobfence.adapters.redis_streams import RedisStreamsQueue
-from queue_conformance import BrokerConformance, QueueEnv
+from queue_conformance import QUEUE, BrokerConformance, QueueEnv, message
 from support import TcpProxy
 
 
@@ -39,6 +39,31 @@ class TestRedisStreamsConformance(BrokerConformance):
         for queue in opened:
             await queue.close()
         admin = aioredis.Redis.from_url(redis_url)
+        keys = [key async for key in admin.scan_iter(match=f"{prefix}:*")]
+        if keys:
+            await admin.delete(*keys)
+        await admin.aclose()
+
+
+async def test_a_closed_instance_leaves_the_consumer_group_only_when_it_holds_nothing(
+    redis_url: str,
+) -> None:
+    prefix = f"jftest-{uuid.uuid4().hex[:12]}"
+    admin = aioredis.Redis.from_url(redis_url)
+    stream = f"{prefix}:{{{QUEUE}}}:stream"
+    try:
+        idle = RedisStreamsQueue(redis_url, prefix=prefix, consumer_name="idle")
+        holder = RedisStreamsQueue(redis_url, prefix=prefix, consumer_name="holder")
+        await idle.publish(message("held"))
+        (given_back,) = await idle.receive([QUEUE], max_messages=1, lease_seconds=60)
+        await idle.release(given_back)
+        (held,) = await holder.receive([QUEUE], max_messages=1, lease_seconds=60)
+        await idle.close()
+        await holder.close()
+
+        consumers = await admin.xinfo_consumers(stream, "jobfence")
+        assert [(c["name"], c["pending"]) for c in consumers] == [(b"holder", 1)]
+    finally:
         keys = [key async for key in admin.scan_iter(match=f"{prefix}:*")]
         if keys:
             await admin.delete(*keys)

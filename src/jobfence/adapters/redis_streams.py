@@ -137,6 +137,16 @@ return 1
 """
 
 
+# KEYS: stream. ARGV: group, consumer. Removes the consumer from the group when it holds
+# nothing (its pending entries, if any, stay claimable by the others after their idle time).
+_FORGET_CONSUMER = """
+if #redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2]) == 0 then
+  redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
+end
+return 1
+"""
+
+
 @dataclass(slots=True)
 class RedisReceipt:
     stream: str
@@ -209,6 +219,7 @@ class RedisStreamsQueue:
         self._claim = self._redis.register_script(_CLAIM)
         self._settle = self._redis.register_script(_SETTLE)
         self._schedule_script = self._redis.register_script(_SCHEDULE)
+        self._forget_consumer = self._redis.register_script(_FORGET_CONSUMER)
         self._grouped: set[str] = set()
         self._lease_ms: int | None = None
         self._closed = False
@@ -441,10 +452,14 @@ class RedisStreamsQueue:
         return QueueSize(due=due, total=total)
 
     async def close(self) -> None:
-        """Close the connections; a waiting receiver returns an empty list."""
+        """Leave the consumer group if this instance holds nothing, and close the connections;
+        a waiting receiver returns an empty list."""
         if self._closed:
             return
         self._closed = True
+        with contextlib.suppress(Exception):
+            for stream in sorted(self._grouped):
+                await self._forget_consumer(keys=[stream], args=[GROUP, self._consumer])
         with contextlib.suppress(Exception):
             await self._redis.aclose()
 
