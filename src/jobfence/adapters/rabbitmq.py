@@ -22,7 +22,7 @@ Every publish waits for the broker's publisher confirm; messages are persistent.
   ``<prefix>.<queue>.wait.<ms>`` (a quorum queue with that message TTL, dead-lettering
   at-least-once back into the queue, expiring a minute after its last use). Delays are rounded
   up to a ladder of steps 5% apart (from 100 ms), so a delay is kept within +5% (plus up to a
-  second for the broker's TTL check and the receiver's poll), and a queue has at most about 240
+  second for the broker's TTL check and the receiver's poll), and a queue has at most about 220
   wait queues, each existing only while in use.
 - **Size**: AMQP shows a queue's ready messages only. ``size`` adds what this adapter instance
   holds (leases) and scheduled (counted until 5 s after each falls due, to cover its way back
