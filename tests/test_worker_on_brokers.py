@@ -13,53 +13,20 @@ import pytest
 from psycopg_pool import AsyncConnectionPool
 
 import pointsapp
+from brokers import BROKERS, delete_everything, make_queue
 from jobfence import Message, QueuePort, RetryPolicy, Worker
 from support import scalar
 
 
-@pytest.fixture(params=["redis", "nats", "rabbitmq"])
+@pytest.fixture(params=BROKERS)
 async def broker_queue(request: pytest.FixtureRequest) -> AsyncIterator[QueuePort]:
+    kind: str = request.param
+    url: str = request.getfixturevalue({"rabbitmq": "amqp_url"}.get(kind, f"{kind}_url"))
     name = f"jftest{uuid.uuid4().hex[:12]}"
-    queue: QueuePort
-    if request.param == "redis":
-        from jobfence.adapters.redis_streams import RedisStreamsQueue
-
-        url = request.getfixturevalue("redis_url")
-        queue = RedisStreamsQueue(url, prefix=name)
-        yield queue
-        await queue.close()
-        import redis.asyncio as aioredis
-
-        admin = aioredis.Redis.from_url(url)
-        keys = [key async for key in admin.scan_iter(match=f"{name}:*")]
-        if keys:
-            await admin.delete(*keys)
-        await admin.aclose()
-    elif request.param == "nats":
-        import nats
-
-        from jobfence.adapters.nats import NatsQueue
-
-        url = request.getfixturevalue("nats_url")
-        queue = NatsQueue(url, stream=name.upper(), subject_prefix=name)
-        yield queue
-        await queue.close()
-        nc = await nats.connect(url)
-        await nc.jetstream().delete_stream(name.upper())
-        await nc.close()
-    else:
-        import aio_pika
-
-        from jobfence.adapters.rabbitmq import RabbitMQQueue
-
-        url = request.getfixturevalue("amqp_url")
-        queue = RabbitMQQueue(url, prefix=name)
-        yield queue
-        await queue.close()
-        connection = await aio_pika.connect(url)
-        channel = await connection.channel()
-        await channel.queue_delete(f"{name}.{pointsapp.QUEUE}")
-        await connection.close()
+    queue = make_queue(kind, url, name)
+    yield queue
+    await queue.close()
+    await delete_everything(kind, url, name, [pointsapp.QUEUE])
 
 
 async def test_the_worker_runs_unchanged_on_a_broker(
