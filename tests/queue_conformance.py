@@ -537,6 +537,23 @@ class BrokerConformance(QueueConformance):
         assert await other.ack(current) is True
         assert await other.size([QUEUE]) == QueueSize(due=0, total=0)
 
+    async def test_a_delayed_retry_arrives_no_sooner_than_its_delay_and_within_the_tolerance(
+        self, env: QueueEnv
+    ) -> None:
+        """D2 on a broker: a retry's delay holds, within +5% and a second of polling."""
+        loop = asyncio.get_running_loop()
+        await env.queue.publish(message("scheduled-retry"))
+        (first,) = await env.receive()
+        delay = 1.5
+        retried_at = loop.time()
+        assert await env.queue.retry(first, delay_seconds=delay, error="Flaky: later") is True
+
+        (second,) = await env.receive_soon()
+        waited = loop.time() - retried_at
+
+        assert second.attempt == 2
+        assert delay <= waited <= delay * 1.05 + 1.0
+
     async def test_size_sees_another_clients_lease_or_declares_that_it_does_not(
         self, env: QueueEnv
     ) -> None:
