@@ -11,7 +11,7 @@ import pytest
 
 from jobfence import QueueCapabilities
 from jobfence.adapters.rabbitmq import RabbitMQQueue, wait_bucket_ms
-from queue_conformance import BrokerConformance, QueueEnv
+from queue_conformance import QUEUE, BrokerConformance, QueueEnv, message
 from support import TcpProxy
 
 
@@ -65,3 +65,31 @@ def test_a_delay_is_rounded_up_to_a_wait_queue_at_most_5_percent_longer() -> Non
         ttl = wait_bucket_ms(seconds)
         assert seconds * 1000 <= ttl <= max(seconds * 1000 * 1.05, 100) + 1
     assert len({wait_bucket_ms(s / 10) for s in range(0, 36_001)}) < 250
+
+
+async def test_a_retry_whose_copy_cannot_be_published_gives_the_original_back(
+    amqp_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Publishing the copy fails (the broker went away for that call): the retry fails loudly,
+    and the original is back in the queue at once, counted, not stuck unacked on the channel
+    for its 60 s lease."""
+    prefix = f"jftest.{uuid.uuid4().hex[:12]}"
+    queue = RabbitMQQueue(amqp_url, prefix=prefix)
+    try:
+        await queue.publish(message("copy-refused"))
+        (first,) = await queue.receive([QUEUE], max_messages=1, lease_seconds=60)
+
+        async def refused(*args: object, **kwargs: object) -> None:
+            raise ConnectionError("the broker refused the copy")
+
+        monkeypatch.setattr(queue, "_publish", refused)
+        with pytest.raises(ConnectionError, match="refused the copy"):
+            await queue.retry(first, delay_seconds=30.0, error="Flaky: later")
+        monkeypatch.undo()
+
+        again = await queue.receive([QUEUE], max_messages=1, lease_seconds=60, wait_seconds=5)
+        assert [(d.message, d.attempt) for d in again] == [(first.message, 2)]
+        assert await queue.ack(again[0]) is True
+    finally:
+        await queue.close()
+        await delete_queues(amqp_url, prefix)

@@ -323,17 +323,29 @@ class RabbitMQQueue:
         receipt = _receipt(delivery)
         if not self._take_hold(receipt):
             return False
-        await self._publish(
-            delivery.message, prior=delivery.attempt, delay_seconds=max(delay_seconds, 0.0)
+        await self._republish(
+            receipt, delivery.message, prior=delivery.attempt, delay_seconds=delay_seconds
         )
-        await receipt.incoming.ack()
         return True
 
     async def release(self, delivery: Delivery) -> None:
         receipt = _receipt(delivery)
         if not self._take_hold(receipt):
             return
-        await self._publish(delivery.message, prior=delivery.attempt - 1, delay_seconds=0.0)
+        await self._republish(
+            receipt, delivery.message, prior=delivery.attempt - 1, delay_seconds=0.0
+        )
+
+    async def _republish(
+        self, receipt: RabbitReceipt, message: Message, *, prior: int, delay_seconds: float
+    ) -> None:
+        """Publish a copy (confirmed), then ack the original. If the copy cannot be published,
+        the original goes back to the queue (and counts), so it never sits unacked."""
+        try:
+            await self._publish(message, prior=prior, delay_seconds=max(delay_seconds, 0.0))
+        except BaseException:
+            await self._give_back(receipt)
+            raise
         await receipt.incoming.ack()
 
     async def size(self, queues: Sequence[str]) -> QueueSize:
