@@ -13,7 +13,7 @@ from nats.js.errors import NotFoundError
 
 from jobfence import QueueCapabilities
 from jobfence.adapters.nats import NatsQueue
-from queue_conformance import BrokerConformance, QueueEnv
+from queue_conformance import QUEUE, BrokerConformance, QueueEnv, message
 from support import TcpProxy
 
 
@@ -47,4 +47,33 @@ class TestNatsConformance(BrokerConformance):
         nc = await nats.connect(nats_url)
         with contextlib.suppress(NotFoundError):  # a test that never connected made none
             await nc.jetstream().delete_stream(name)
+        await nc.close()
+
+
+async def test_a_release_whose_copy_cannot_be_published_gives_the_original_back(
+    nats_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Publishing the copy fails: the release fails loudly, and the original is delivered again
+    at once (counted), not after its 60 s AckWait."""
+    name = f"JFTEST_{uuid.uuid4().hex[:12]}"
+    queue = NatsQueue(nats_url, stream=name, subject_prefix=name.lower())
+    try:
+        await queue.publish(message("copy-refused"))
+        (first,) = await queue.receive([QUEUE], max_messages=1, lease_seconds=60)
+
+        async def refused(*args: object, **kwargs: object) -> None:
+            raise ConnectionError("the server refused the copy")
+
+        monkeypatch.setattr(queue, "_publish", refused)
+        with pytest.raises(ConnectionError, match="refused the copy"):
+            await queue.release(first)
+        monkeypatch.undo()
+
+        again = await queue.receive([QUEUE], max_messages=1, lease_seconds=60, wait_seconds=5)
+        assert [(d.message, d.attempt) for d in again] == [(first.message, 2)]
+        assert await queue.ack(again[0]) is True
+    finally:
+        await queue.close()
+        nc = await nats.connect(nats_url)
+        await nc.jetstream().delete_stream(name)
         await nc.close()

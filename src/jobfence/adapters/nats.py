@@ -72,7 +72,8 @@ _H_CORRELATION = "Jobfence-Correlation-Id"
 _H_PRIOR = "Jobfence-Prior"
 _SUBJECT_TOKEN = re.compile(r"^[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*$")
 _NAME = re.compile(r"^[A-Za-z0-9_\-]+$")
-# A waiting receive re-issues its pull request at least this often (looks at close() again).
+# A waiting receive re-issues its pull request at least this often (looks at close() again),
+# and at least four times per lease.
 _WAIT_SLICE_SECONDS = 1.0
 # How long the server gets to answer a no-wait pull request.
 _NO_WAIT_ANSWER_SECONDS = 5.0
@@ -248,7 +249,9 @@ class NatsQueue:
                 remaining = deadline - loop.time()
                 if remaining <= 0.01:
                     break
-                slice_ = min(remaining, _WAIT_SLICE_SECONDS / len(durables))
+                # A delivery's lease is counted from its pull request's send time, so a long
+                # lingering request would eat into it: at most a quarter of the lease.
+                slice_ = min(remaining, _WAIT_SLICE_SECONDS, lease_seconds / 4) / len(durables)
                 for queue, durable in durables:
                     got += await self._pull(queue, durable, max_messages, max(slice_, 0.01))
                     if got or self._closed:
@@ -355,7 +358,12 @@ class NatsQueue:
             return
         receipt.settled = True
         delivered = int(receipt.msg.metadata.num_delivered)
-        await self._publish(delivery.message, prior=receipt.prior + delivered - 1)
+        try:
+            await self._publish(delivery.message, prior=receipt.prior + delivered - 1)
+        except BaseException:
+            with contextlib.suppress(Exception):  # back at once, counted, not after AckWait
+                await receipt.msg.nak()
+            raise
         await receipt.msg.ack_sync()
 
     async def size(self, queues: Sequence[str]) -> QueueSize:
