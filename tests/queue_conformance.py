@@ -182,6 +182,7 @@ class QueueConformance:
             "main-4",
         }
         assert await env.receive(["conformance.nobody"], max_messages=10) == []
+        assert await env.receive([], max_messages=10) == []
 
     async def test_a_leased_message_is_not_received_again_before_its_lease_ends(
         self, env: QueueEnv

@@ -285,7 +285,7 @@ class RedisStreamsQueue:
         lease_seconds: float,
         wait_seconds: float = 0.0,
     ) -> list[Delivery]:
-        if max_messages <= 0:
+        if max_messages <= 0 or not queues:
             return []
         self._lease_ms = lease_ms = max(int(lease_seconds * 1000), 1)
         streams = [self._stream(q) for q in queues]
