@@ -7,7 +7,13 @@ and for transactional adapters an autocommit connection to the work database. An
 real time gets short leases and delays, and the tests poll with deadlines instead of sleeping.
 
 A capability an adapter lacks is declared, never skipped: the capability-gated tests check the
-behaviour where it is declared and the refusal (``ConfigError``) where it is not.
+behaviour where it is declared and the refusal (``ConfigError``), or the documented weaker
+behaviour, where it is not.
+
+A broker adapter's test class subclasses :class:`BrokerConformance` instead, which adds what a
+broker shows and the PostgreSQL queue never had (a connection cut while holding a lease, a
+delivery count kept by the broker, an ack after the lease was lost); its env also provides
+``open_queue`` (another client on the same broker) and ``drop_connection``.
 """
 
 from __future__ import annotations
