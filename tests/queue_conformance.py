@@ -169,6 +169,18 @@ class QueueConformance:
             assert type(delivery.message.body) is bytes
             assert delivery.attempt == 1
 
+    async def test_ids_with_line_breaks_percent_signs_and_non_ascii_arrive_unchanged(
+        self, env: QueueEnv
+    ) -> None:
+        odd = message(
+            " job\r\nX-Injected: 1 %41 ü ",
+            tenant_id="tenant: ü\n%",
+            correlation_id="corr\r\n%0A €",
+        )
+        await env.queue.publish(odd)
+        got = await env.receive()
+        assert [(d.message, d.attempt) for d in got] == [(odd, 1)]
+
     async def test_receive_takes_at_most_max_messages_from_the_named_queues_only(
         self, env: QueueEnv
     ) -> None:

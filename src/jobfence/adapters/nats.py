@@ -10,6 +10,8 @@ shared by every worker of that queue.
   delivered again by the server, so a hung or dead holder loses it after AckWait.
 - **Attempt**: the server's delivery count (``metadata.num_delivered``), plus the deliveries of
   earlier copies of the same job (the ``Jobfence-Prior`` header of a released message).
+- **Fields**: the body is the payload; job id, consumer, tenant and correlation id travel in
+  ``Jobfence-*`` headers, percent-encoded where a header could not carry them as they are.
 - **Stale receipts**: JetStream accepts an ack from an earlier delivery of a message that was
   delivered again (it acks by stream sequence). So the adapter keeps each delivery's lease
   deadline on the client (the pull request's send time + AckWait, minus a margin) and refuses
@@ -41,6 +43,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote, unquote
 
 from psycopg import AsyncConnection
 
@@ -72,6 +75,7 @@ _H_CORRELATION = "Jobfence-Correlation-Id"
 _H_PRIOR = "Jobfence-Prior"
 _SUBJECT_TOKEN = re.compile(r"^[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*$")
 _NAME = re.compile(r"^[A-Za-z0-9_\-]+$")
+_HEADER_SAFE = "!\"#$&'()*+,-./:;<=>?@[\\]^_`{|}~"
 # A waiting receive re-issues its pull request at least this often (looks at close() again),
 # and at least four times per lease.
 _WAIT_SLICE_SECONDS = 1.0
@@ -100,6 +104,12 @@ def _refuse_tx(operation: str) -> ConfigError:
         f"{operation} inside a database transaction; call it without tx= after the "
         "transaction commits"
     )
+
+
+def _header(value: str) -> str:
+    """A header value: spaces, line breaks, ``%`` and non-ASCII percent-encoded (headers are
+    line-based and trimmed), the rest as is."""
+    return quote(value, safe=_HEADER_SAFE)
 
 
 def _lease_margin(lease_seconds: float) -> float:
@@ -217,11 +227,15 @@ class NatsQueue:
     async def _publish(self, message: Message, *, prior: int) -> None:
         js = await self._jetstream()
         await self._consumer(message.queue, None)
-        headers = {_H_CONSUMER: message.consumer, _H_JOB_ID: message.job_id, _H_PRIOR: str(prior)}
+        headers = {
+            _H_CONSUMER: _header(message.consumer),
+            _H_JOB_ID: _header(message.job_id),
+            _H_PRIOR: str(prior),
+        }
         if message.tenant_id is not None:
-            headers[_H_TENANT] = message.tenant_id
+            headers[_H_TENANT] = _header(message.tenant_id)
         if message.correlation_id is not None:
-            headers[_H_CORRELATION] = message.correlation_id
+            headers[_H_CORRELATION] = _header(message.correlation_id)
         await js.publish(
             self._subject(message.queue), message.body, stream=self._stream, headers=headers
         )
@@ -312,13 +326,14 @@ class NatsQueue:
     def _delivery(queue: str, msg: Msg, lease_deadline: float) -> Delivery:
         headers = msg.headers or {}
         prior = int(headers.get(_H_PRIOR, "0"))
+        tenant, correlation = headers.get(_H_TENANT), headers.get(_H_CORRELATION)
         message = Message(
             queue=queue,
-            consumer=headers.get(_H_CONSUMER, ""),
-            job_id=headers.get(_H_JOB_ID, ""),
+            consumer=unquote(headers.get(_H_CONSUMER, "")),
+            job_id=unquote(headers.get(_H_JOB_ID, "")),
             body=bytes(msg.data),
-            tenant_id=headers.get(_H_TENANT),
-            correlation_id=headers.get(_H_CORRELATION),
+            tenant_id=None if tenant is None else unquote(tenant),
+            correlation_id=None if correlation is None else unquote(correlation),
         )
         delivered = int(msg.metadata.num_delivered)
         receipt = NatsReceipt(msg=msg, prior=prior, deadline=lease_deadline)
