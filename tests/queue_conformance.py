@@ -181,6 +181,12 @@ class QueueConformance:
         got = await env.receive()
         assert [(d.message, d.attempt) for d in got] == [(odd, 1)]
 
+    async def test_ids_of_a_thousand_characters_arrive_unchanged(self, env: QueueEnv) -> None:
+        long = message("j" * 1000, tenant_id="t" * 1000, correlation_id="c" * 1000)
+        await env.queue.publish(long)
+        got = await env.receive()
+        assert [(d.message, d.attempt) for d in got] == [(long, 1)]
+
     async def test_receive_takes_at_most_max_messages_from_the_named_queues_only(
         self, env: QueueEnv
     ) -> None:

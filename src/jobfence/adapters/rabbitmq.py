@@ -64,7 +64,10 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 _H_CONSUMER = "x-jobfence-consumer"
+_H_JOB_ID = "x-jobfence-job-id"
 _H_TENANT = "x-jobfence-tenant-id"
+_H_CORRELATION = "x-jobfence-correlation-id"
+_SHORTSTR_BYTES = 255  # AMQP's message-id and correlation-id properties hold no more
 _H_PRIOR = "x-jobfence-prior"
 _NAME = re.compile(r"^[A-Za-z0-9_.\-:]+$")
 _POLL_SECONDS = 0.05
@@ -72,6 +75,12 @@ _WAIT_STEP = 1.05
 _WAIT_BASE_MS = 100
 _WAIT_EXPIRES_EXTRA_MS = 60_000
 _ARRIVAL_GRACE = 5.0
+
+
+def _short(value: str | None) -> str | None:
+    if value is None or len(value.encode()) > _SHORTSTR_BYTES:
+        return None
+    return value
 
 
 def wait_bucket_ms(delay_seconds: float) -> int:
@@ -205,16 +214,24 @@ class RabbitMQQueue:
             self._scheduled.setdefault(message.queue, []).append(due_at)
         else:
             routing_key = self._name(message.queue)
-        headers: dict[str, Any] = {_H_CONSUMER: message.consumer, _H_PRIOR: prior}
+        # The ids travel in headers (any length); the AMQP properties repeat them for tools
+        # when they fit.
+        headers: dict[str, Any] = {
+            _H_CONSUMER: message.consumer,
+            _H_JOB_ID: message.job_id,
+            _H_PRIOR: prior,
+        }
         if message.tenant_id is not None:
             headers[_H_TENANT] = message.tenant_id
+        if message.correlation_id is not None:
+            headers[_H_CORRELATION] = message.correlation_id
         channel = await self._open_channel()
         await channel.default_exchange.publish(  # returns once the broker confirmed it
             aio_pika.Message(
                 message.body,
                 headers=headers,
-                message_id=message.job_id,
-                correlation_id=message.correlation_id,
+                message_id=_short(message.job_id),
+                correlation_id=_short(message.correlation_id),
                 delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
             ),
             routing_key=routing_key,
@@ -257,14 +274,14 @@ class RabbitMQQueue:
         headers = incoming.headers or {}
         prior = int(str(headers.get(_H_PRIOR, 0)))
         count = int(str(headers.get("x-delivery-count", 0)))
-        tenant = headers.get(_H_TENANT)
+        tenant, correlation = headers.get(_H_TENANT), headers.get(_H_CORRELATION)
         message = Message(
             queue=queue,
             consumer=str(headers.get(_H_CONSUMER, "")),
-            job_id=incoming.message_id or "",
+            job_id=str(headers.get(_H_JOB_ID, "")),
             body=bytes(incoming.body),
             tenant_id=None if tenant is None else str(tenant),
-            correlation_id=incoming.correlation_id,
+            correlation_id=None if correlation is None else str(correlation),
         )
         assert incoming.channel is not None  # a basic.get delivery always has its channel
         channel = self._channel
