@@ -27,6 +27,15 @@ class QueueCapabilities:
 
     transactional: bool
     delayed_publish: bool = True
+    # True: the queue itself knows which delivery holds a message, so an ack, retry or release
+    # is refused exactly when another delivery took it over. False: the adapter refuses them
+    # once the delivery's lease ran out by the client's clock, even if nobody took the message
+    # over yet (the message is then delivered again).
+    exact_stale_ack: bool = True
+    # True: ``size`` counts every message of the queue, whoever holds or scheduled it. False:
+    # it counts the messages ready in the queue plus those this adapter instance holds or
+    # scheduled; other clients' leases and scheduled messages are not seen.
+    exact_size: bool = True
 
 
 @dataclass(frozen=True, slots=True)
