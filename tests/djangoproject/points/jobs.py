@@ -1,0 +1,46 @@
+"""The project's jobs: ``award_points`` writes a Point through the ORM."""
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from django.db import connection
+from pydantic import BaseModel
+
+from jobfence import App, HardFailure, JobMeta, RetryPolicy
+from points.models import Point
+
+app = App()
+
+
+class Award(BaseModel):
+    account: str
+    amount: int
+    fail: str = ""  # "" | "always" | "hard"
+    pause_seconds: float = 0.0  # after the ORM write, before the commit
+    hold: bool = False  # after the ORM write: write the marker, then wait for SIGKILL
+
+
+FAST = RetryPolicy(max_retries=2, base_seconds=0.05, cap_seconds=0.2, rationale="tests: fast")
+
+
+@app.consumer("award_points", queue="points", schema=Award, retry=FAST)
+def award_points(payload: Award, job: JobMeta, tx: psycopg.Connection[Any]) -> None:
+    Point.objects.create(job_id=job.job_id, account=payload.account, amount=payload.amount)
+    if payload.pause_seconds:
+        time.sleep(payload.pause_seconds)
+    if payload.fail == "always":
+        raise RuntimeError(f"ledger timeout on attempt {job.attempt}")
+    if payload.fail == "hard":
+        raise HardFailure("account is closed")
+    if payload.hold:
+        with connection.cursor() as cur:
+            cur.execute("SELECT pg_backend_pid()")
+            (pid,) = cur.fetchone()
+        workdir = Path(os.environ["POINTS_MARKER_DIR"])
+        (workdir / "in_handler.tmp").write_text(f"{pid} {job.job_id}\n")
+        (workdir / "in_handler.tmp").rename(workdir / "in_handler")
+        threading.Event().wait()  # until SIGKILL: the commit never comes
