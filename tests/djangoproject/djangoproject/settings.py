@@ -2,8 +2,10 @@
 
 Its database is ``DJANGOPROJECT_DATABASE_URL`` (the test's own database); jobfence reads it
 from ``DATABASES``, so no JOBFENCE_DATABASE_URL is set. ``DJANGOPROJECT_PASSWORD`` sets a
-password (the tests check it is never printed)."""
+password (the tests check it is never printed); ``DJANGOPROJECT_JOBFENCE``, JSON, adds keys
+to ``JOBFENCE``."""
 
+import json
 import os
 
 from psycopg.conninfo import conninfo_to_dict
@@ -28,4 +30,6 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 JOBFENCE = {
     "APP": "points.jobs:app",
     "WORKER": {"QUEUES": ["points"], "CONCURRENCY": 2},
+    # a test's own keys, merged in (for the errors of bad settings and the docs example)
+    **json.loads(os.environ.get("DJANGOPROJECT_JOBFENCE", "{}")),
 }

@@ -36,11 +36,11 @@ def award_points(payload: Award, job: JobMeta, tx: psycopg.Connection[Any]) -> N
         raise RuntimeError(f"ledger timeout on attempt {job.attempt}")
     if payload.fail == "hard":
         raise HardFailure("account is closed")
-    if payload.hold:
+    workdir = Path(os.environ.get("POINTS_MARKER_DIR", "."))
+    if payload.hold and not (workdir / "in_handler").exists():  # the first delivery only
         with connection.cursor() as cur:
             cur.execute("SELECT pg_backend_pid()")
             (pid,) = cur.fetchone()
-        workdir = Path(os.environ["POINTS_MARKER_DIR"])
         (workdir / "in_handler.tmp").write_text(f"{pid} {job.job_id}\n")
         (workdir / "in_handler.tmp").rename(workdir / "in_handler")
         threading.Event().wait()  # until SIGKILL: the commit never comes

@@ -1,0 +1,368 @@
+"""jobfence.contrib.django on real Django (tests/djangoproject, a minimal project with a
+``Point`` model) and the real PostgreSQL: every Django command runs as ``manage.py`` in a real
+process, with no JOBFENCE_DATABASE_URL (the database comes from ``DATABASES``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+pytest.importorskip("django")
+
+PROJECT = Path(__file__).resolve().parent / "djangoproject"
+DOC = Path(__file__).resolve().parent.parent / "docs" / "django.md"
+
+
+def project_env(url: str, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "JOBFENCE_DATABASE_URL"}
+    env.update(DJANGOPROJECT_DATABASE_URL=url, PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def manage(url: str, *args: str, **extra: str) -> subprocess.CompletedProcess[str]:
+    """``manage.py ARGS`` in a real process, on the database ``url``; its output captured."""
+    return subprocess.run(
+        [sys.executable, "manage.py", *args],
+        cwd=PROJECT,
+        env=project_env(url, **extra),
+        capture_output=True,
+        text=True,
+        timeout=90,
+        check=False,
+    )
+
+
+def shell(url: str, code: str, **extra: str) -> subprocess.CompletedProcess[str]:
+    done = manage(url, "shell", "-v", "0", "-c", code, **extra)
+    assert done.returncode == 0, done.stderr
+    return done
+
+
+def start_worker(url: str, log: Path, *args: str, **extra: str) -> subprocess.Popen[bytes]:
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            [sys.executable, "manage.py", "jobfence_worker", *args],
+            cwd=PROJECT,
+            env=project_env(url, **extra),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+
+
+def wait_for(predicate: Any, *, timeout: float = 30.0, message: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {message}")
+        time.sleep(0.05)
+
+
+def one(url: str, query: str, params: Any = None) -> Any:
+    with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute(query, params).fetchone()
+    return None if row is None else row[0]
+
+
+def points(url: str, job_id: str | None = None) -> int:
+    if job_id is None:
+        return int(one(url, "SELECT count(*) FROM points_point"))
+    return int(one(url, "SELECT count(*) FROM points_point WHERE job_id = %s", (job_id,)))
+
+
+def fences(url: str) -> int:
+    return int(one(url, "SELECT count(*) FROM core.processed_jobs"))
+
+
+def enqueue_code(*jobs: tuple[str, dict[str, Any]]) -> str:
+    """Python for ``manage.py shell``: enqueue each (job_id, payload) in one atomic block."""
+    lines = [
+        "from django.db import transaction",
+        "from jobfence.contrib.django import enqueue",
+        "with transaction.atomic():",
+    ]
+    lines += [f"    enqueue('award_points', {p!r}, job_id={j!r})" for j, p in jobs]
+    return "\n".join(lines)
+
+
+@pytest.fixture
+def django_db(empty_database_url: str) -> Iterator[str]:
+    """A fresh database migrated by ``manage.py migrate`` alone: jobfence's schema included."""
+    done = manage(empty_database_url, "migrate", "-v", "1")
+    assert done.returncode == 0, done.stderr
+    assert "Applying jobfence.0001_jobfence_schema... OK" in done.stdout
+    yield empty_database_url
+
+
+def test_manage_migrate_applies_jobfence_schema_and_later_jobfence_migrations(
+    django_db: str, empty_database_url: str
+) -> None:
+    from jobfence.schema import latest_version, migrations
+
+    versions = int(one(django_db, "SELECT count(*) FROM jobfence.schema_migrations"))
+    assert versions == len(migrations())
+    done = manage(django_db, "jobfence_migrate")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"already up to date (version {latest_version():04d})\n"
+
+
+def test_migrate_after_a_jobfence_upgrade_applies_the_new_jobfence_migrations(
+    server_url: str,
+) -> None:
+    """Django's migration of jobfence recorded without running (``--fake``: as after an
+    upgrade of jobfence, Django has nothing of jobfence's left to run): every ``manage.py
+    migrate`` still applies the jobfence migrations the database lacks (post_migrate)."""
+    from conftest import create_database, drop_database
+    from jobfence.schema import migrations
+    from support import with_dbname
+
+    name = create_database(server_url, template=None)
+    url = with_dbname(server_url, name)
+    try:
+        done = manage(url, "migrate", "jobfence", "0001", "--fake")
+        assert done.returncode == 0, done.stderr
+        assert "Applying jobfence.0001_jobfence_schema... FAKED" in done.stdout
+        newest = migrations()[-1]
+        assert f"jobfence: applied {newest.version:04d}_{newest.name}" in done.stdout
+        assert int(one(url, "SELECT count(*) FROM jobfence.schema_migrations")) == len(migrations())
+        again = manage(url, "migrate")
+        assert again.returncode == 0, again.stderr
+        assert "jobfence: applied" not in again.stdout
+    finally:
+        drop_database(server_url, name)
+
+
+def test_a_job_enqueued_in_atomic_exists_exactly_when_the_block_commits(django_db: str) -> None:
+    code = "\n".join(
+        [
+            enqueue_code(("committed", {"account": "ann", "amount": 5})),
+            "try:",
+            "    with transaction.atomic():",
+            "        enqueue('award_points', {'account': 'bob', 'amount': 3},"
+            " job_id='rolled-back')",
+            "        raise RuntimeError('the view failed')",
+            "except RuntimeError:",
+            "    pass",
+        ]
+    )
+    shell(django_db, code)
+    jobs = one(django_db, "SELECT array_agg(job_id) FROM jobfence_queue.messages")
+    assert jobs == ["committed"]
+
+    done = manage(django_db, "jobfence_worker", "--until", "empty")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "worker stopped: succeeded 1, released 0" in done.stdout
+    assert points(django_db, "committed") == 1
+    assert points(django_db, "rolled-back") == 0
+    assert fences(django_db) == 1
+
+    # the same job_id again (a redelivery, a second enqueue): no second effect
+    shell(django_db, enqueue_code(("committed", {"account": "ann", "amount": 5})))
+    done = manage(django_db, "jobfence_worker", "--until", "empty")
+    assert "worker stopped: duplicate 1, released 0" in done.stdout, done.stdout
+    assert points(django_db) == 1
+
+
+def test_a_refused_enqueue_raises_before_any_sql_and_the_block_still_commits(
+    django_db: str,
+) -> None:
+    code = "\n".join(
+        [
+            "from django.db import transaction",
+            "from jobfence.contrib.django import enqueue",
+            "from points.models import Point",
+            "with transaction.atomic():",
+            "    try:",
+            "        enqueue('no_such_consumer', {'account': 'ann'}, job_id='j1')",
+            "    except Exception as exc:",
+            "        print(type(exc).__name__, exc)",
+            "    Point.objects.create(job_id='direct', account='ann', amount=1)",
+        ]
+    )
+    done = shell(django_db, code)
+    assert done.stdout.startswith("ConfigError ")
+    assert "no_such_consumer" in done.stdout
+    assert points(django_db, "direct") == 1  # the block was still usable, and committed
+    assert one(django_db, "SELECT count(*) FROM jobfence_queue.messages") == 0
+
+
+def test_a_failing_orm_handler_retries_then_dead_letters_with_no_effect(django_db: str) -> None:
+    shell(
+        django_db,
+        enqueue_code(
+            ("flaky", {"account": "ann", "amount": 5, "fail": "always"}),
+            ("closed", {"account": "bob", "amount": 5, "fail": "hard"}),
+            ("fine", {"account": "cy", "amount": 5}),
+        ),
+    )
+    done = manage(django_db, "jobfence_worker", "--until", "empty")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "worker stopped: dead_lettered 2, retried 2, succeeded 1, released 0" in done.stdout
+    with psycopg.connect(django_db) as conn:
+        found = conn.execute("SELECT job_id, attempts, error_class FROM core.dead_letters")
+        rows = {r[0]: r[1:] for r in found.fetchall()}
+    assert rows == {"flaky": (3, "RuntimeError"), "closed": (1, "jobfence.HardFailure")}
+    assert points(django_db) == 1  # the failed attempts' ORM writes rolled back
+    assert points(django_db, "fine") == 1
+
+
+def test_same_job_id_concurrently_in_two_worker_processes_gives_one_effect(
+    django_db: str, tmp_path: Path
+) -> None:
+    """Acceptance 1 with two real ``manage.py jobfence_worker`` processes: each job is queued
+    twice, side by side, and its handler holds its transaction open 0.3 s; the workers take
+    one message at a time, in two threads each, so a job's two copies run at the same time."""
+    logs = [tmp_path / "a.log", tmp_path / "b.log"]
+    options = ("--concurrency", "2", "--batch-size", "1")
+    workers = [start_worker(django_db, log, *options) for log in logs]
+    try:
+        for log in logs:
+            wait_for(lambda log=log: b"worker started" in log.read_bytes(), message="start")
+        ids = [f"race-{i}" for i in range(8)]
+        payload = {"account": "ann", "amount": 1, "pause_seconds": 0.3}
+        shell(django_db, enqueue_code(*[(j, payload) for j in ids for _ in range(2)]))
+        wait_for(
+            lambda: one(django_db, "SELECT count(*) FROM jobfence_queue.messages") == 0,
+            message="the queue to empty",
+        )
+    finally:
+        for w in workers:
+            w.send_signal(signal.SIGTERM)
+        for w in workers:
+            w.wait(timeout=60)
+    summaries = [log.read_text().splitlines()[-1] for log in logs]
+    counts: dict[str, int] = {}
+    for line in summaries:
+        assert line.startswith("worker stopped: "), summaries
+        for part in line.removeprefix("worker stopped: ").split(", "):
+            key, value = part.rsplit(" ", 1)
+            counts[key] = counts.get(key, 0) + int(value)
+        assert "succeeded" in line or "duplicate" in line, summaries  # both took jobs
+    assert counts["succeeded"] == 8 and counts["duplicate"] == 8, summaries
+    for job_id in ids:
+        assert points(django_db, job_id) == 1
+    assert fences(django_db) == 8
+
+
+def test_sigkill_between_the_orm_work_and_the_commit_leaves_neither(
+    django_db: str, tmp_path: Path
+) -> None:
+    """Acceptance 2: the handler's ORM row is written, uncommitted, when the worker process is
+    SIGKILLed; neither the row nor the fence survives, and the job then runs once."""
+    shell(django_db, enqueue_code(("crash", {"account": "ann", "amount": 5, "hold": True})))
+    marker = tmp_path / "in_handler"
+    worker = start_worker(
+        django_db,
+        tmp_path / "worker.log",
+        "--concurrency",
+        "1",
+        "--lease-seconds",
+        "1",
+        POINTS_MARKER_DIR=str(tmp_path),
+    )
+    try:
+        wait_for(marker.exists, message="the handler's ORM write")
+        backend = int(marker.read_text().split()[0])
+        state = one(django_db, "SELECT state FROM pg_stat_activity WHERE pid = %s", (backend,))
+        assert state == "idle in transaction"  # the Point and the fence, not committed
+        worker.send_signal(signal.SIGKILL)
+        worker.wait(timeout=30)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait(timeout=30)
+    wait_for(
+        lambda: (
+            one(django_db, "SELECT count(*) FROM pg_stat_activity WHERE pid = %s", (backend,)) == 0
+        ),
+        message="the killed worker's backend to end",
+    )
+    assert points(django_db) == 0
+    assert fences(django_db) == 0
+
+    time.sleep(1.0)  # noqa: the lease (1 s) of the killed worker's delivery runs out
+    done = manage(django_db, "jobfence_worker", "--until", "empty", POINTS_MARKER_DIR=str(tmp_path))
+    assert "succeeded 1" in done.stdout, done.stdout + done.stderr
+    assert points(django_db, "crash") == 1
+    assert fences(django_db) == 1
+
+
+def test_dead_letter_management_commands_list_show_replay_discard(django_db: str) -> None:
+    shell(
+        django_db,
+        enqueue_code(
+            ("one", {"account": "ann", "amount": 5, "fail": "hard"}),
+            ("two", {"account": "bob", "amount": 5, "fail": "hard"}),
+        ),
+    )
+    manage(django_db, "jobfence_worker", "--until", "empty")
+    listed = manage(django_db, "jobfence_dead_letters", "list", "--json")
+    assert listed.returncode == 0, listed.stderr
+    items = {i["job_id"]: i for i in json.loads(listed.stdout)["items"]}
+    assert set(items) == {"one", "two"}
+    first, second = items["one"]["id"], items["two"]["id"]
+
+    shown = manage(django_db, "jobfence_dead_letters", "show", str(first))
+    assert shown.returncode == 0 and "job_id:           one" in shown.stdout, shown.stdout
+
+    nowhere = manage(django_db, "jobfence_dead_letters", "discard", str(second))
+    assert nowhere.returncode == 2
+    assert "--reason" in nowhere.stderr  # discarding needs a reason
+
+    replayed = manage(django_db, "jobfence_dead_letters", "replay", str(first), "--actor", "ops")
+    assert replayed.returncode == 0, replayed.stderr
+    assert f"dead letter {first} replayed: published job one" in replayed.stdout
+    again = manage(django_db, "jobfence_dead_letters", "replay", str(first), "--actor", "ops")
+    assert again.returncode == 1
+    assert again.stderr == f"jobfence: error: dead letter {first} is replayed, not pending_review\n"
+
+    discarded = manage(
+        django_db, "jobfence_dead_letters", "discard", str(second), "--reason", "closed"
+    )
+    assert discarded.returncode == 0, discarded.stderr
+    status = one(django_db, "SELECT status FROM core.dead_letters WHERE id = %s", (second,))
+    assert status == "discarded"
+
+    cleaned = manage(django_db, "jobfence_cleanup")
+    assert cleaned.returncode == 0, cleaned.stderr
+    assert cleaned.stdout == "removed 0 expired fence rows in 1 batch(es)\n"
+
+
+def test_bad_jobfence_settings_are_refused_with_the_key_named(django_db: str) -> None:
+    cases = {
+        '{"DATABASE_ALIAS": "jobs"}': "DATABASE_ALIAS 'jobs' is not in settings.DATABASES",
+        '{"WORKERS": {}}': "unknown key(s) WORKERS",
+        '{"APP": "points.jobs"}': "APP must be 'MODULE:ATTRIBUTE'",
+        '{"WORKER": {"CONCURENCY": 2}}': "unknown WORKER key 'CONCURENCY'",
+    }
+    for extra, message in cases.items():
+        done = manage(django_db, "jobfence_worker", DJANGOPROJECT_JOBFENCE=extra)
+        assert done.returncode != 0
+        assert f"ImproperlyConfigured: settings.JOBFENCE: {message}" in done.stderr, done.stderr
+
+
+def test_the_database_password_is_never_printed(django_db: str) -> None:
+    secret = "Sw0rdfish-4242"
+    from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+    params = conninfo_to_dict(django_db)
+    params["port"] = "1"  # nothing listens there
+    unreachable = make_conninfo("", **params)
+    done = manage(unreachable, "jobfence_migrate", DJANGOPROJECT_PASSWORD=secret)
+    assert done.returncode != 0
+    assert "cannot connect to the database" in done.stderr, done.stderr
+    assert secret not in done.stdout + done.stderr
+
+    # a worker that connects: its start-up lines carry no password either
+    done = manage(django_db, "jobfence_worker", "--until", "empty", DJANGOPROJECT_PASSWORD=secret)
+    assert done.returncode == 0, done.stderr
+    assert secret not in done.stdout + done.stderr
