@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -289,7 +290,10 @@ def test_sigkill_between_the_orm_work_and_the_commit_leaves_neither(
     assert points(django_db) == 0
     assert fences(django_db) == 0
 
-    time.sleep(1.0)  # noqa: the lease (1 s) of the killed worker's delivery runs out
+    wait_for(  # the killed worker's lease (1 s) on the delivery runs out
+        lambda: one(django_db, "SELECT bool_and(run_at <= now()) FROM jobfence_queue.messages"),
+        message="the lease to run out",
+    )
     done = manage(django_db, "jobfence_worker", "--until", "empty", POINTS_MARKER_DIR=str(tmp_path))
     assert "succeeded 1" in done.stdout, done.stdout + done.stderr
     assert points(django_db, "crash") == 1
@@ -366,3 +370,34 @@ def test_the_database_password_is_never_printed(django_db: str) -> None:
     done = manage(django_db, "jobfence_worker", "--until", "empty", DJANGOPROJECT_PASSWORD=secret)
     assert done.returncode == 0, done.stderr
     assert secret not in done.stdout + done.stderr
+
+
+def test_the_docs_example_grants_once_per_committed_sign_up(django_db: str, tmp_path: Path) -> None:
+    """docs/django.md's complete example, run as written in the test project."""
+    text = DOC.read_text(encoding="utf-8")
+    match = re.search(r"<!-- example: django-jobs -->\n```python\n(.*?)```", text, re.DOTALL)
+    assert match, "docs/django.md has no example django-jobs"
+    (tmp_path / "docs_example.py").write_text(match.group(1), encoding="utf-8")
+    settings = {"APP": "docs_example:app", "WORKER": {"QUEUES": ["grants"]}}
+    env = {"PYTHONPATH": str(tmp_path), "DJANGOPROJECT_JOBFENCE": json.dumps(settings)}
+    code = "\n".join(
+        [
+            "from django.db import transaction",
+            "import docs_example",
+            "docs_example.sign_up('ann')",
+            "docs_example.sign_up('ann')  # retried after a timeout: the same job_id",
+            "try:",
+            "    with transaction.atomic():",
+            "        docs_example.sign_up('bob')",
+            "        raise RuntimeError('the view failed after the sign-up')",
+            "except RuntimeError:",
+            "    pass",
+        ]
+    )
+    shell(django_db, code, **env)
+    done = manage(django_db, "jobfence_worker", "--until", "empty", **env)
+    assert "worker stopped: duplicate 1, succeeded 1, released 0" in done.stdout, (
+        done.stdout + done.stderr
+    )
+    assert points(django_db, "welcome:ann") == 1
+    assert points(django_db, "welcome:bob") == 0
