@@ -401,3 +401,35 @@ def test_the_docs_example_grants_once_per_committed_sign_up(django_db: str, tmp_
     )
     assert points(django_db, "welcome:ann") == 1
     assert points(django_db, "welcome:bob") == 0
+
+
+def test_a_handler_that_ends_or_dooms_its_transaction_fails_and_the_worker_goes_on(
+    django_db: str,
+) -> None:
+    """commit/rollback/close are refused before anything is sent (dead letter at once); a
+    COMMIT sent as SQL is found after the handler; a caught database error or set_rollback
+    leaves nothing to commit (retried, then dead-lettered); the next job runs normally."""
+    jobs = [
+        (how, {"account": "ann", "amount": 1, "misuse": how})
+        for how in ("commit", "close", "commit_sql", "caught", "set_rollback")
+    ]
+    shell(django_db, enqueue_code(*jobs, ("fine", {"account": "ann", "amount": 1})))
+    done = manage(django_db, "jobfence_worker", "--until", "empty", "--concurrency", "1")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "worker stopped: dead_lettered 5, retried 4, succeeded 1, released 0" in done.stdout
+    with psycopg.connect(django_db) as conn:
+        found = conn.execute("SELECT job_id, attempts, error_class FROM core.dead_letters")
+        rows = {r[0]: r[1:] for r in found.fetchall()}
+    assert rows == {
+        "commit": (1, "jobfence.TransactionMisuse"),
+        "close": (1, "jobfence.TransactionMisuse"),
+        "commit_sql": (1, "jobfence.TransactionMisuse"),
+        "caught": (3, "jobfence.errors.TransactionAborted"),
+        "set_rollback": (3, "jobfence.errors.TransactionAborted"),
+    }
+    # refused before it was sent: nothing committed
+    assert points(django_db, "commit") == points(django_db, "close") == 0
+    assert points(django_db, "caught") == points(django_db, "set_rollback") == 0
+    # the COMMIT statement committed the work with its fence, as its dead letter says
+    assert points(django_db, "commit_sql") == 1
+    assert points(django_db, "fine") == 1

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from django.db import connection
+from django.db import DatabaseError, connection, transaction
 from pydantic import BaseModel
 
 from jobfence import App, HardFailure, JobMeta, RetryPolicy
@@ -22,6 +22,7 @@ class Award(BaseModel):
     fail: str = ""  # "" | "always" | "hard"
     pause_seconds: float = 0.0  # after the ORM write, before the commit
     hold: bool = False  # after the ORM write: write the marker, then wait for SIGKILL
+    misuse: str = ""  # after the ORM write: commit | close | commit_sql | caught | set_rollback
 
 
 FAST = RetryPolicy(max_retries=2, base_seconds=0.05, cap_seconds=0.2, rationale="tests: fast")
@@ -30,6 +31,8 @@ FAST = RetryPolicy(max_retries=2, base_seconds=0.05, cap_seconds=0.2, rationale=
 @app.consumer("award_points", queue="points", schema=Award, retry=FAST)
 def award_points(payload: Award, job: JobMeta, tx: psycopg.Connection[Any]) -> None:
     Point.objects.create(job_id=job.job_id, account=payload.account, amount=payload.amount)
+    if payload.misuse:
+        misuse(payload.misuse, tx)
     if payload.pause_seconds:
         time.sleep(payload.pause_seconds)
     if payload.fail == "always":
@@ -44,3 +47,22 @@ def award_points(payload: Award, job: JobMeta, tx: psycopg.Connection[Any]) -> N
         (workdir / "in_handler.tmp").write_text(f"{pid} {job.job_id}\n")
         (workdir / "in_handler.tmp").rename(workdir / "in_handler")
         threading.Event().wait()  # until SIGKILL: the commit never comes
+
+
+def misuse(how: str, tx: psycopg.Connection[Any]) -> None:
+    """What a handler must not do to its transaction (tests/test_django.py)."""
+    if how == "commit":
+        tx.commit()
+    elif how == "close":
+        connection.close()
+    elif how == "commit_sql":
+        with connection.cursor() as cur:
+            cur.execute("COMMIT")
+    elif how == "caught":
+        try:
+            with connection.cursor() as cur:
+                cur.execute("SELECT 1 / 0")
+        except DatabaseError:
+            pass  # caught, not raised: the transaction is aborted all the same
+    elif how == "set_rollback":
+        transaction.set_rollback(True)

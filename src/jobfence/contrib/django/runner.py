@@ -8,8 +8,9 @@ which commits with the fence when the block exits, or not at all.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any, NoReturn, TypeVar
 
 import psycopg
 from django.db import DEFAULT_DB_ALIAS, connections, transaction
@@ -42,24 +43,59 @@ class DjangoRunner:
     def run(self, fence_sql: str, params: Mapping[str, Any], work: Work[T]) -> T:
         wrapper = connections[self.using]
         _refresh(wrapper)
+        raw: psycopg.Connection[Any] | None = None
         try:
             with transaction.atomic(using=self.using):
                 raw = _psycopg_connection(wrapper)
                 with psycopg.Cursor(raw) as cur:  # server-side binding, as jobfence's own
                     cur.execute(fence_sql, params)
                     rows = cur.fetchall()
-                result = work(rows, raw)
+                with _lent(raw):
+                    result = work(rows, raw)
                 _check_still_open(wrapper, raw)
         except DjangoDatabaseError as exc:
+            _drop_abandoned(wrapper, raw)
             cause = exc.__cause__
             if isinstance(cause, psycopg.Error):
                 raise cause from None  # classified by its class (lost, conflict, failure)
             raise
-        except psycopg.Error:
-            if wrapper.connection is not None and wrapper.connection.broken:
-                wrapper.close()  # the next job connects again
+        except BaseException:
+            _drop_abandoned(wrapper, raw)
             raise
         return result
+
+
+_ENDERS = ("commit", "rollback", "close")
+
+
+@contextmanager
+def _lent(raw: psycopg.Connection[Any]) -> Iterator[None]:
+    """While the handler runs: ``commit()``, ``rollback()`` and ``close()`` on the psycopg
+    connection raise :class:`~jobfence.TransactionMisuse` before anything is sent (Django's
+    own ``connection.close()`` reaches it too)."""
+    for name in _ENDERS:
+        setattr(raw, name, _refuse(name))
+    try:
+        yield
+    finally:
+        for name in _ENDERS:
+            raw.__dict__.pop(name, None)
+
+
+def _refuse(what: str) -> Callable[..., NoReturn]:
+    def refuse(*args: object, **kwargs: object) -> NoReturn:
+        raise TransactionMisuse(ENDED_BY_HANDLER.format(what=what))
+
+    return refuse
+
+
+def _drop_abandoned(wrapper: BaseDatabaseWrapper, raw: psycopg.Connection[Any] | None) -> None:
+    """After a failed job: a connection Django let go of (closed in the atomic block) is
+    closed, rolling back on the server; a broken one is replaced at the next job."""
+    if raw is not None and wrapper.connection is not raw and not raw.closed:
+        raw.close()
+    if wrapper.connection is not None and getattr(wrapper.connection, "broken", False):
+        wrapper.close()
 
 
 def _refresh(wrapper: BaseDatabaseWrapper) -> None:
