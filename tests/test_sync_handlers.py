@@ -399,14 +399,14 @@ async def test_orm_changes_commit_with_the_fence_even_unflushed_and_a_follow_up_
 
     def award(payload: pointsapp.Award, job: JobMeta, tx: psycopg.Connection[Any]) -> None:
         with session_for(tx) as session:
-            session.add(
-                points_orm.AwardRow(job_id=job.job_id, account_id=payload.account_id, points=5)
-            )  # not flushed by the handler
             assert session.execute(text("SELECT count(*) FROM core.processed_jobs")).scalar() == 1
             if job.job_id == "orm-1":
                 followers.enqueue_sync(
                     session, CONSUMER, {"account_id": 2, "points": 1}, job_id="orm-follow"
                 )
+            session.add(
+                points_orm.AwardRow(job_id=job.job_id, account_id=payload.account_id, points=5)
+            )  # not flushed by the handler: leaving the block flushes it
 
     app = App()
     app.consumer("orm_award", queue="orm", schema=pointsapp.Award)(award)
