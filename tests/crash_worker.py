@@ -19,9 +19,10 @@ work exists, and then:
   returns, so the job finishes after the signal. The worker runs one job at a time and has
   fetched the other queued jobs (batch of 5) without starting them.
 
-FLAVOUR (``crash`` mode only): ``async`` (the default), ``sync`` (a plain def handler on the
-sync connection, in a worker thread) or ``sqlalchemy`` (a def handler writing through the ORM
-with ``jobfence.contrib.sqlalchemy.session_for``, the row flushed before the marker).
+FLAVOUR (``crash`` and ``group`` modes): ``async`` (the default), ``sync`` (a plain def handler
+on the sync connection, in a worker thread) or ``sqlalchemy`` (``crash`` only: a def handler
+writing through the ORM with ``jobfence.contrib.sqlalchemy.session_for``, the row flushed before
+the marker).
 
 Later jobs (graceful mode) run without blocking. The process prints the worker's summary and
 exits 0 after a graceful stop.
@@ -50,11 +51,17 @@ def write_marker(workdir: Path, backend_pid: object, job: JobMeta) -> None:
     tmp.rename(workdir / "in_handler")
 
 
-def sync_crash_app(flavour: str, workdir: Path) -> App:
-    """``crash`` mode with a sync handler: the work row, the marker, then block until SIGKILL."""
+def sync_crash_app(flavour: str, workdir: Path, mode: str) -> App:
+    """``crash`` and ``group`` modes with a sync handler: the work row, the marker (for a group,
+    on its ``-block`` job, after writing ``inside``), then block until SIGKILL."""
     app = App()
 
-    @app.consumer("award_points", queue=pointsapp.QUEUE, schema=pointsapp.Award)
+    @app.consumer(
+        "award_points",
+        queue=pointsapp.QUEUE,
+        schema=pointsapp.Award,
+        jobs_per_transaction=5 if mode == "group" else 1,
+    )
     def award(payload: pointsapp.Award, job: JobMeta, tx: psycopg.Connection[Any]) -> None:
         if flavour == "sqlalchemy":
             from sqlalchemy import text
@@ -77,6 +84,12 @@ def sync_crash_app(flavour: str, workdir: Path) -> App:
             "INSERT INTO public.awards (job_id, account_id, points) VALUES (%s, %s, %s)",
             (job.job_id, payload.account_id, payload.points),
         )
+        if mode == "group":
+            if not job.job_id.endswith("-block"):
+                return
+            inside = tx.execute("SELECT count(*) FROM public.awards").fetchone()
+            assert inside is not None
+            (workdir / "inside").write_text(f"{inside[0]}\n")
         row = tx.execute("SELECT pg_backend_pid()").fetchone()
         assert row is not None
         write_marker(workdir, row[0], job)
@@ -88,7 +101,7 @@ def sync_crash_app(flavour: str, workdir: Path) -> App:
 async def main(mode: str, url: str, workdir: Path, flavour: str = "async") -> int:
     marker = workdir / "in_handler"
     terminated = asyncio.Event()
-    app = App() if flavour == "async" else sync_crash_app(flavour, workdir)
+    app = App() if flavour == "async" else sync_crash_app(flavour, workdir, mode)
 
     async def award(payload: pointsapp.Award, job: JobMeta, tx: AsyncConnection[Any]) -> None:
         await tx.execute(
@@ -178,7 +191,8 @@ if __name__ == "__main__":
         len(sys.argv) not in (4, 5)
         or sys.argv[1] not in ("crash", "graceful", "unacked", "group")
         or sys.argv[4:] not in ([], ["async"], ["sync"], ["sqlalchemy"])
-        or (sys.argv[4:] not in ([], ["async"]) and sys.argv[1] != "crash")
+        or (sys.argv[4:] not in ([], ["async"]) and sys.argv[1] not in ("crash", "group"))
+        or (sys.argv[4:] == ["sqlalchemy"] and sys.argv[1] != "crash")
     ):
         print(__doc__, file=sys.stderr)
         sys.exit(2)

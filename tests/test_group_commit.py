@@ -334,23 +334,25 @@ async def test_group_commit_same_job_ids_in_concurrent_groups_have_exactly_one_e
     assert await balance(points, 1) == 2 * ids_n * rounds
 
 
-async def test_group_commit_crash_mid_group_leaves_no_work_and_no_fence(
+@pytest.mark.parametrize("flavour", ["async", "sync"])
+async def test_group_commit_crash_mid_group_leaves_no_work_and_no_fence(  # noqa: PLR0917
     database_url: str,
     pool: AsyncConnectionPool[Any],
     points: AsyncConnection[Any],
     tmp_path: Path,
     crashing: list[WorkerProcess],
+    flavour: str,
 ) -> None:
     """Acceptance 2 for groups: a worker process SIGKILLed while the fifth job of a group runs,
     after the four before it ran their work in the same transaction. Nothing of the five is
     visible, before or after the kill; after the 1 s lease all five are delivered again and
-    each applies once."""
+    each applies once. With an async handler, and with a sync one (one sync transaction)."""
     app = pointsapp.build_app()
     job_ids = [f"crash-{i}" for i in range(4)] + ["crash-4-block"]
     for job_id in job_ids:
         await app.enqueue(points, CONSUMER, {"account_id": 3, "points": 4}, job_id=job_id)
 
-    proc = WorkerProcess("group", database_url, tmp_path)
+    proc = WorkerProcess("group", database_url, tmp_path, flavour)
     crashing.append(proc)
     _, job_id, attempt = await proc.wait_in_handler()
     assert (job_id, attempt) == ("crash-4-block", 1)

@@ -35,6 +35,7 @@ from support import wait_until
 from test_acceptance_harness import (
     awards,
     balance,
+    count,
     dead_letter_ids,
     fences,
     queued,
@@ -399,14 +400,14 @@ async def test_orm_changes_commit_with_the_fence_even_unflushed_and_a_follow_up_
 
     def award(payload: pointsapp.Award, job: JobMeta, tx: psycopg.Connection[Any]) -> None:
         with session_for(tx) as session:
-            session.add(
-                points_orm.AwardRow(job_id=job.job_id, account_id=payload.account_id, points=5)
-            )  # not flushed by the handler
             assert session.execute(text("SELECT count(*) FROM core.processed_jobs")).scalar() == 1
             if job.job_id == "orm-1":
                 followers.enqueue_sync(
                     session, CONSUMER, {"account_id": 2, "points": 1}, job_id="orm-follow"
                 )
+            session.add(
+                points_orm.AwardRow(job_id=job.job_id, account_id=payload.account_id, points=5)
+            )  # not flushed by the handler: leaving the block flushes it
 
     app = App()
     app.consumer("orm_award", queue="orm", schema=pointsapp.Award)(award)
@@ -467,3 +468,28 @@ def test_session_for_refuses_what_is_not_a_sync_psycopg_connection() -> None:
         session_for(object()),  # type: ignore[arg-type]
     ):
         pass
+
+
+async def test_the_readme_sync_handler_applies_an_award_once_and_dead_letters_a_hard_failure(
+    pool: AsyncConnectionPool[Any], conn: AsyncConnection[Any]
+) -> None:
+    from test_docs_producers import README, readme_python_blocks, run_module
+
+    blocks = readme_python_blocks()
+    assert "def award_points_sync" in blocks[2]
+    module = run_module(*((block, README) for block in blocks[:3]))
+    app: App = module.app
+    assert app.consumers["award_points_sync"].sync
+    await conn.execute(
+        "CREATE TABLE accounts (id integer PRIMARY KEY, points integer NOT NULL DEFAULT 0);"
+        "INSERT INTO accounts (id) VALUES (7);"
+    )
+    for job_id, account in (("s-1", 7), ("s-1", 7), ("s-2", 999)):
+        await app.enqueue(
+            conn, "award_points_sync", {"account_id": account, "points": 4}, job_id=job_id
+        )
+    stats = await run_worker(app, pool, PrometheusMetrics())
+    assert stats.outcomes == {"succeeded": 1, "duplicate": 1, "dead_lettered": 1}
+    assert await count(conn, "SELECT points FROM accounts WHERE id = 7") == 4
+    [dl_id] = await dead_letter_ids(conn, "s-2")
+    assert (await get_dead_letter(conn, dl_id)).error_class == "jobfence.HardFailure"
