@@ -433,3 +433,33 @@ def test_a_handler_that_ends_or_dooms_its_transaction_fails_and_the_worker_goes_
     # the COMMIT statement committed the work with its fence, as its dead letter says
     assert points(django_db, "commit_sql") == 1
     assert points(django_db, "fine") == 1
+
+
+def test_group_commit_runs_a_group_in_one_atomic_block_and_a_failure_alone(
+    django_db: str,
+) -> None:
+    ids = ["b-0", "b-1", "b-2", "b-0", "b-bad", "b-3"]
+    code = "\n".join(
+        [
+            "from django.db import transaction",
+            "from jobfence.contrib.django import enqueue",
+            "with transaction.atomic():",
+            *[
+                f"    enqueue('bulk_award', {{'account': 'ann', 'amount': 1,"
+                f" 'fail': {'hard' if j == 'b-bad' else ''!r}}}, job_id={j!r})"
+                for j in ids
+            ],
+        ]
+    )
+    shell(django_db, code)
+    done = manage(
+        django_db, "jobfence_worker", "--until", "empty", "--queue", "bulk", "--batch-size", "6"
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "dead_lettered 1, duplicate 1, " in done.stdout, done.stdout
+    assert "succeeded 4" in done.stdout, done.stdout
+    assert "a group of 5 jobs rolled back (jobfence.HardFailure" in done.stderr
+    for job_id in ("b-0", "b-1", "b-2", "b-3"):
+        assert points(django_db, job_id) == 1
+    assert points(django_db, "b-bad") == 0
+    assert fences(django_db) == 4

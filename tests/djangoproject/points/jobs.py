@@ -49,6 +49,12 @@ def award_points(payload: Award, job: JobMeta, tx: psycopg.Connection[Any]) -> N
         threading.Event().wait()  # until SIGKILL: the commit never comes
 
 
+@app.consumer("bulk_award", queue="bulk", schema=Award, retry=FAST, jobs_per_transaction=5)
+def bulk_award(payload: Award, job: JobMeta, tx: psycopg.Connection[Any]) -> None:
+    """Group commit: up to 5 jobs' fences and Points in one atomic block."""
+    award_points(payload, job, tx)
+
+
 def misuse(how: str, tx: psycopg.Connection[Any]) -> None:
     """What a handler must not do to its transaction (tests/test_django.py)."""
     if how == "commit":
