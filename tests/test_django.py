@@ -219,22 +219,27 @@ def test_a_failing_orm_handler_retries_then_dead_letters_with_no_effect(django_d
 def test_same_job_id_concurrently_in_two_worker_processes_gives_one_effect(
     django_db: str, tmp_path: Path
 ) -> None:
-    """Acceptance 1 with two real ``manage.py jobfence_worker`` processes: each job is queued
-    twice, side by side, and its handler holds its transaction open 0.3 s; the workers take
-    one message at a time, in two threads each, so a job's two copies run at the same time."""
+    """Acceptance 1 with two real ``manage.py jobfence_worker`` processes, one job at a time
+    each. Each round queues six copies of one job_id at once; the handler that runs holds its
+    fence uncommitted until a copy in another transaction is blocked on it (pg_stat_activity),
+    which proves the deliveries overlap. Each round ends with one effect and one fence."""
     logs = [tmp_path / "a.log", tmp_path / "b.log"]
-    options = ("--concurrency", "2", "--batch-size", "1")
-    workers = [start_worker(django_db, log, *options) for log in logs]
+    options = ("--concurrency", "1", "--batch-size", "1")
+    marker = {"POINTS_MARKER_DIR": str(tmp_path)}
+    workers = [start_worker(django_db, log, *options, **marker) for log in logs]
+    rounds, copies = 3, 6
+    ids = [f"race-{r}" for r in range(rounds)]
     try:
         for log in logs:
             wait_for(lambda log=log: b"worker started" in log.read_bytes(), message="start")
-        ids = [f"race-{i}" for i in range(8)]
-        payload = {"account": "ann", "amount": 1, "pause_seconds": 0.3}
-        shell(django_db, enqueue_code(*[(j, payload) for j in ids for _ in range(2)]))
-        wait_for(
-            lambda: one(django_db, "SELECT count(*) FROM jobfence_queue.messages") == 0,
-            message="the queue to empty",
-        )
+        payload = {"account": "ann", "amount": 1, "until_blocked": True}
+        for job_id in ids:
+            shell(django_db, enqueue_code(*[(job_id, payload)] * copies))
+            wait_for(
+                lambda: one(django_db, "SELECT count(*) FROM jobfence_queue.messages") == 0,
+                message=f"round {job_id}",
+            )
+            assert points(django_db, job_id) == 1
     finally:
         for w in workers:
             w.send_signal(signal.SIGTERM)
@@ -244,14 +249,15 @@ def test_same_job_id_concurrently_in_two_worker_processes_gives_one_effect(
     counts: dict[str, int] = {}
     for line in summaries:
         assert line.startswith("worker stopped: "), summaries
+        assert "succeeded" in line or "duplicate" in line, summaries  # both took part
         for part in line.removeprefix("worker stopped: ").split(", "):
             key, value = part.rsplit(" ", 1)
             counts[key] = counts.get(key, 0) + int(value)
-        assert "succeeded" in line or "duplicate" in line, summaries  # both took jobs
-    assert counts["succeeded"] == 8 and counts["duplicate"] == 8, summaries
-    for job_id in ids:
-        assert points(django_db, job_id) == 1
-    assert fences(django_db) == 8
+    assert counts["succeeded"] == rounds, summaries
+    assert counts["duplicate"] == rounds * (copies - 1), summaries
+    ran = sorted(line for path in tmp_path.glob("ran.*") for line in path.read_text().splitlines())
+    assert ran == [f"{j} overlap" for j in ids], ran  # one run per job_id, its twin waiting
+    assert fences(django_db) == rounds
 
 
 def test_sigkill_between_the_orm_work_and_the_commit_leaves_neither(

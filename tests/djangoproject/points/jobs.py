@@ -22,6 +22,7 @@ class Award(BaseModel):
     fail: str = ""  # "" | "always" | "hard"
     pause_seconds: float = 0.0  # after the ORM write, before the commit
     hold: bool = False  # after the ORM write: write the marker, then wait for SIGKILL
+    until_blocked: bool = False  # before the ORM write: wait for a duplicate blocked on the fence
     misuse: str = ""  # after the ORM write: commit | close | commit_sql | caught | set_rollback
 
 
@@ -30,6 +31,8 @@ FAST = RetryPolicy(max_retries=2, base_seconds=0.05, cap_seconds=0.2, rationale=
 
 @app.consumer("award_points", queue="points", schema=Award, retry=FAST)
 def award_points(payload: Award, job: JobMeta, tx: psycopg.Connection[Any]) -> None:
+    if payload.until_blocked:
+        note_overlap(job)
     Point.objects.create(job_id=job.job_id, account=payload.account, amount=payload.amount)
     if payload.misuse:
         misuse(payload.misuse, tx)
@@ -72,3 +75,29 @@ def misuse(how: str, tx: psycopg.Connection[Any]) -> None:
             pass  # caught, not raised: the transaction is aborted all the same
     elif how == "set_rollback":
         transaction.set_rollback(True)
+
+
+BLOCKED = (
+    "SELECT count(*) FROM pg_stat_activity"
+    " WHERE datname = current_database() AND wait_event_type = 'Lock'"
+)
+
+
+def note_overlap(job: JobMeta) -> None:
+    """Wait (10 s at most) until another backend is blocked on a lock, the fence key this
+    transaction holds uncommitted, then append ``<job_id> overlap|alone`` to
+    ``POINTS_MARKER_DIR/ran.<pid>``."""
+    from jobfence.contrib.django.settings import database_url
+
+    seen = "alone"
+    deadline = time.monotonic() + 10.0
+    with psycopg.connect(database_url(), autocommit=True) as watcher:
+        while time.monotonic() < deadline:
+            row = watcher.execute(BLOCKED).fetchone()
+            if row is not None and row[0] >= 1:
+                seen = "overlap"
+                break
+            time.sleep(0.02)
+    workdir = Path(os.environ["POINTS_MARKER_DIR"])
+    with (workdir / f"ran.{os.getpid()}").open("a") as out:
+        out.write(f"{job.job_id} {seen}\n")
