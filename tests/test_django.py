@@ -469,3 +469,60 @@ def test_group_commit_runs_a_group_in_one_atomic_block_and_a_failure_alone(
         assert points(django_db, job_id) == 1
     assert points(django_db, "b-bad") == 0
     assert fences(django_db) == 4
+
+
+async def test_a_database_blip_pauses_the_django_worker_and_every_job_runs_once(
+    django_db: str, tmp_path: Path
+) -> None:
+    """The network to PostgreSQL is cut while ORM handlers hold their transactions open: the
+    worker pauses instead of spending the jobs' retries, Django's connections are replaced,
+    and when the network is back every job has exactly one effect and none is dead-lettered."""
+    import asyncio
+
+    from support import wait_until
+    from tcp_proxy import tcp_proxy
+
+    if conninfo_host(django_db).startswith("/"):
+        pytest.skip("the proxy needs a TCP database URL")
+    ids = [f"blip-{i}" for i in range(4)]
+    payload = {"account": "ann", "amount": 1, "pause_seconds": 1.0}
+    await asyncio.to_thread(shell, django_db, enqueue_code(*[(j, payload) for j in ids]))
+    log = tmp_path / "worker.log"
+    async with tcp_proxy(django_db) as proxy:
+        worker = start_worker(proxy.url(django_db), log, "--concurrency", "2")
+        try:
+
+            async def in_handlers() -> bool:
+                query = (
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                    " AND state = 'idle in transaction'"
+                )
+                return bool(await asyncio.to_thread(one, django_db, query) >= 2)
+
+            await wait_until(in_handlers, timeout=30, message="two ORM handlers at work")
+            proxy.down()
+
+            async def noticed() -> bool:
+                return b"unreachable" in log.read_bytes()
+
+            await wait_until(noticed, timeout=30, message=f"the outage noticed:\n{log.read_text()}")
+            proxy.up()
+
+            async def done() -> bool:
+                left = "SELECT count(*) FROM jobfence_queue.messages"
+                return bool(await asyncio.to_thread(one, django_db, left) == 0)
+
+            await wait_until(done, timeout=60, message=f"every job done:\n{log.read_text()}")
+        finally:
+            worker.send_signal(signal.SIGTERM)
+            await asyncio.to_thread(worker.wait, 60)
+    for job_id in ids:
+        assert points(django_db, job_id) == 1, log.read_text()
+    assert one(django_db, "SELECT count(*) FROM core.dead_letters") == 0, log.read_text()
+    assert fences(django_db) == 4
+
+
+def conninfo_host(url: str) -> str:
+    from psycopg.conninfo import conninfo_to_dict
+
+    return str(conninfo_to_dict(url).get("host", ""))
