@@ -161,6 +161,7 @@ def test_a_job_enqueued_in_atomic_exists_exactly_when_the_block_commits(django_d
 
     done = manage(django_db, "jobfence_worker", "--until", "empty")
     assert done.returncode == 0, done.stdout + done.stderr
+    assert "worker started: queues points, concurrency 2" in done.stderr  # JOBFENCE["WORKER"]
     assert "worker stopped: succeeded 1, released 0" in done.stdout
     assert points(django_db, "committed") == 1
     assert points(django_db, "rolled-back") == 0
@@ -342,6 +343,15 @@ def test_dead_letter_management_commands_list_show_replay_discard(django_db: str
     status = one(django_db, "SELECT status FROM core.dead_letters WHERE id = %s", (second,))
     assert status == "discarded"
 
+    shell(django_db, enqueue_code(("three", {"account": "cy", "amount": 5, "fail": "hard"})))
+    manage(django_db, "jobfence_worker", "--until", "empty")
+    bulk = manage(
+        django_db, "jobfence_dead_letters", "replay-bulk", "--job-id", "three", "--actor", "ops"
+    )
+    assert bulk.returncode == 0, bulk.stderr
+    assert "finished: 1/1 processed (replayed 1," in bulk.stdout, bulk.stdout
+    assert one(django_db, "SELECT job_id FROM jobfence_queue.messages") == "three"
+
     cleaned = manage(django_db, "jobfence_cleanup")
     assert cleaned.returncode == 0, cleaned.stderr
     assert cleaned.stdout == "removed 0 expired fence rows in 1 batch(es)\n"
@@ -462,6 +472,7 @@ def test_group_commit_runs_a_group_in_one_atomic_block_and_a_failure_alone(
         django_db, "jobfence_worker", "--until", "empty", "--queue", "bulk", "--batch-size", "6"
     )
     assert done.returncode == 0, done.stdout + done.stderr
+    assert "worker started: queues bulk, concurrency 2" in done.stderr  # --queue replaced QUEUES
     assert "dead_lettered 1, duplicate 1, " in done.stdout, done.stdout
     assert "succeeded 4" in done.stdout, done.stdout
     assert "a group of 5 jobs rolled back (jobfence.HardFailure" in done.stderr

@@ -36,12 +36,14 @@ class JobfenceSettings:
     app: str | None = None
     worker: Mapping[str, Any] = field(default_factory=dict)
 
-    def worker_argv(self) -> list[str]:
+    def worker_argv(self, *, with_queues: bool = True) -> list[str]:
         """``worker`` as ``jobfence worker`` flags (a flag on the command line wins)."""
         argv: list[str] = []
         for key, value in self.worker.items():
             flag = WORKER_FLAGS[key][0]
             if key == "QUEUES":
+                if not with_queues:
+                    continue
                 for queue in value:
                     argv += [flag, str(queue)]
             else:

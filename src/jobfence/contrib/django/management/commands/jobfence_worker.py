@@ -17,13 +17,9 @@ class Command(JobfenceCommand):
 
     def jobfence_argv(self, args: tuple[str, ...]) -> list[str]:
         config = jobfence_settings()
-        defaults = config.worker_argv()
-        if "--queue" in args:  # the command line's queues replace the settings'
-            defaults = [
-                a
-                for i, a in enumerate(defaults)
-                if a != "--queue" and (i == 0 or defaults[i - 1] != "--queue")
-            ]
+        # the command line's queues replace the settings' (its other flags win as given last)
+        queues_given = any(a == "--queue" or a.startswith("--queue=") for a in args)
+        defaults = config.worker_argv(with_queues=not queues_given)
         return ["worker", require_app(config), *defaults, *args]
 
     def run(self, argv: list[str]) -> int:
