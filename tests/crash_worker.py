@@ -1,6 +1,6 @@
 """A worker process for the crash and shutdown tests of ``test_acceptance_harness.py``.
 
-    python tests/crash_worker.py crash|graceful|unacked|group DATABASE_URL WORKDIR
+    python tests/crash_worker.py crash|graceful|unacked|group DATABASE_URL WORKDIR [FLAVOUR]
 
 It runs the ``award_points`` consumer of ``pointsapp`` on ``DATABASE_URL``. The first job's
 handler executes its work statement (the awards row), then writes ``WORKDIR/in_handler``
@@ -19,6 +19,11 @@ work exists, and then:
   returns, so the job finishes after the signal. The worker runs one job at a time and has
   fetched the other queued jobs (batch of 5) without starting them.
 
+FLAVOUR (``crash`` and ``group`` modes): ``async`` (the default), ``sync`` (a plain def handler
+on the sync connection, in a worker thread) or ``sqlalchemy`` (``crash`` only: a def handler
+writing through the ORM with ``jobfence.contrib.sqlalchemy.session_for``, the row flushed before
+the marker).
+
 Later jobs (graceful mode) run without blocking. The process prints the worker's summary and
 exits 0 after a graceful stop.
 """
@@ -29,18 +34,26 @@ import asyncio
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
+import psycopg
 from psycopg import AsyncConnection
 
 import pointsapp
 from jobfence import App, JobMeta, PgQueue, Worker, open_pool
 
 
-async def main(mode: str, url: str, workdir: Path) -> int:
-    marker = workdir / "in_handler"
-    terminated = asyncio.Event()
+def write_marker(workdir: Path, backend_pid: object, job: JobMeta) -> None:
+    tmp = workdir / "in_handler.tmp"
+    tmp.write_text(f"{backend_pid} {job.job_id} {job.attempt}\n")
+    tmp.rename(workdir / "in_handler")
+
+
+def sync_crash_app(flavour: str, workdir: Path, mode: str) -> App:
+    """``crash`` and ``group`` modes with a sync handler: the work row, the marker (for a group,
+    on its ``-block`` job, after writing ``inside``), then block until SIGKILL."""
     app = App()
 
     @app.consumer(
@@ -49,6 +62,47 @@ async def main(mode: str, url: str, workdir: Path) -> int:
         schema=pointsapp.Award,
         jobs_per_transaction=5 if mode == "group" else 1,
     )
+    def award(payload: pointsapp.Award, job: JobMeta, tx: psycopg.Connection[Any]) -> None:
+        if flavour == "sqlalchemy":
+            from sqlalchemy import text
+
+            import points_orm
+            from jobfence.contrib.sqlalchemy import session_for
+
+            with session_for(tx) as session:
+                session.add(
+                    points_orm.AwardRow(
+                        job_id=job.job_id, account_id=payload.account_id, points=payload.points
+                    )
+                )
+                session.flush()
+                write_marker(
+                    workdir, session.execute(text("SELECT pg_backend_pid()")).scalar(), job
+                )
+                threading.Event().wait()  # until SIGKILL: the commit never comes
+        tx.execute(
+            "INSERT INTO public.awards (job_id, account_id, points) VALUES (%s, %s, %s)",
+            (job.job_id, payload.account_id, payload.points),
+        )
+        if mode == "group":
+            if not job.job_id.endswith("-block"):
+                return
+            inside = tx.execute("SELECT count(*) FROM public.awards").fetchone()
+            assert inside is not None
+            (workdir / "inside").write_text(f"{inside[0]}\n")
+        row = tx.execute("SELECT pg_backend_pid()").fetchone()
+        assert row is not None
+        write_marker(workdir, row[0], job)
+        threading.Event().wait()  # until SIGKILL: the commit never comes
+
+    return app
+
+
+async def main(mode: str, url: str, workdir: Path, flavour: str = "async") -> int:
+    marker = workdir / "in_handler"
+    terminated = asyncio.Event()
+    app = App() if flavour == "async" else sync_crash_app(flavour, workdir, mode)
+
     async def award(payload: pointsapp.Award, job: JobMeta, tx: AsyncConnection[Any]) -> None:
         await tx.execute(
             "INSERT INTO public.awards (job_id, account_id, points) VALUES (%s, %s, %s)",
@@ -74,6 +128,14 @@ async def main(mode: str, url: str, workdir: Path) -> int:
             "UPDATE public.accounts SET points = points + %s WHERE id = %s",
             (payload.points, payload.account_id),
         )
+
+    if flavour == "async":
+        app.consumer(
+            "award_points",
+            queue=pointsapp.QUEUE,
+            schema=pointsapp.Award,
+            jobs_per_transaction=5 if mode == "group" else 1,
+        )(award)
 
     pool = await open_pool(url, min_size=1, max_size=4, name=f"crash-worker-{mode}")
     queue = PgQueue(pool)
@@ -125,8 +187,14 @@ async def main(mode: str, url: str, workdir: Path) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 4 or sys.argv[1] not in ("crash", "graceful", "unacked", "group"):
+    if (
+        len(sys.argv) not in (4, 5)
+        or sys.argv[1] not in ("crash", "graceful", "unacked", "group")
+        or sys.argv[4:] not in ([], ["async"], ["sync"], ["sqlalchemy"])
+        or (sys.argv[4:] not in ([], ["async"]) and sys.argv[1] not in ("crash", "group"))
+        or (sys.argv[4:] == ["sqlalchemy"] and sys.argv[1] != "crash")
+    ):
         print(__doc__, file=sys.stderr)
         sys.exit(2)
     os.environ.pop("JOBFENCE_DATABASE_URL", None)  # the URL argument names the database
-    sys.exit(asyncio.run(main(sys.argv[1], sys.argv[2], Path(sys.argv[3]))))
+    sys.exit(asyncio.run(main(sys.argv[1], sys.argv[2], Path(sys.argv[3]), *sys.argv[4:])))
