@@ -22,7 +22,8 @@ work exists, and then:
 FLAVOUR (``crash`` and ``group`` modes): ``async`` (the default), ``sync`` (a plain def handler
 on the sync connection, in a worker thread) or ``sqlalchemy`` (``crash`` only: a def handler
 writing through the ORM with ``jobfence.contrib.sqlalchemy.session_for``, the row flushed before
-the marker).
+the marker) or ``async-sqlalchemy`` (``crash`` only: the same with an async handler and
+``async_session_for``).
 
 Later jobs (graceful mode) run without blocking. The process prints the worker's summary and
 exits 0 after a graceful stop.
@@ -49,6 +50,37 @@ def write_marker(workdir: Path, backend_pid: object, job: JobMeta) -> None:
     tmp = workdir / "in_handler.tmp"
     tmp.write_text(f"{backend_pid} {job.job_id} {job.attempt}\n")
     tmp.rename(workdir / "in_handler")
+
+
+def async_orm_crash_app(workdir: Path) -> App:
+    """``crash`` mode with an async handler writing through an AsyncSession."""
+    app = App()
+
+    @app.consumer("award_points", queue=pointsapp.QUEUE, schema=pointsapp.Award)
+    async def award(payload: pointsapp.Award, job: JobMeta, tx: AsyncConnection[Any]) -> None:
+        from sqlalchemy import text
+
+        import points_orm
+        from jobfence.contrib.sqlalchemy import async_session_for
+
+        async with async_session_for(tx) as session:
+            session.add(
+                points_orm.AwardRow(
+                    job_id=job.job_id, account_id=payload.account_id, points=payload.points
+                )
+            )
+            await session.flush()
+            pid = (await session.execute(text("SELECT pg_backend_pid()"))).scalar()
+            write_marker(workdir, pid, job)
+            await asyncio.Event().wait()  # until SIGKILL: the commit never comes
+
+    return app
+
+
+def flavoured_crash_app(flavour: str, workdir: Path, mode: str) -> App:
+    if flavour == "async-sqlalchemy":
+        return async_orm_crash_app(workdir)
+    return sync_crash_app(flavour, workdir, mode)
 
 
 def sync_crash_app(flavour: str, workdir: Path, mode: str) -> App:
@@ -101,7 +133,7 @@ def sync_crash_app(flavour: str, workdir: Path, mode: str) -> App:
 async def main(mode: str, url: str, workdir: Path, flavour: str = "async") -> int:
     marker = workdir / "in_handler"
     terminated = asyncio.Event()
-    app = App() if flavour == "async" else sync_crash_app(flavour, workdir, mode)
+    app = App() if flavour == "async" else flavoured_crash_app(flavour, workdir, mode)
 
     async def award(payload: pointsapp.Award, job: JobMeta, tx: AsyncConnection[Any]) -> None:
         await tx.execute(
@@ -190,9 +222,9 @@ if __name__ == "__main__":
     if (
         len(sys.argv) not in (4, 5)
         or sys.argv[1] not in ("crash", "graceful", "unacked", "group")
-        or sys.argv[4:] not in ([], ["async"], ["sync"], ["sqlalchemy"])
+        or sys.argv[4:] not in ([], ["async"], ["sync"], ["sqlalchemy"], ["async-sqlalchemy"])
         or (sys.argv[4:] not in ([], ["async"]) and sys.argv[1] not in ("crash", "group"))
-        or (sys.argv[4:] == ["sqlalchemy"] and sys.argv[1] != "crash")
+        or (sys.argv[4:] in (["sqlalchemy"], ["async-sqlalchemy"]) and sys.argv[1] != "crash")
     ):
         print(__doc__, file=sys.stderr)
         sys.exit(2)

@@ -308,7 +308,7 @@ async def test_acceptance_1_same_job_id_processed_concurrently_has_exactly_one_e
 # -- Acceptance 2 -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("flavour", ["async", "sync", "sqlalchemy"])
+@pytest.mark.parametrize("flavour", ["async", "sync", "sqlalchemy", "async-sqlalchemy"])
 async def test_acceptance_2_crash_between_work_and_fence_leaves_neither(  # noqa: PLR0917
     database_url: str,
     pool: AsyncConnectionPool[Any],
@@ -319,7 +319,8 @@ async def test_acceptance_2_crash_between_work_and_fence_leaves_neither(  # noqa
 ) -> None:
     """A worker process SIGKILLed after its work statement, before commit, leaves no effect and
     no fence; after the 1 s lease the job is delivered again (attempt 2) and applied once. With
-    each handler flavour: async, a sync def, a sync def writing through the SQLAlchemy ORM."""
+    each handler flavour: async, a sync def, a sync def writing through the SQLAlchemy ORM, an
+    async handler writing through the ORM's AsyncSession."""
     app = pointsapp.build_app()
     await app.enqueue(points, "award_points", {"account_id": 2, "points": 7}, job_id="crash-1")
 
