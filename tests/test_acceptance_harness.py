@@ -768,19 +768,21 @@ async def test_d7_serialization_failure_is_retried_at_once_without_counting_an_a
 # -- Graceful shutdown --------------------------------------------------------------------------
 
 
-async def test_sigterm_finishes_the_job_in_progress_and_releases_fetched_jobs(
+@FLAVOURS
+async def test_sigterm_finishes_the_job_in_progress_and_releases_fetched_jobs(  # noqa: PLR0917
     database_url: str,
     pool: AsyncConnectionPool[Any],
     points: AsyncConnection[Any],
     workdir: Path,
     processes: list[WorkerProcess],
+    flavour: str,
 ) -> None:
     app = pointsapp.build_app()
     job_ids = [f"term-{i}" for i in range(5)]
     for job_id in job_ids:
         await app.enqueue(points, "award_points", {"account_id": 8, "points": 2}, job_id=job_id)
 
-    proc = WorkerProcess("graceful", database_url, workdir)
+    proc = WorkerProcess("graceful", database_url, workdir, flavour)
     processes.append(proc)
     _, running, attempt = await proc.wait_in_handler()
     assert attempt == 1
