@@ -10,6 +10,7 @@ fence transaction itself gets, and the SQLAlchemy session's contract.
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import signal
 import subprocess
@@ -338,7 +339,10 @@ async def test_a_sync_consumers_fence_is_inserted_in_its_transaction_with_its_tt
 
 
 async def test_a_worker_opens_the_sync_pool_only_when_its_queues_have_sync_consumers(
-    pool: AsyncConnectionPool[Any], points: AsyncConnection[Any], monkeypatch: pytest.MonkeyPatch
+    pool: AsyncConnectionPool[Any],
+    points: AsyncConnection[Any],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     opened: list[int] = []
     original = PsycopgRunner.open
@@ -351,9 +355,14 @@ async def test_a_worker_opens_the_sync_pool_only_when_its_queues_have_sync_consu
     await run_worker(pointsapp.build_app(), pool, PrometheusMetrics())
     assert opened == []
     await enqueue(points, pointsapp.build_app(flavour="sync"), "pool-1")
-    stats = await run_worker(pointsapp.build_app(flavour="sync"), pool, PrometheusMetrics())
+    with caplog.at_level(logging.INFO, logger="jobfence.worker"):
+        stats = await run_worker(pointsapp.build_app(flavour="sync"), pool, PrometheusMetrics())
     assert opened == [1]
     assert stats.outcomes == {"succeeded": 1}
+    assert (
+        "consumer award_points on queue loyalty has a sync handler: its transactions run in 4"
+        " threads on a sync connection pool"
+    ) in caplog.messages
 
 
 async def test_a_poison_payload_for_a_sync_consumer_is_dead_lettered_with_zero_retries(
