@@ -19,10 +19,11 @@ work exists, and then:
   returns, so the job finishes after the signal. The worker runs one job at a time and has
   fetched the other queued jobs (batch of 5) without starting them.
 
-FLAVOUR (``crash`` and ``group`` modes): ``async`` (the default), ``sync`` (a plain def handler
-on the sync connection, in a worker thread) or ``sqlalchemy`` (``crash`` only: a def handler
-writing through the ORM with ``jobfence.contrib.sqlalchemy.session_for``, the row flushed before
-the marker).
+FLAVOUR (not in ``unacked`` mode): ``async`` (the default), ``sync`` (a plain def handler on the
+sync connection, in a worker thread), or, in ``crash`` mode only, ``sqlalchemy`` (a def handler
+writing through the ORM with ``jobfence.contrib.sqlalchemy.session_for``, the row flushed
+before the marker) or ``async-sqlalchemy`` (the same with an async handler and
+``async_session_for``).
 
 Later jobs (graceful mode) run without blocking. The process prints the worker's summary and
 exits 0 after a graceful stop.
@@ -51,9 +52,45 @@ def write_marker(workdir: Path, backend_pid: object, job: JobMeta) -> None:
     tmp.rename(workdir / "in_handler")
 
 
+def async_orm_crash_app(workdir: Path) -> App:
+    """``crash`` mode with an async handler writing through an AsyncSession."""
+    app = App()
+
+    @app.consumer("award_points", queue=pointsapp.QUEUE, schema=pointsapp.Award)
+    async def award(payload: pointsapp.Award, job: JobMeta, tx: AsyncConnection[Any]) -> None:
+        from sqlalchemy import text
+
+        import points_orm
+        from jobfence.contrib.sqlalchemy import async_session_for
+
+        async with async_session_for(tx) as session:
+            session.add(
+                points_orm.AwardRow(
+                    job_id=job.job_id, account_id=payload.account_id, points=payload.points
+                )
+            )
+            await session.flush()
+            pid = (await session.execute(text("SELECT pg_backend_pid()"))).scalar()
+            write_marker(workdir, pid, job)
+            await asyncio.Event().wait()  # until SIGKILL: the commit never comes
+
+    return app
+
+
+def flavoured_crash_app(flavour: str, workdir: Path, mode: str) -> App:
+    if flavour == "async-sqlalchemy":
+        return async_orm_crash_app(workdir)
+    return sync_crash_app(flavour, workdir, mode)
+
+
+# Set on SIGTERM, for a sync handler waiting in its thread (graceful mode).
+SIGTERMED = threading.Event()
+
+
 def sync_crash_app(flavour: str, workdir: Path, mode: str) -> App:
-    """``crash`` and ``group`` modes with a sync handler: the work row, the marker (for a group,
-    on its ``-block`` job, after writing ``inside``), then block until SIGKILL."""
+    """``crash``, ``group`` and ``graceful`` modes with a sync handler: the work row, the marker
+    (for a group, on its ``-block`` job, after writing ``inside``), then block until SIGKILL
+    (graceful: until SIGTERM, then the balance)."""
     app = App()
 
     @app.consumer(
@@ -84,6 +121,17 @@ def sync_crash_app(flavour: str, workdir: Path, mode: str) -> App:
             "INSERT INTO public.awards (job_id, account_id, points) VALUES (%s, %s, %s)",
             (job.job_id, payload.account_id, payload.points),
         )
+        if mode == "graceful":
+            if not (workdir / "in_handler").exists():
+                row = tx.execute("SELECT pg_backend_pid()").fetchone()
+                assert row is not None
+                write_marker(workdir, row[0], job)
+                SIGTERMED.wait()
+            tx.execute(
+                "UPDATE public.accounts SET points = points + %s WHERE id = %s",
+                (payload.points, payload.account_id),
+            )
+            return
         if mode == "group":
             if not job.job_id.endswith("-block"):
                 return
@@ -101,7 +149,7 @@ def sync_crash_app(flavour: str, workdir: Path, mode: str) -> App:
 async def main(mode: str, url: str, workdir: Path, flavour: str = "async") -> int:
     marker = workdir / "in_handler"
     terminated = asyncio.Event()
-    app = App() if flavour == "async" else sync_crash_app(flavour, workdir, mode)
+    app = App() if flavour == "async" else flavoured_crash_app(flavour, workdir, mode)
 
     async def award(payload: pointsapp.Award, job: JobMeta, tx: AsyncConnection[Any]) -> None:
         await tx.execute(
@@ -174,6 +222,7 @@ async def main(mode: str, url: str, workdir: Path, flavour: str = "async") -> in
     def on_sigterm() -> None:
         worker.stop()
         terminated.set()
+        SIGTERMED.set()
 
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, on_sigterm)
     try:
@@ -190,9 +239,9 @@ if __name__ == "__main__":
     if (
         len(sys.argv) not in (4, 5)
         or sys.argv[1] not in ("crash", "graceful", "unacked", "group")
-        or sys.argv[4:] not in ([], ["async"], ["sync"], ["sqlalchemy"])
-        or (sys.argv[4:] not in ([], ["async"]) and sys.argv[1] not in ("crash", "group"))
-        or (sys.argv[4:] == ["sqlalchemy"] and sys.argv[1] != "crash")
+        or sys.argv[4:] not in ([], ["async"], ["sync"], ["sqlalchemy"], ["async-sqlalchemy"])
+        or (sys.argv[4:] not in ([], ["async"]) and sys.argv[1] == "unacked")
+        or (sys.argv[4:] in (["sqlalchemy"], ["async-sqlalchemy"]) and sys.argv[1] != "crash")
     ):
         print(__doc__, file=sys.stderr)
         sys.exit(2)

@@ -10,7 +10,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 import pointsapp
 from jobfence import HardFailure, JobMeta
-from jobfence.contrib.sqlalchemy import session_for
+from jobfence.contrib.sqlalchemy import async_session_for, session_for
 
 
 class Base(DeclarativeBase):
@@ -44,5 +44,22 @@ def apply_award_orm(payload: pointsapp.Award, job: JobMeta, tx: psycopg.Connecti
             AwardRow(job_id=job.job_id, account_id=payload.account_id, points=payload.points)
         )
         account = session.get(Account, payload.account_id, with_for_update=True)
+        assert account is not None
+        account.points += payload.points
+
+
+async def apply_award_orm_async(
+    payload: pointsapp.Award, job: JobMeta, tx: psycopg.AsyncConnection[Any]
+) -> None:
+    """:func:`apply_award_orm` in an async handler, with an ``AsyncSession``."""
+    if payload.mode == "transient":
+        raise pointsapp.Flaky(f"ledger timeout on attempt {job.attempt}")
+    if payload.mode == "hard":
+        raise HardFailure("account is closed")
+    async with async_session_for(tx) as session:
+        session.add(
+            AwardRow(job_id=job.job_id, account_id=payload.account_id, points=payload.points)
+        )
+        account = await session.get(Account, payload.account_id, with_for_update=True)
         assert account is not None
         account.points += payload.points

@@ -3,7 +3,8 @@
     python tests/race_worker.py FLAVOUR DATABASE_URL WORKDIR OTHERS
 
 Runs pointsapp's ``award_points`` consumer with a handler of FLAVOUR (``async``, ``sync``: a plain
-def handler, ``sqlalchemy``: a def handler writing through the ORM), one job at a time, until
+def handler, ``sqlalchemy``: a def handler writing through the ORM, ``async-sqlalchemy``: an
+async handler writing through the ORM's AsyncSession), one job at a time, until
 SIGTERM. Before its work, every handler call waits until OTHERS other backends of the database
 are blocked on a lock (the uncommitted fence key it holds), polling from a connection of its
 own for at most 20 s; a handler that times out writes ``WORKDIR/errors``. Each handler call
@@ -41,7 +42,7 @@ def note(workdir: Path, job: JobMeta) -> None:
 def build(flavour: str, url: str, workdir: Path, others: int) -> App:
     app = App()
     register = app.consumer("award_points", queue=pointsapp.QUEUE, schema=pointsapp.Award)
-    if flavour == "async":
+    if flavour in ("async", "async-sqlalchemy"):
 
         async def award(payload: pointsapp.Award, job: JobMeta, tx: AsyncConnection[Any]) -> None:
             note(workdir, job)
@@ -56,7 +57,12 @@ def build(flavour: str, url: str, workdir: Path, others: int) -> App:
                         (workdir / "errors").write_text(f"{job.job_id}: duplicates never blocked")
                         raise TimeoutError("duplicates never blocked")
                     await asyncio.sleep(0.02)
-            await pointsapp.apply_award(payload, job, tx)
+            if flavour == "async":
+                await pointsapp.apply_award(payload, job, tx)
+            else:
+                import points_orm
+
+                await points_orm.apply_award_orm_async(payload, job, tx)
 
         register(award)
         return app
@@ -112,7 +118,7 @@ async def main(flavour: str, url: str, workdir: Path, others: int) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 5 or sys.argv[1] not in ("async", "sync", "sqlalchemy"):
+    if len(sys.argv) != 5 or sys.argv[1] not in ("async", "sync", "sqlalchemy", "async-sqlalchemy"):
         print(__doc__, file=sys.stderr)
         sys.exit(2)
     os.environ.pop("JOBFENCE_DATABASE_URL", None)

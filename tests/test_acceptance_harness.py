@@ -308,7 +308,7 @@ async def test_acceptance_1_same_job_id_processed_concurrently_has_exactly_one_e
 # -- Acceptance 2 -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("flavour", ["async", "sync", "sqlalchemy"])
+@pytest.mark.parametrize("flavour", ["async", "sync", "sqlalchemy", "async-sqlalchemy"])
 async def test_acceptance_2_crash_between_work_and_fence_leaves_neither(  # noqa: PLR0917
     database_url: str,
     pool: AsyncConnectionPool[Any],
@@ -319,7 +319,8 @@ async def test_acceptance_2_crash_between_work_and_fence_leaves_neither(  # noqa
 ) -> None:
     """A worker process SIGKILLed after its work statement, before commit, leaves no effect and
     no fence; after the 1 s lease the job is delivered again (attempt 2) and applied once. With
-    each handler flavour: async, a sync def, a sync def writing through the SQLAlchemy ORM."""
+    each handler flavour: async, a sync def, a sync def writing through the SQLAlchemy ORM, an
+    async handler writing through the ORM's AsyncSession."""
     app = pointsapp.build_app()
     await app.enqueue(points, "award_points", {"account_id": 2, "points": 7}, job_id="crash-1")
 
@@ -767,19 +768,21 @@ async def test_d7_serialization_failure_is_retried_at_once_without_counting_an_a
 # -- Graceful shutdown --------------------------------------------------------------------------
 
 
-async def test_sigterm_finishes_the_job_in_progress_and_releases_fetched_jobs(
+@FLAVOURS
+async def test_sigterm_finishes_the_job_in_progress_and_releases_fetched_jobs(  # noqa: PLR0917
     database_url: str,
     pool: AsyncConnectionPool[Any],
     points: AsyncConnection[Any],
     workdir: Path,
     processes: list[WorkerProcess],
+    flavour: str,
 ) -> None:
     app = pointsapp.build_app()
     job_ids = [f"term-{i}" for i in range(5)]
     for job_id in job_ids:
         await app.enqueue(points, "award_points", {"account_id": 8, "points": 2}, job_id=job_id)
 
-    proc = WorkerProcess("graceful", database_url, workdir)
+    proc = WorkerProcess("graceful", database_url, workdir, flavour)
     processes.append(proc)
     _, running, attempt = await proc.wait_in_handler()
     assert attempt == 1

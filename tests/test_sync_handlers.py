@@ -10,6 +10,7 @@ fence transaction itself gets, and the SQLAlchemy session's contract.
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import signal
 import subprocess
@@ -29,7 +30,7 @@ from sqlalchemy import text
 import points_orm
 import pointsapp
 from jobfence import App, JobMeta, PrometheusMetrics, TransactionAborted, get_dead_letter
-from jobfence.contrib.sqlalchemy import session_for
+from jobfence.contrib.sqlalchemy import async_session_for, session_for
 from jobfence.sync import PsycopgRunner
 from support import wait_until
 from test_acceptance_harness import (
@@ -142,7 +143,7 @@ def racers(tmp_path: Path) -> Iterator[Racers]:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("flavour", ["async", "sync", "sqlalchemy"])
+@pytest.mark.parametrize("flavour", ["async", "sync", "sqlalchemy", "async-sqlalchemy"])
 async def test_acceptance_1_same_job_id_in_concurrent_worker_processes_has_exactly_one_effect(
     database_url: str,
     points: AsyncConnection[Any],
@@ -338,7 +339,10 @@ async def test_a_sync_consumers_fence_is_inserted_in_its_transaction_with_its_tt
 
 
 async def test_a_worker_opens_the_sync_pool_only_when_its_queues_have_sync_consumers(
-    pool: AsyncConnectionPool[Any], points: AsyncConnection[Any], monkeypatch: pytest.MonkeyPatch
+    pool: AsyncConnectionPool[Any],
+    points: AsyncConnection[Any],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     opened: list[int] = []
     original = PsycopgRunner.open
@@ -351,9 +355,14 @@ async def test_a_worker_opens_the_sync_pool_only_when_its_queues_have_sync_consu
     await run_worker(pointsapp.build_app(), pool, PrometheusMetrics())
     assert opened == []
     await enqueue(points, pointsapp.build_app(flavour="sync"), "pool-1")
-    stats = await run_worker(pointsapp.build_app(flavour="sync"), pool, PrometheusMetrics())
+    with caplog.at_level(logging.INFO, logger="jobfence.worker"):
+        stats = await run_worker(pointsapp.build_app(flavour="sync"), pool, PrometheusMetrics())
     assert opened == [1]
     assert stats.outcomes == {"succeeded": 1}
+    assert (
+        "consumer award_points on queue loyalty has a sync handler: its transactions run in 4"
+        " threads on a sync connection pool"
+    ) in caplog.messages
 
 
 async def test_a_poison_payload_for_a_sync_consumer_is_dead_lettered_with_zero_retries(
@@ -493,3 +502,62 @@ async def test_the_readme_sync_handler_applies_an_award_once_and_dead_letters_a_
     assert await count(conn, "SELECT points FROM accounts WHERE id = 7") == 4
     [dl_id] = await dead_letter_ids(conn, "s-2")
     assert (await get_dead_letter(conn, dl_id)).error_class == "jobfence.HardFailure"
+
+
+# -- SQLAlchemy's asyncio extension in an async handler ------------------------------------------
+
+
+async def test_async_orm_changes_commit_with_the_fence_even_unflushed_and_a_follow_up_job_too(
+    pool: AsyncConnectionPool[Any], points: AsyncConnection[Any]
+) -> None:
+    followers = pointsapp.build_app()
+    app = App()
+
+    @app.consumer("orm_award", queue="orm", schema=pointsapp.Award)
+    async def award(payload: pointsapp.Award, job: JobMeta, tx: AsyncConnection[Any]) -> None:
+        async with async_session_for(tx) as session:
+            result = await session.execute(text("SELECT count(*) FROM core.processed_jobs"))
+            assert result.scalar() == 1  # the fence, in this transaction
+            await followers.enqueue(
+                session, CONSUMER, {"account_id": 2, "points": 1}, job_id=f"{job.job_id}-next"
+            )
+            session.add(points_orm.AwardRow(job_id=job.job_id, account_id=1, points=5))
+        if payload.mode == "slow":  # fails after the ORM work: nothing of it may commit
+            raise pointsapp.Flaky("after the ORM write")
+
+    await app.enqueue(points, "orm_award", {"account_id": 1, "points": 5}, job_id="a-orm-1")
+    await app.enqueue(
+        points, "orm_award", {"account_id": 1, "points": 5, "mode": "slow"}, job_id="a-orm-2"
+    )
+    stats = await run_worker(app, pool, PrometheusMetrics())
+    assert stats.outcomes == {"succeeded": 1, "retried": 1}
+    assert await awards(points, "a-orm-1") == 1
+    assert await fences(points, "a-orm-1") == 1
+    assert await awards(points, "a-orm-2") == 0
+    assert await fences(points, "a-orm-2") == 0
+    cur = await points.execute("SELECT job_id FROM jobfence_queue.messages ORDER BY job_id")
+    assert [r[0] for r in await cur.fetchall()] == ["a-orm-1-next", "a-orm-2"]
+
+
+@pytest.mark.parametrize("what", ["commit", "rollback"])
+async def test_an_async_session_ending_the_fence_transaction_gets_a_clear_error(
+    pool: AsyncConnectionPool[Any], points: AsyncConnection[Any], what: str
+) -> None:
+    async def award(payload: pointsapp.Award, job: JobMeta, tx: AsyncConnection[Any]) -> None:
+        async with async_session_for(tx) as session:
+            session.add(points_orm.AwardRow(job_id=job.job_id, account_id=1, points=2))
+            await session.flush()
+            await getattr(session, what)()
+
+    app = app_with(award)
+    await enqueue(points, app, "a-misuse-1")
+    stats = await run_worker(app, pool, PrometheusMetrics())
+    assert stats.outcomes == {"dead_lettered": 1}
+    assert await awards(points) == 0
+    assert await fences(points, "a-misuse-1") == 0
+    [dl_id] = await dead_letter_ids(points, "a-misuse-1")
+    dl = await get_dead_letter(points, dl_id)
+    assert dl.last_error.startswith(
+        "jobfence.TransactionMisuse: the fence transaction is committed by jobfence, with the"
+        f" handler's work and its fence together; do not call {what}()"
+    ), dl.last_error

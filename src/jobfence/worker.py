@@ -150,12 +150,20 @@ class Worker:
         return self._busy
 
     def check(self) -> None:
-        """Start-up checks: D3 fence TTLs; the retry overrides' rationales and the consumers
-        that commit jobs in groups, in the log."""
+        """Start-up checks: D3 fence TTLs; the retry overrides' rationales, the consumers that
+        commit jobs in groups and those with a sync handler, in the log."""
         self.app.check_fence_ttls()
         for consumer in self.app.consumers.values():
             if consumer.queue not in self.queues:
                 continue
+            if consumer.sync:
+                log.info(
+                    "consumer %s on queue %s has a sync handler: its transactions run in %d"
+                    " threads on a sync connection pool",
+                    consumer.name,
+                    consumer.queue,
+                    self.concurrency,
+                )
             if consumer.jobs_per_transaction > 1:
                 log.info(
                     "consumer %s on queue %s commits up to %d waiting jobs per transaction"

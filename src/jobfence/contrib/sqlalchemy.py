@@ -25,32 +25,44 @@ fence, or not at all. SQLAlchemy never owns that transaction:
 
 ``app.enqueue_sync(session, ...)`` inside the block enqueues a follow-up job in the same
 transaction.
+
+An ``async def`` handler gets the same with :func:`async_session_for` (an ``AsyncSession`` on
+its ``AsyncConnection``; ``await app.enqueue(session, ...)`` for a follow-up job)::
+
+    async with async_session_for(tx) as session:
+        session.add(AwardRow(job_id=job.job_id, points=payload.points))
 """
 
 from __future__ import annotations
 
+import contextvars
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import psycopg
 from sqlalchemy import create_engine
 from sqlalchemy.dialects import registry
-from sqlalchemy.dialects.postgresql.psycopg import PGDialect_psycopg
+from sqlalchemy.dialects.postgresql.psycopg import PGDialect_psycopg, PGDialectAsync_psycopg
 from sqlalchemy.engine import Engine
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import NullPool
 
 from jobfence.errors import TransactionMisuse
 from jobfence.sync import ENDED_BY_HANDLER
 
-__all__ = ["FenceSession", "session_for"]
+__all__ = ["FenceAsyncSession", "FenceSession", "async_session_for", "session_for"]
 
 _DIALECT_NAME = "jobfence_fence"
 _lent = threading.local()
+_lent_async: contextvars.ContextVar[psycopg.AsyncConnection[Any] | None] = contextvars.ContextVar(
+    "jobfence_lent_async", default=None
+)
 _engine_lock = threading.Lock()
 _engine: Engine | None = None
+_async_engine: AsyncEngine | None = None
 
 
 class FenceDialect(PGDialect_psycopg):
@@ -75,6 +87,31 @@ class FenceDialect(PGDialect_psycopg):
     def on_connect(self) -> None:
         return None
 
+    @classmethod
+    def get_async_dialect_cls(cls, url: Any) -> type[FenceAsyncDialect]:
+        return FenceAsyncDialect
+
+
+class FenceAsyncDialect(PGDialectAsync_psycopg):
+    """:class:`FenceDialect` for SQLAlchemy's asyncio extension (an ``AsyncConnection``)."""
+
+    supports_statement_cache = True
+
+    def do_commit(self, dbapi_connection: Any) -> None:
+        raise TransactionMisuse(ENDED_BY_HANDLER.format(what="commit"))
+
+    def do_rollback(self, dbapi_connection: Any) -> None:
+        """As :meth:`FenceDialect.do_rollback`."""
+
+    def do_close(self, dbapi_connection: Any) -> None:
+        """As :meth:`FenceDialect.do_close`."""
+
+    def do_terminate(self, dbapi_connection: Any) -> None:
+        """As :meth:`FenceDialect.do_terminate`."""
+
+    def on_connect(self) -> None:
+        return None
+
 
 registry.register(f"postgresql.{_DIALECT_NAME}", __name__, "FenceDialect")
 
@@ -91,6 +128,71 @@ class FenceSession(Session):
             ENDED_BY_HANDLER.format(what="rollback")
             + "; raise an exception to roll the job back, fence included"
         )
+
+
+class FenceAsyncSession(AsyncSession):
+    """An ``AsyncSession`` that refuses to end the fence transaction, like
+    :class:`FenceSession` (which it runs on)."""
+
+    sync_session_class = FenceSession
+
+    async def commit(self) -> None:
+        raise TransactionMisuse(ENDED_BY_HANDLER.format(what="commit"))
+
+    async def rollback(self) -> None:
+        raise TransactionMisuse(
+            ENDED_BY_HANDLER.format(what="rollback")
+            + "; raise an exception to roll the job back, fence included"
+        )
+
+
+async def _lent_async_connection() -> psycopg.AsyncConnection[Any]:
+    conn = _lent_async.get()
+    if conn is None:  # pragma: no cover - only async_session_for connects this engine
+        raise RuntimeError("the jobfence SQLAlchemy engine connects only in async_session_for()")
+    return conn
+
+
+def fence_async_engine() -> AsyncEngine:
+    """The process's engine for :func:`async_session_for` (created on first use)."""
+    global _async_engine  # noqa: PLW0603 - one engine per process, created lazily
+    with _engine_lock:
+        if _async_engine is None:
+            _async_engine = create_async_engine(
+                f"postgresql+{_DIALECT_NAME}://",
+                async_creator=_lent_async_connection,
+                poolclass=NullPool,
+                pool_reset_on_return=None,
+            )
+        return _async_engine
+
+
+@asynccontextmanager
+async def async_session_for(
+    tx: psycopg.AsyncConnection[Any], **session_kwargs: Any
+) -> AsyncIterator[AsyncSession]:
+    """:func:`session_for` for an ``async def`` handler: a :class:`FenceAsyncSession` on ``tx``,
+    its ``AsyncConnection``, inside its fence transaction; flushed when the block ends."""
+    if not isinstance(tx, psycopg.AsyncConnection):
+        raise TypeError(
+            "async_session_for needs the psycopg.AsyncConnection an async handler is given (its"
+            f" third argument), got {type(tx).__module__}.{type(tx).__qualname__}"
+        )
+    engine = fence_async_engine()
+    token = _lent_async.set(tx)
+    try:
+        sa_conn = await engine.connect()
+    finally:
+        _lent_async.reset(token)
+    try:
+        session = FenceAsyncSession(bind=sa_conn, **session_kwargs)
+        try:
+            yield session
+            await session.flush()
+        finally:
+            await session.close()
+    finally:
+        await sa_conn.close()
 
 
 def _lent_connection() -> psycopg.Connection[Any]:
