@@ -33,6 +33,7 @@ Each run then checks that every job's effect was applied exactly once.
 
     .venv/bin/python benchmarks/throughput.py             # 5,000 jobs, 3 rounds: 5-6 min
     .venv/bin/python benchmarks/throughput.py --jobs 20000 --rounds 5
+    .venv/bin/python benchmarks/throughput.py --systems brokers   # on brokers: broker_systems.py
 """
 
 from __future__ import annotations
@@ -51,9 +52,11 @@ import time
 import traceback
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
+from multiprocessing.sharedctypes import SynchronizedArray
 from multiprocessing.synchronize import Event
 from typing import Any
 
+import broker_systems as bs
 import procrastinate
 import psutil
 import psycopg
@@ -99,8 +102,9 @@ LABELS = {
     JOBFENCE_SQLALCHEMY: "(b4) jobfence, SQLAlchemy",
     PROCRASTINATE: "(c) procrastinate",
     CEILING_SYNC: "(a') ceiling, sync",
+    **bs.BROKER_LABELS,
 }
-SYSTEMS = (
+PG_SYSTEMS = (
     CEILING,
     JOBFENCE,
     JOBFENCE_GROUP,
@@ -109,6 +113,9 @@ SYSTEMS = (
     PROCRASTINATE,
     CEILING_SYNC,
 )
+SYSTEMS = PG_SYSTEMS + bs.BROKER_SYSTEMS
+# --systems shorthands: "brokers" is jobfence on PostgreSQL beside every broker system.
+SYSTEM_GROUPS = {"all": SYSTEMS, "postgres": PG_SYSTEMS, "brokers": (JOBFENCE, *bs.BROKER_SYSTEMS)}
 JOBFENCES = (JOBFENCE, JOBFENCE_GROUP, JOBFENCE_SYNC, JOBFENCE_SQLALCHEMY)
 FLAVOURS = {JOBFENCE_SYNC: "sync", JOBFENCE_SQLALCHEMY: "sqlalchemy"}
 PROCRASTINATE_TABLES = (
@@ -143,6 +150,8 @@ class Measurement:
     problems: list[str] = field(default_factory=list)
     client_cpu: float = 0.0  # CPU seconds of the worker processes during the run
     server_cpu: float = 0.0  # CPU seconds of the PostgreSQL processes during the run
+    broker_cpu: float | None = None  # CPU seconds of the broker's processes (broker systems)
+    left_on_broker: int = 0  # messages of the run still on the broker after the workers closed
 
     @property
     def rate(self) -> float:
@@ -251,6 +260,25 @@ async def _child_procrastinate(cmd: dict[str, Any], pipe: Connection, go: Event)
     return tracker
 
 
+async def _child_jobfence_broker(cmd: dict[str, Any], pipe: Connection, go: Event) -> Tracker:
+    """jobfence's Worker, unchanged, on a broker's queue adapter (one job at a time)."""
+    tracker = Tracker()
+    pool = await open_pool(cmd["url"], min_size=2, max_size=3, name="bench")
+    queue = bs.jobfence_queue(cmd["system"], cmd["broker_url"], cmd["name"])
+    try:
+        worker = Worker(build_jobfence_app(tracker), pool, queue, concurrency=1, poll_seconds=0.05)
+        await queue.size([QUEUE])  # connect (and declare) now rather than inside the timed part
+        pipe.send("ready")
+        await _released(go)
+        stats = await worker.run(until="empty")
+    finally:
+        await queue.close()
+        await pool.close()
+    if stats.outcomes["succeeded"] != tracker.count:
+        raise RuntimeError(f"jobfence outcomes {dict(stats.outcomes)} != {tracker.count} handled")
+    return tracker
+
+
 CHILDREN = {
     CEILING: _child_ceiling,
     CEILING_SYNC: _child_ceiling_sync,
@@ -259,10 +287,11 @@ CHILDREN = {
     JOBFENCE_SYNC: _child_jobfence,
     JOBFENCE_SQLALCHEMY: _child_jobfence,
     PROCRASTINATE: _child_procrastinate,
+    **{system: _child_jobfence_broker for system in bs.JOBFENCE_ON_BROKERS},
 }
 
 
-def child_main(pipe: Connection, go: Event) -> None:
+def child_main(pipe: Connection, go: Event, slots: SynchronizedArray[float]) -> None:
     logging.basicConfig(level=logging.WARNING)
     # Every worker's start-up warning about autovacuum, 4 processes x every run: the main process
     # says it once (VACUUM runs before each measurement, so it does not skew the figures).
@@ -274,9 +303,12 @@ def child_main(pipe: Connection, go: Event) -> None:
         if cmd is None:
             return
         try:
-            child = functools.partial(CHILDREN[cmd["system"]], cmd, pipe, go)
-            tracker = runtime.run(child, loop=cmd["loop"])
-            pipe.send({"count": tracker.count, "first": tracker.first, "last": tracker.last})
+            if cmd["system"] in CHILDREN:
+                child = functools.partial(CHILDREN[cmd["system"]], cmd, pipe, go)
+                tracker = runtime.run(child, loop=cmd["loop"])
+                pipe.send({"count": tracker.count, "first": tracker.first, "last": tracker.last})
+            else:  # Dramatiq or Celery: their own threads and processes, no event loop
+                pipe.send(bs.run_framework_worker(cmd, pipe, go, slots))
         except BaseException:
             pipe.send({"error": traceback.format_exc()})
 
@@ -297,10 +329,15 @@ async def prepare(
     config: Config,
     jobs: int,
     prefix: str,
+    *,
+    broker: tuple[bs.Urls, str] | None = None,
 ) -> None:
     await migrate(conn)  # no-op, unless the working tree gained a migration during the run
     await reset(conn)
-    if config.system in JOBFENCES:
+    if broker is not None:
+        urls, name = broker
+        await bs.publish(config.system, urls, name, prefix, jobs)
+    elif config.system in JOBFENCES:
         await enqueue_jobfence(conn, prefix, 0, jobs)
     elif config.system == PROCRASTINATE:
         task = papp.tasks[CONSUMER]
@@ -333,6 +370,10 @@ async def verify(
         left = await scalar(conn, "SELECT count(*) FROM jobfence_queue.messages")
         if fences != jobs or left:
             problems.append(f"{fences} fence rows (expected {jobs}), {left} messages left")
+    elif config.system in bs.BROKER_SYSTEMS:
+        fences = await scalar(conn, "SELECT count(*) FROM core.processed_jobs")
+        if fences != jobs:
+            problems.append(f"{fences} fence rows, expected {jobs}")
     else:
         done = await scalar(
             conn, "SELECT count(*) FROM procrastinate_jobs WHERE status = 'succeeded'"
@@ -353,13 +394,32 @@ class Bench:
     loop: str
     workers: list[psutil.Process]
     group: int
+    urls: bs.Urls
+    slots: SynchronizedArray[float]
 
 
 async def measure(bench: Bench, config: Config, jobs: int, round_no: int) -> Measurement:
-    url, papp, pipes, go, loop = bench.url, bench.papp, bench.pipes, bench.go, bench.loop
+    """One run of one system; a broker system gets broker names of its own, deleted after."""
     prefix = f"r{round_no}-{config.system}-{config.procs}x{config.concurrency}:"
+    if config.system in bs.BROKER_SYSTEMS:
+        name = bs.new_name()
+        try:
+            return await _measure(bench, config, jobs, round_no, prefix, name=name)
+        finally:
+            await bs.delete_run(config.system, bench.urls, name)
+    return await _measure(bench, config, jobs, round_no, prefix, name=None)
+
+
+async def _measure(
+    bench: Bench, config: Config, jobs: int, round_no: int, prefix: str, *, name: str | None
+) -> Measurement:
+    url, papp, pipes, go, loop = bench.url, bench.papp, bench.pipes, bench.go, bench.loop
+    on_broker = (bench.urls, name) if name is not None else None
+    broker = bs.BROKER_OF.get(config.system)
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
-        await prepare(conn, papp, config, jobs, prefix)
+        await prepare(conn, papp, config, jobs, prefix, broker=on_broker)
+        for i in range(len(bench.slots)):
+            bench.slots[i] = 0.0
         points_before = await scalar(conn, "SELECT sum(points) FROM bench_accounts")
         go.clear()
         used = pipes[: config.procs]
@@ -375,6 +435,8 @@ async def measure(bench: Bench, config: Config, jobs: int, round_no: int) -> Mea
                     "prefix": prefix,
                     "loop": loop,
                     "group": bench.group,
+                    "name": name,
+                    "broker_url": bench.urls.of(config.system) if broker else None,
                 }
             )
         errors = []
@@ -385,11 +447,17 @@ async def measure(bench: Bench, config: Config, jobs: int, round_no: int) -> Mea
         workers = bench.workers[: config.procs]
         client_before = _cpu_of(workers)
         server_before = server_cpu()
+        broker_before = bs.broker_cpu(broker) if broker else {}
         started = time.monotonic()
         go.set()
         results = [await asyncio.to_thread(pipe.recv) for pipe in used if not errors]
         client = cpu_used(client_before, _cpu_of(workers))
         server = cpu_used(server_before, server_cpu())
+        broker_used = cpu_used(broker_before, bs.broker_cpu(broker)) if broker else None
+        if results and all("cpu" in r for r in results):
+            # Dramatiq and Celery measure themselves from the start signal to the last job,
+            # Celery's prefork pool process included, before they shut down.
+            client = sum(r["cpu"] for r in results)
         errors += [r["error"] for r in results if "error" in r]
         if errors:
             raise RuntimeError(f"{config.key} failed in a worker process:\n" + "\n".join(errors))
@@ -399,8 +467,20 @@ async def measure(bench: Bench, config: Config, jobs: int, round_no: int) -> Mea
         problems = await verify(conn, config, jobs, points_after - points_before)
         if handled != jobs:
             problems.append(f"{handled} jobs handled, expected {jobs}")
+        # Not an effect check: a message left behind was done (its fence row is counted above)
+        # and would only come back as a duplicate. Reported beside the run.
+        left = await bs.left_on_broker(config.system, bench.urls, name) if name else 0
     return Measurement(
-        config, round_no, jobs, finished - started, not problems, problems, client, server
+        config,
+        round_no,
+        jobs,
+        finished - started,
+        not problems,
+        problems,
+        client,
+        server,
+        broker_used,
+        left,
     )
 
 
@@ -421,9 +501,14 @@ def _print_cpu(
     by_key: dict[str, list[Measurement]], configs: list[Config], columns: list[str], width: int
 ) -> None:
     print()
-    print("CPU ms per job, worker processes + PostgreSQL (median of the rounds)")
+    print(
+        "CPU ms per job, worker processes + PostgreSQL (+ broker, for the broker systems),"
+        " median of the rounds"
+    )
     print(f"{'':<24}" + "".join(f"{col:>{width}}" for col in columns))
     for system in SYSTEMS:
+        if not any(c.system == system for c in configs):
+            continue
         row = f"{LABELS[system]:<24}"
         for col in columns:
             cfg = next((c for c in configs if c.system == system and c.column == col), None)
@@ -431,7 +516,11 @@ def _print_cpu(
             if runs:
                 client = statistics.median(1000 * m.client_cpu / m.jobs for m in runs)
                 server = statistics.median(1000 * m.server_cpu / m.jobs for m in runs)
-                row += f"{f'{client:.3f} + {server:.3f}':>{width}}"
+                cell = f"{client:.3f} + {server:.3f}"
+                if runs[0].broker_cpu is not None:
+                    broker = statistics.median(1000 * (m.broker_cpu or 0.0) / m.jobs for m in runs)
+                    cell += f" + {broker:.3f}"
+                row += f"{cell:>{width}}"
             else:
                 row += f"{'-':>{width}}"
         print(row)
@@ -442,7 +531,8 @@ def _print_ratios(by_key: dict[str, list[Measurement]], rounds: int) -> dict[str
     print()
     print(
         "ratios: median of the per-round ratios (min-max); targets (b)/(a) >= 0.60, (b)/(c) >= 4,"
-        " (b3)/(b) >= 0.8 at 4 workers"
+        " (b3)/(b) >= 0.8 at 4 workers;"
+        " on a broker: (d)/(e) >= 2, (d)/(b) >= 0.8"
     )
     comparisons: list[tuple[str, int, int, str, float | None, str]] = []
     for system, b in ((JOBFENCE, "(b)"), (JOBFENCE_GROUP, "(b2)")):
@@ -458,6 +548,17 @@ def _print_ratios(by_key: dict[str, list[Measurement]], rounds: int) -> dict[str
         for procs, concurrency in ((1, 1), (4, 1), (1, 4)):
             target = 0.8 if (system, procs) == (JOBFENCE_SYNC, 4) else None
             comparisons.append((system, procs, concurrency, JOBFENCE, target, f"{b}/(b)"))
+    for broker, mine_sys, dramatiq, celery in (
+        ("RabbitMQ", bs.JOBFENCE_RABBITMQ, bs.DRAMATIQ_RABBITMQ, bs.CELERY_RABBITMQ),
+        ("NATS", bs.JOBFENCE_NATS, None, None),
+        ("Redis", bs.JOBFENCE_REDIS, bs.DRAMATIQ_REDIS, bs.CELERY_REDIS),
+    ):
+        for procs in (1, 4):
+            if dramatiq:
+                comparisons.append((mine_sys, procs, 1, dramatiq, 2.0, f"(d)/(e) {broker}"))
+            if celery:
+                comparisons.append((mine_sys, procs, 1, celery, None, f"(d)/(f) {broker}"))
+            comparisons.append((mine_sys, procs, 1, JOBFENCE, 0.8, f"(d) {broker}/(b)"))
     for system, procs, concurrency, other, target, label in comparisons:
         mine, theirs = Config(system, procs, concurrency), Config(other, procs, concurrency)
         col = mine.column
@@ -474,11 +575,13 @@ def _print_ratios(by_key: dict[str, list[Measurement]], rounds: int) -> dict[str
                 verdict = "for information: the blocking-API ceiling"
             elif other == JOBFENCE and target is None:
                 verdict = "for information: sync handler / async handler"
+            elif target is None and other in bs.BROKER_SYSTEMS:
+                verdict = "for information: Celery on the same broker"
             elif target is None:
                 verdict = "for information: both in one process, 4 jobs at a time"
             else:
                 verdict = f"target >= {target:g}: " + ("met" if med >= target else "NOT met")
-            print(f"  {label:<9} at {col:<10} {med:6.2f} {spread:<14} {verdict}")
+            print(f"  {label:<20} at {col:<10} {med:6.2f} {spread:<14} {verdict}")
             ratios[f"{label} {col}"] = {"median": med, "per_round": per_round, "target": target}
     return ratios
 
@@ -495,6 +598,8 @@ def report(
     print(f"jobs/s, median of {args.rounds} rounds (min-max), {args.jobs:,} jobs per run")
     print(f"{'':<24}" + "".join(f"{col:>{width}}" for col in columns))
     for system in SYSTEMS:
+        if not any(c.system == system for c in configs):
+            continue
         row = f"{LABELS[system]:<24}"
         for col in columns:
             cfg = next((c for c in configs if c.system == system and c.column == col), None)
@@ -524,6 +629,10 @@ def report(
                 "ok": m.ok,
                 "client_cpu_ms_per_job": 1000 * m.client_cpu / m.jobs,
                 "server_cpu_ms_per_job": 1000 * m.server_cpu / m.jobs,
+                "left_on_broker": m.left_on_broker,
+                "broker_cpu_ms_per_job": (
+                    None if m.broker_cpu is None else 1000 * m.broker_cpu / m.jobs
+                ),
             }
             for m in results
         ],
@@ -559,15 +668,19 @@ async def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
             ]
         ctx = mp.get_context("spawn")
         go = ctx.Event()
+        nprocs = max(c.procs for c in configs)
+        slots = ctx.Array("d", bs.SLOT * nprocs)  # the Dramatiq and Celery workers' counts
         pipes, procs = [], []
-        for _ in range(max(c.procs for c in configs)):
+        for _ in range(nprocs):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=child_main, args=(child, go), daemon=True)
+            # Not daemonic: Celery's prefork pool starts processes of its own.
+            proc = ctx.Process(target=child_main, args=(child, go, slots))
             proc.start()
             pipes.append(parent)
             procs.append(proc)
         workers = [psutil.Process(proc.pid) for proc in procs]
-        bench = Bench(url, papp, pipes, go, args.loop, workers, args.group)
+        urls = bs.Urls(args.amqp_url, args.nats_url, args.redis_url)
+        bench = Bench(url, papp, pipes, go, args.loop, workers, args.group, urls, slots)
         results: list[Measurement] = []
         try:
             for r in range(args.rounds):
@@ -579,8 +692,12 @@ async def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
                         m = await measure(bench, config, args.jobs, r)
                         results.append(m)
                         status = "ok" if m.ok else "CHECK FAILED: " + "; ".join(m.problems)
+                        if m.left_on_broker:
+                            status += (
+                                f" (note: {m.left_on_broker} done messages left on the broker)"
+                            )
                         print(
-                            f"round {r + 1}/{args.rounds}  {LABELS[config.system]:<18} "
+                            f"round {r + 1}/{args.rounds}  {LABELS[config.system]:<24} "
                             f"{config.column:<11} {m.seconds:7.2f} s {m.rate:9,.0f} jobs/s  "
                             + status,
                             flush=True,
@@ -613,11 +730,17 @@ def main() -> int:
     parser.add_argument("--no-extra", action="store_true", help="skip the jobfence 1 proc x 4 line")
     parser.add_argument(
         "--systems",
-        default=",".join(SYSTEMS),
-        # jobfence_sync and jobfence-sync alike
-        type=lambda text: [p.strip().replace("_", "-") for p in text.split(",") if p.strip()],
-        help=f"comma-separated subset of {','.join(SYSTEMS)} (all)",
+        default="postgres",
+        type=lambda text: [part.strip().replace("_", "-") for part in text.split(",") if part],
+        help=f"comma-separated subset of {','.join(SYSTEMS)}, or a group: "
+        + "; ".join(f"{k} = {','.join(v)}" for k, v in SYSTEM_GROUPS.items())
+        + " (default: postgres)",
     )
+    for broker, what in (("amqp", "RabbitMQ"), ("nats", "NATS"), ("redis", "Redis")):
+        default = bs.DEFAULT_URLS["rabbitmq" if broker == "amqp" else broker]
+        parser.add_argument(
+            f"--{broker}-url", default=default, help=f"{what} for the broker systems ({default})"
+        )
     parser.add_argument(
         "--loop",
         choices=("uvloop", "asyncio"),
@@ -633,6 +756,7 @@ def main() -> int:
     )
     parser.add_argument("--json", default=None, help="also write the results to this file")
     args = parser.parse_args()
+    args.systems = [s for part in args.systems for s in SYSTEM_GROUPS.get(part, (part,))]
     unknown = set(args.systems) - set(LABELS)
     if unknown:
         parser.error(f"unknown system(s): {', '.join(sorted(unknown))}")
