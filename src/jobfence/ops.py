@@ -28,6 +28,7 @@ from jobfence.dead_letters import (
     ReplayResult,
     discard_dead_letter,
     get_dead_letter,
+    publish_with,
     replay_dead_letter,
     replay_message,
 )
@@ -835,10 +836,11 @@ async def run_bulk_replay(
     fence row exists is ``already_processed``: moved to replayed without republishing, since the
     fence would skip the job anyway; any other is republished with the same job_id (D8) and
     ``replayed``. With the PostgreSQL queue the publishes and the transitions of a chunk commit
-    together. With an external broker each item is published first; a publish that fails makes
-    the item ``failed`` and leaves its dead letter ``pending_review``.
+    together; with an external broker its outbox rows (:mod:`jobfence.outbox`) and the
+    transitions do, and the outbox relay publishes them after the commit. A publish (or outbox
+    insert) that fails rolls its chunk back: its dead letters stay ``pending_review`` and the
+    run resumes from that chunk.
     """
-    transactional = queue.capabilities.transactional
     while True:
         async with pool.connection() as conn, conn.transaction():
             async with conn.cursor(row_factory=dict_row) as cur:
@@ -868,15 +870,7 @@ async def run_bulk_replay(
                     results.append("failed")
                     details.append(str(exc)[:500])
                     continue
-                if transactional:
-                    await queue.publish(message, tx=conn)
-                else:
-                    try:
-                        await queue.publish(message)
-                    except Exception as exc:
-                        results.append("failed")
-                        details.append(f"publish failed: {type(exc).__name__}: {exc}"[:500])
-                        continue
+                await publish_with(conn, queue, message)
                 results.append("replayed")
                 details.append(None)
                 to_mark.append(row["dead_letter_id"])
