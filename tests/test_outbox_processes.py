@@ -269,3 +269,31 @@ async def test_a_cli_replay_on_a_broker_writes_the_outbox_and_the_database_follo
     refused = await asyncio.to_thread(_run, database_url, "worker", "pointsapp:app")
     assert refused.returncode == 2, refused
     assert "this database's jobs go to the rabbitmq queue at amqp://broker/" in refused.stderr
+
+
+async def test_migrate_queue_url_moves_the_database_and_refuses_while_jobs_would_be_stranded(
+    database_url: str, conn: psycopg.AsyncConnection[Any]
+) -> None:
+    url = f"amqp://app:{PASSWORD}@rabbit.internal:5672/prod"
+    moved = await asyncio.to_thread(_run, database_url, "migrate", "--queue-url", url)
+    assert moved.returncode == 0, moved
+    assert moved.stdout.splitlines()[-1] == (
+        "jobs go to the rabbitmq queue at amqp://rabbit.internal:5672/prod"
+    )
+    setting = await queue_setting(conn)
+    assert (setting.kind, setting.location) == ("rabbitmq", "amqp://rabbit.internal:5672/prod")
+    assert PASSWORD not in moved.stdout + moved.stderr
+
+    app = pointsapp.build_app()
+    await app.enqueue(conn, "award_points", {"account_id": 1, "points": 1}, job_id="m-1")
+    back = await asyncio.to_thread(_run, database_url, "migrate", "--queue-url", "postgresql")
+    assert back.returncode == 2, back
+    assert "the outbox still holds 1 message(s) for rabbitmq" in back.stderr
+    assert (await queue_setting(conn)).kind == "rabbitmq"
+    assert await scalar(conn, "SELECT count(*) FROM jobfence.outbox") == 1
+
+    await conn.execute("DELETE FROM jobfence.outbox")  # as if the relay had published it
+    back = await asyncio.to_thread(_run, database_url, "migrate", "--queue-url", "postgresql")
+    assert back.returncode == 0, back
+    assert back.stdout.splitlines()[-1] == "jobs go to the PostgreSQL queue"
+    assert (await queue_setting(conn)).kind == "postgresql"
