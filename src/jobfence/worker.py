@@ -132,7 +132,10 @@ class Worker:
         self.outbox_relay: OutboxRelay | None = None
         if outbox_relay and not queue.capabilities.transactional:
             if not isinstance(pool.conninfo, str):
-                raise ConfigError("the outbox relay needs a pool whose conninfo is a string")
+                raise ConfigError(
+                    "the outbox relay needs a pool whose conninfo is a string; pass"
+                    " outbox_relay=False and run jobfence outbox-relay instead"
+                )
             self.outbox_relay = OutboxRelay(
                 pool.conninfo, queue, settings=outbox_settings, metrics=outbox_metrics
             )
