@@ -50,6 +50,9 @@ class RecordingAlertMetrics:
     sent: Counter[str] = field(default_factory=Counter)
     failed: Counter[tuple[str, str]] = field(default_factory=Counter)
     pending: list[int] = field(default_factory=list)
+    incidents: Counter[str] = field(default_factory=Counter)
+    refused: list[int] = field(default_factory=list)
+    heartbeat: list[bool] = field(default_factory=list)
 
     def alert_sent(self, kind: str) -> None:
         self.sent[kind] += 1
@@ -60,6 +63,15 @@ class RecordingAlertMetrics:
     def alerts_pending(self, count: int) -> None:
         self.pending.append(count)
 
+    def incident_action(self, action: str) -> None:
+        self.incidents[action] += 1
+
+    def alerts_refused(self, count: int) -> None:
+        self.refused.append(count)
+
+    def heartbeat_state(self, ok: bool) -> None:
+        self.heartbeat.append(ok)
+
 
 def fast_settings(**overrides: Any) -> RelaySettings:
     values: dict[str, Any] = {
@@ -68,6 +80,8 @@ def fast_settings(**overrides: Any) -> RelaySettings:
         "retry_base_seconds": 0.2,
         "retry_cap_seconds": 2.0,
         "heartbeat_interval_seconds": 0.0,
+        "lost_answer_wait_seconds": 0.5,
+        "state_max_age_seconds": 0.2,
     }
     values.update(overrides)
     return RelaySettings(**values)
@@ -176,7 +190,7 @@ async def bulk_dead_letters(
 async def alert_rows(conn: AsyncConnection[Any]) -> list[dict[str, Any]]:
     cur = await conn.execute(
         "SELECT id, group_id, kind, state, attempts, incident_id, dead_letters, last_error,"
-        " dedup_key FROM jobfence.alerts ORDER BY id"
+        " dedup_key, outcome FROM jobfence.alerts ORDER BY id"
     )
     names = [d.name for d in cur.description or []]
     return [dict(zip(names, row, strict=True)) for row in await cur.fetchall()]
@@ -208,7 +222,10 @@ def relay_env(database_url: str, server: FakeBetterStack, **extra: str) -> dict[
         "JOBFENCE_DATABASE_URL": database_url,
         "JOBFENCE_BETTERSTACK_TOKEN": TOKEN,
         "JOBFENCE_BETTERSTACK_API_URL": server.base_url,
+        "JOBFENCE_BETTERSTACK_REQUESTER_EMAIL": "oncall@example.com",
         "JOBFENCE_ALERT_GROUP_WINDOW": "0.2",
+        # A lost attempt is looked up once it is older than the timeout plus 5 s.
+        "JOBFENCE_BETTERSTACK_TIMEOUT": "2",
         "PYTHONUNBUFFERED": "1",
     }
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR), env.get("PYTHONPATH")]))

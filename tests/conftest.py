@@ -121,3 +121,41 @@ async def conn(database_url: str) -> AsyncIterator[psycopg.AsyncConnection[Any]]
     c = await psycopg.AsyncConnection.connect(database_url, autocommit=True)
     yield c
     await c.close()
+
+
+# -- brokers ---------------------------------------------------------------------------------
+# Each broker is checked once per session: a test that needs one is skipped locally when it
+# does not answer, and fails under CI (CI=true), where every broker must run (STYLE habit 11).
+
+
+def _broker_url(variable: str, default: str, port_default: int) -> str:
+    import socket
+    from urllib.parse import urlsplit
+
+    url = os.environ.get(variable, "").strip() or default
+    parts = urlsplit(url)
+    try:
+        socket.create_connection(
+            (parts.hostname or "127.0.0.1", parts.port or port_default), 3
+        ).close()
+    except OSError as exc:
+        reason = f"{variable} ({url}) does not answer: {exc}"
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(f"{reason}; CI runs every broker", pytrace=False)
+        pytest.skip(reason)
+    return url
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    return _broker_url("JOBFENCE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0", 6379)
+
+
+@pytest.fixture(scope="session")
+def nats_url() -> str:
+    return _broker_url("JOBFENCE_TEST_NATS_URL", "nats://127.0.0.1:4222", 4222)
+
+
+@pytest.fixture(scope="session")
+def amqp_url() -> str:
+    return _broker_url("JOBFENCE_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/", 5672)

@@ -4,14 +4,29 @@ It serves, on 127.0.0.1 and a free port, in a thread of its own (so it answers a
 in the test's event loop or in a subprocess alike):
 
 * ``POST /api/v3/incidents``: checks ``Authorization: Bearer <token>`` (401 otherwise) and the
-  JSON body (422 when it is not an object, ``summary`` is missing, a channel flag is not a
-  boolean, ``team_wait`` not an integer or ``metadata`` not an object), stores the incident
-  (metadata normalised to lists of ``{"type": "String", "value": ...}``) and answers 201 with
-  ``{"data": {"id", "type": "incident", "attributes": {...}}}``;
+  JSON body strictly: 422 for a field the documentation does not list, a field of the wrong
+  type (a channel flag that is not a boolean, ``team_wait`` not an integer, a ``metadata`` value
+  that is neither a string nor a list of ``{"type", "value"}``...) or a blank ``summary``;
+  stores the incident (metadata normalised to lists of ``{"type": "String", "value": ...}``)
+  and answers 201 with ``{"data": {"id", "type": "incident", "attributes": {...}}}``;
 * ``GET /api/v3/incidents``: the documented filters ``resolved`` and
   ``metadata[KEY][][value]=VALUE``, pages of ``per_page`` (default 10, at most 50) with
   ``pagination.first/last/prev/next``;
-* ``GET|POST|HEAD /api/v1/heartbeat/<token>``: 200, recorded.
+* ``GET /api/v3/incidents/{id}``: the incident (404 when unknown);
+* ``POST /api/v3/incidents/{id}/acknowledge`` (``acknowledged_by``), ``.../resolve``
+  (``resolved_by``): 200 with the incident; 409 when it was acknowledged / resolved already
+  (``{"errors": "Incident was already resolved"}``, as documented);
+* ``POST /api/v3/incidents/{id}/escalate``: ``escalation_type`` (User, Team, Schedule, Policy,
+  Organization) with the target its type needs, typed as documented (``policy_id``,
+  ``team_id``... integers); 200 and the escalation recorded. Escalating a resolved incident is
+  not documented; the fake answers 409 like a resolve;
+* ``POST /api/v2/incidents/{id}/comments`` (``content``, required): 201, recorded;
+* ``GET|POST|HEAD /api/v1/heartbeat/<token>``: 200, recorded; ``.../<token>/fail`` records a
+  failure.
+
+Incident state: open (``Started``), acknowledged, resolved by a person
+(:meth:`FakeBetterStack.resolve_by_person`, as someone in Better Stack's UI would) or resolved
+through the API (by us): see :meth:`FakeBetterStack.state`.
 
 Every request is recorded (method, path, query, headers, body, time). Responses can be
 scripted per route with a list of :class:`Action`: a status with headers and body, a stall (the
@@ -26,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -36,8 +52,62 @@ from typing import Any
 from urllib.parse import parse_qs, urlencode, urlsplit
 
 INCIDENTS = "/api/v3/incidents"
+COMMENTS = "/api/v2/incidents"
 HEARTBEAT_PREFIX = "/api/v1/heartbeat/"
 CHANNELS = ("call", "sms", "email", "push", "critical_alert")
+_INCIDENT_PATH = re.compile(r"^/api/v3/incidents/([^/]+)(?:/(acknowledge|resolve|escalate))?$")
+_COMMENTS_PATH = re.compile(r"^/api/v2/incidents/([^/]+)/comments$")
+
+# The documented request bodies: field name -> accepted JSON types (bool is not an int here).
+CREATE_FIELDS: dict[str, tuple[type, ...]] = {
+    "requester_email": (str,),
+    "name": (str,),
+    "summary": (str,),
+    "description": (str,),
+    **{c: (bool,) for c in CHANNELS},
+    "team_wait": (int,),
+    "policy_id": (str, int),
+    "team_name": (str,),
+    "metadata": (dict,),
+}
+ESCALATE_FIELDS: dict[str, tuple[type, ...]] = {
+    "escalation_type": (str,),
+    "user_email": (str,),
+    "user_id": (int,),
+    "team_name": (str,),
+    "team_id": (int,),
+    "schedule_id": (int,),
+    "policy_id": (int,),
+    **{c: (bool,) for c in CHANNELS},
+}
+ESCALATION_TARGETS = {
+    "User": ("user_email", "user_id"),
+    "Team": ("team_name", "team_id"),
+    "Schedule": ("schedule_id",),
+    "Policy": ("policy_id",),
+    "Organization": (),
+}
+RESOLVE_FIELDS: dict[str, tuple[type, ...]] = {"resolved_by": (str,)}
+ACKNOWLEDGE_FIELDS: dict[str, tuple[type, ...]] = {"acknowledged_by": (str,)}
+COMMENT_FIELDS: dict[str, tuple[type, ...]] = {"content": (str,)}
+METADATA_TYPES = ("String", "Number", "Boolean", "User", "Team", "Policy", "Schedule")
+
+
+def _shape_problems(body: Any, fields: dict[str, tuple[type, ...]]) -> list[str]:
+    """What a strict server says of ``body``: not an object, unknown fields, wrong types."""
+    if not isinstance(body, dict):
+        return ["body must be a JSON object"]
+    problems = []
+    for name, value in body.items():
+        accepted = fields.get(name)
+        if accepted is None:
+            problems.append(f"Unknown parameter: {name}")
+        elif value is not None and (
+            not isinstance(value, accepted) or (isinstance(value, bool) and bool not in accepted)
+        ):
+            kinds = " or ".join(t.__name__ for t in accepted)
+            problems.append(f"{name} must be of type {kinds}")
+    return problems
 
 
 @dataclass(frozen=True)
@@ -121,6 +191,9 @@ class FakeBetterStack:
         self.requests: list[Recorded] = []
         self.incidents: dict[str, dict[str, Any]] = {}
         self.heartbeats: list[Recorded] = []
+        self.escalations: dict[str, list[dict[str, Any]]] = {}
+        self.comments: dict[str, list[str]] = {}
+        self._resolved_via: dict[str, str] = {}  # incident id -> "person" or "api"
         self.created = threading.Event()  # set when a held request has created its incident
         self.down: str | None = None  # "drop" (connection closed) or "stall" (no answer)
         self.stall_seconds = 5.0
@@ -166,6 +239,32 @@ class FakeBetterStack:
     def release(self) -> None:
         self._release.set()
 
+    def unscript(self) -> None:
+        """Forget the scripted answers not used yet: the normal behaviour again."""
+        with self._lock:
+            self._scripts.clear()
+
+    def resolve_by_person(self, incident_id: str, who: str = "alice@example.com") -> None:
+        """What a person does in Better Stack's UI."""
+        with self._lock:
+            attributes = self.incidents[incident_id]["attributes"]
+            assert attributes["resolved_at"] is None, "already resolved"
+            attributes.update(resolved_at=_now(), resolved_by=who, status="Resolved")
+            self._resolved_via[incident_id] = "person"
+
+    def acknowledge_by_person(self, incident_id: str, who: str = "alice@example.com") -> None:
+        with self._lock:
+            attributes = self.incidents[incident_id]["attributes"]
+            attributes.update(acknowledged_at=_now(), acknowledged_by=who, status="Acknowledged")
+
+    def state(self, incident_id: str) -> str:
+        """open, acknowledged, resolved_by_person or resolved_by_api."""
+        with self._lock:
+            attributes = self.incidents[incident_id]["attributes"]
+            if attributes["resolved_at"] is not None:
+                return f"resolved_by_{self._resolved_via[incident_id]}"
+            return "acknowledged" if attributes["acknowledged_at"] is not None else "open"
+
     # -- views ------------------------------------------------------------------------------
 
     def posts(self) -> list[Recorded]:
@@ -175,6 +274,29 @@ class FakeBetterStack:
     def lists(self) -> list[Recorded]:
         with self._lock:
             return [r for r in self.requests if r.method == "GET" and r.path == INCIDENTS]
+
+    def calls(self, action: str) -> list[Recorded]:
+        """Requests on one incident: ``get``, ``acknowledge``, ``resolve``, ``escalate`` or
+        ``comment``."""
+        found = []
+        with self._lock:
+            for r in self.requests:
+                incident = _INCIDENT_PATH.match(r.path)
+                if (incident and (incident.group(2) or "get") == action) or (
+                    action == "comment" and _COMMENTS_PATH.match(r.path)
+                ):
+                    found.append(r)
+        return found
+
+    def api_requests(self) -> list[Recorded]:
+        """Every request except heartbeats."""
+        with self._lock:
+            return [r for r in self.requests if not r.path.startswith(HEARTBEAT_PREFIX)]
+
+    def heartbeat_kinds(self) -> list[str]:
+        """``success`` or ``fail`` for each heartbeat received, in order."""
+        with self._lock:
+            return ["fail" if r.path.endswith("/fail") else "success" for r in self.heartbeats]
 
     def incident_list(self) -> list[dict[str, Any]]:
         with self._lock:
@@ -244,15 +366,115 @@ class FakeBetterStack:
         self._send(h, record, status, answer)
 
     def _route(self, record: Recorded) -> tuple[int, Any]:
-        if record.path != INCIDENTS:
+        incident = _INCIDENT_PATH.match(record.path)
+        comments = _COMMENTS_PATH.match(record.path)
+        if record.path != INCIDENTS and not incident and not comments:
             return 404, {"errors": "Resource not found"}
         if record.headers.get("authorization") != f"Bearer {self.token}":
             return 401, {"errors": "Invalid Team API token. How to find your Team API token: ..."}
-        if record.method == "POST":
-            return self._create(record)
-        if record.method == "GET":
-            return self._list(record)
-        return 405, {"errors": "Method not allowed"}
+        if record.path == INCIDENTS:
+            if record.method == "POST":
+                return self._create(record)
+            if record.method == "GET":
+                return self._list(record)
+            return 405, {"errors": "Method not allowed"}
+        match = incident or comments
+        assert match is not None
+        with self._lock:
+            found = self.incidents.get(match.group(1))
+        if found is None:
+            return 404, {"errors": "Resource not found"}
+        if comments:
+            if record.method != "POST":
+                return 405, {"errors": "Method not allowed"}
+            return self._comment(record, found)
+        assert incident is not None
+        action = incident.group(2)
+        if action is None:
+            if record.method != "GET":
+                return 405, {"errors": "Method not allowed"}
+            with self._lock:
+                return 200, {"data": json.loads(json.dumps(found))}
+        if record.method != "POST":
+            return 405, {"errors": "Method not allowed"}
+        return self._act(record, found, action)
+
+    @staticmethod
+    def _json_body(record: Recorded) -> tuple[Any, tuple[int, Any] | None]:
+        if not record.body:
+            return {}, None
+        if not record.headers.get("content-type", "").startswith("application/json"):
+            return None, (422, {"errors": ["Content-Type must be application/json"]})
+        try:
+            return json.loads(record.body), None
+        except ValueError:
+            return None, (422, {"errors": ["body is not JSON"]})
+
+    def _act(self, record: Recorded, incident: dict[str, Any], action: str) -> tuple[int, Any]:
+        body, refused = self._json_body(record)
+        if refused is not None:
+            return refused
+        fields = {
+            "acknowledge": ACKNOWLEDGE_FIELDS,
+            "resolve": RESOLVE_FIELDS,
+            "escalate": ESCALATE_FIELDS,
+        }[action]
+        problems = _shape_problems(body, fields)
+        if action == "escalate" and not problems:
+            kind = body.get("escalation_type")
+            if kind not in ESCALATION_TARGETS:
+                problems.append("escalation_type must be one of " + ", ".join(ESCALATION_TARGETS))
+            elif ESCALATION_TARGETS[kind] and not any(
+                body.get(name) is not None for name in ESCALATION_TARGETS[kind]
+            ):
+                problems.append(
+                    f"{' or '.join(ESCALATION_TARGETS[kind])} required when escalating to {kind}"
+                )
+        if problems:
+            return 422, {"errors": problems}
+        with self._lock:
+            attributes = incident["attributes"]
+            if attributes["resolved_at"] is not None:
+                return 409, {"errors": "Incident was already resolved"}
+            if action == "acknowledge":
+                if attributes["acknowledged_at"] is not None:
+                    return 409, {"errors": "Incident was already acknowledged"}
+                attributes.update(
+                    acknowledged_at=_now(),
+                    acknowledged_by=body.get("acknowledged_by") or "API",
+                    status="Acknowledged",
+                )
+            elif action == "resolve":
+                attributes.update(
+                    resolved_at=_now(),
+                    resolved_by=body.get("resolved_by") or "API",
+                    status="Resolved",
+                )
+                self._resolved_via[incident["id"]] = "api"
+            else:
+                self.escalations.setdefault(incident["id"], []).append(dict(body))
+            return 200, {"data": json.loads(json.dumps(incident))}
+
+    def _comment(self, record: Recorded, incident: dict[str, Any]) -> tuple[int, Any]:
+        body, refused = self._json_body(record)
+        if refused is not None:
+            return refused
+        problems = _shape_problems(body, COMMENT_FIELDS)
+        if not problems and not str(body.get("content") or "").strip():
+            problems.append("Content can't be blank")
+        if problems:
+            return 422, {"errors": problems}
+        with self._lock:
+            comments = self.comments.setdefault(incident["id"], [])
+            comments.append(body["content"])
+            number = len(comments)
+        return 201, {
+            "data": {
+                "id": str(number),
+                "type": "incident_comment",
+                "attributes": {"id": number, "content": body["content"], "created_at": _now()},
+            }
+        }
 
     def _create(self, record: Recorded) -> tuple[int, Any]:
         if not record.headers.get("content-type", "").startswith("application/json"):
@@ -261,28 +483,39 @@ class FakeBetterStack:
             body = json.loads(record.body)
         except ValueError:
             return 422, {"errors": ["body is not JSON"]}
-        problems = []
-        if not isinstance(body, dict):
-            return 422, {"errors": ["body must be an object"]}
+        problems = _shape_problems(body, CREATE_FIELDS)
+        if problems:
+            return 422, {"errors": problems}
         if not isinstance(body.get("summary"), str) or not body["summary"].strip():
             problems.append("Summary can't be blank")
-        for channel in CHANNELS:
-            if channel in body and not isinstance(body[channel], bool):
-                problems.append(f"{channel} must be a boolean")
-        if "team_wait" in body and not isinstance(body["team_wait"], int):
-            problems.append("team_wait must be an integer")
         if "requester_email" in body and "@" not in str(body["requester_email"]):
             problems.append("Requester email is invalid")
-        metadata = body.get("metadata", {})
-        if not isinstance(metadata, dict):
-            problems.append("metadata must be an object")
+        metadata = body.get("metadata") or {}
+        for key, value in metadata.items():
+            entries = [value] if isinstance(value, str) else value
+            if not isinstance(entries, list) or not all(
+                isinstance(e, str)
+                or (
+                    isinstance(e, dict)
+                    and set(e) == {"type", "value"}
+                    and e["type"] in METADATA_TYPES
+                    and isinstance(e["value"], str)
+                )
+                for e in entries
+            ):
+                problems.append(
+                    f"metadata[{key}] must be a string or a list of {{type, value}} objects"
+                )
         if problems:
             return 422, {"errors": problems}
         normalised = {
             key: (
                 [{"type": "String", "value": value}]
                 if isinstance(value, str)
-                else [dict(item) for item in value]
+                else [
+                    {"type": "String", "value": item} if isinstance(item, str) else dict(item)
+                    for item in value
+                ]
             )
             for key, value in metadata.items()
         }
@@ -296,9 +529,11 @@ class FakeBetterStack:
                     "summary": body.get("summary"),
                     "description": body.get("description"),
                     "cause": body.get("summary"),
-                    "started_at": datetime.now(UTC).isoformat(),
+                    "started_at": _now(),
                     "acknowledged_at": None,
+                    "acknowledged_by": None,
                     "resolved_at": None,
+                    "resolved_by": None,
                     "status": "Started",
                     "team_name": body.get("team_name"),
                     "requester_email": body.get("requester_email"),
@@ -386,6 +621,10 @@ class FakeBetterStack:
         h.close_connection = True
         with contextlib.suppress(OSError):
             h.connection.shutdown(2)
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat().replace("+00:00", "Z")
 
 
 def running(token: str = "test-token") -> Iterator[FakeBetterStack]:

@@ -7,7 +7,13 @@ and for transactional adapters an autocommit connection to the work database. An
 real time gets short leases and delays, and the tests poll with deadlines instead of sleeping.
 
 A capability an adapter lacks is declared, never skipped: the capability-gated tests check the
-behaviour where it is declared and the refusal (``ConfigError``) where it is not.
+behaviour where it is declared and the refusal (``ConfigError``), or the documented weaker
+behaviour, where it is not.
+
+A broker adapter's test class subclasses :class:`BrokerConformance` instead, which adds what a
+broker shows and the PostgreSQL queue never had (a connection cut while holding a lease, a
+delivery count kept by the broker, an ack after the lease was lost); its env also provides
+``open_queue`` (another client on the same broker) and ``drop_connection``.
 """
 
 from __future__ import annotations
@@ -61,6 +67,10 @@ class QueueEnv:
     work_conn: psycopg.AsyncConnection[Any] | None = None
     # Returns once a receiver started in a task is really waiting (e.g. its listener is up).
     until_receiver_waits: Callable[[], Awaitable[None]] = _yield_to_the_loop
+    # Brokers: open another adapter instance on the same broker and names (another worker), and
+    # cut ``queue``'s broker connection abruptly, as a crash or a network fault would.
+    open_queue: Callable[[], Awaitable[QueuePort]] | None = None
+    drop_connection: Callable[[], Awaitable[None]] | None = None
     lease_seconds: float = 0.0  # 0: the default for the clock (30 s fake, 0.5 s real)
     delay_seconds: float = 0.0  # 0: the default for the clock (60 s fake, 0.5 s real)
 
@@ -75,20 +85,29 @@ class QueueEnv:
             self.clock.advance(seconds)
 
     async def receive(
-        self, queues: Sequence[str] = (QUEUE,), *, max_messages: int = 10
+        self,
+        queues: Sequence[str] = (QUEUE,),
+        *,
+        max_messages: int = 10,
+        on: QueuePort | None = None,
     ) -> list[Delivery]:
-        return await self.queue.receive(
+        queue = on if on is not None else self.queue
+        return await queue.receive(
             queues, max_messages=max_messages, lease_seconds=self.lease_seconds
         )
 
     async def receive_soon(
-        self, queues: Sequence[str] = (QUEUE,), *, max_messages: int = 10
+        self,
+        queues: Sequence[str] = (QUEUE,),
+        *,
+        max_messages: int = 10,
+        on: QueuePort | None = None,
     ) -> list[Delivery]:
         """Receive what is due now (fake clock) or falls due within a few seconds (real time)."""
         got: list[Delivery] = []
 
         async def some() -> bool:
-            got.extend(await self.receive(queues, max_messages=max_messages))
+            got.extend(await self.receive(queues, max_messages=max_messages, on=on))
             return bool(got)
 
         timeout = 0.0 if self.clock is not None else 10.0
@@ -150,6 +169,24 @@ class QueueConformance:
             assert type(delivery.message.body) is bytes
             assert delivery.attempt == 1
 
+    async def test_ids_with_line_breaks_percent_signs_and_non_ascii_arrive_unchanged(
+        self, env: QueueEnv
+    ) -> None:
+        odd = message(
+            " job\r\nX-Injected: 1 %41 ü ",
+            tenant_id="tenant: ü\n%",
+            correlation_id="corr\r\n%0A €",
+        )
+        await env.queue.publish(odd)
+        got = await env.receive()
+        assert [(d.message, d.attempt) for d in got] == [(odd, 1)]
+
+    async def test_ids_of_a_thousand_characters_arrive_unchanged(self, env: QueueEnv) -> None:
+        long = message("j" * 1000, tenant_id="t" * 1000, correlation_id="c" * 1000)
+        await env.queue.publish(long)
+        got = await env.receive()
+        assert [(d.message, d.attempt) for d in got] == [(long, 1)]
+
     async def test_receive_takes_at_most_max_messages_from_the_named_queues_only(
         self, env: QueueEnv
     ) -> None:
@@ -169,6 +206,7 @@ class QueueConformance:
             "main-4",
         }
         assert await env.receive(["conformance.nobody"], max_messages=10) == []
+        assert await env.receive([], max_messages=10) == []
 
     async def test_a_leased_message_is_not_received_again_before_its_lease_ends(
         self, env: QueueEnv
@@ -250,6 +288,24 @@ class QueueConformance:
         await env.queue.ack(current)
         assert await env.queue.size([QUEUE]) == QueueSize(due=0, total=0)
 
+    async def test_an_ack_after_the_lease_ran_out_before_a_takeover_follows_the_capability(
+        self, env: QueueEnv
+    ) -> None:
+        await env.queue.publish(message("overdue"))
+        (overdue,) = await env.receive()
+        await env.elapse(env.lease_seconds + 1)
+        if env.clock is None:  # real time: let the lease run out
+            await asyncio.sleep(env.lease_seconds * 1.2)
+
+        if env.queue.capabilities.exact_stale_ack:
+            assert await env.queue.ack(overdue) is True, "nobody took it over: the ack stands"
+            assert await env.queue.size([QUEUE]) == QueueSize(due=0, total=0)
+            return
+        assert await env.queue.ack(overdue) is False, "refused by the client's lease clock"
+        (again,) = await env.receive_soon()
+        assert (again.message, again.attempt) == (overdue.message, 2)
+        assert await env.queue.ack(again) is True
+
     async def test_retry_makes_the_message_due_only_after_the_delay_and_counts_the_attempt(
         self, env: QueueEnv
     ) -> None:
@@ -295,8 +351,9 @@ class QueueConformance:
 
     async def test_a_delayed_publish_is_received_only_after_the_delay(self, env: QueueEnv) -> None:
         if not env.queue.capabilities.delayed_publish:
-            with pytest.raises(ConfigError):
+            with pytest.raises(ConfigError, match="delayed publish"):
                 await env.queue.publish(message("delayed"), delay_seconds=env.delay_seconds)
+            assert (await env.queue.size([QUEUE])).total == 0, "a refused publish adds nothing"
             return
         await env.queue.publish(message("delayed"), delay_seconds=env.delay_seconds)
 
@@ -311,9 +368,14 @@ class QueueConformance:
 
     async def test_size_counts_due_and_total_messages_per_queue(self, env: QueueEnv) -> None:
         assert await env.queue.size([QUEUE]) == QueueSize(due=0, total=0)
+        if not env.queue.capabilities.delayed_publish:  # held back by a retry with a delay
+            await env.queue.publish(message("scheduled"))
+            (held,) = await env.receive(max_messages=1)
+            assert await env.queue.retry(held, delay_seconds=60.0, error="later") is True
         for name in ("leased", "due-1", "due-2"):
             await env.queue.publish(message(name))
-        await env.queue.publish(message("scheduled"), delay_seconds=env.delay_seconds)
+        if env.queue.capabilities.delayed_publish:
+            await env.queue.publish(message("scheduled"), delay_seconds=env.delay_seconds)
         await env.queue.publish(message("elsewhere", queue=OTHER_QUEUE))
         assert job_ids(await env.receive(max_messages=1)) == ["leased"]
 
@@ -355,6 +417,15 @@ class QueueConformance:
         assert 0.29 <= elapsed < 3.0
 
     async def test_messages_are_received_in_order_of_due_time(self, env: QueueEnv) -> None:
+        if not env.queue.capabilities.delayed_publish:
+            with pytest.raises(ConfigError, match="delayed publish"):
+                await env.queue.publish(message("due-last"), delay_seconds=env.delay_seconds)
+            assert (await env.queue.size([QUEUE])).total == 0, "a refused publish adds nothing"
+            for name in ("due-first", "due-second", "due-third"):
+                await env.queue.publish(message(name))
+            order = [job_ids(await env.receive(max_messages=1)) for _ in range(3)]
+            assert order == [["due-first"], ["due-second"], ["due-third"]]
+            return
         await env.queue.publish(message("due-last"), delay_seconds=env.delay_seconds)
         await env.queue.publish(message("due-fourth"), delay_seconds=env.delay_seconds / 2)
         for name in ("due-first", "due-second", "due-third"):
@@ -426,3 +497,101 @@ class QueueConformance:
             receiver.cancel()
         assert got == []
         await env.queue.close()  # closing twice is harmless
+
+
+class BrokerConformance(QueueConformance):
+    """What a broker shows and the PostgreSQL queue never had: a client connection that drops
+    while it holds a lease, a delivery count kept by the broker (a fresh client sees it), and an
+    ack that comes after the lease was lost. The env provides ``open_queue`` and
+    ``drop_connection``."""
+
+    async def test_a_delivery_whose_connection_drops_comes_back_with_the_next_attempt(
+        self, env: QueueEnv
+    ) -> None:
+        assert env.open_queue is not None and env.drop_connection is not None
+        await env.queue.publish(message("dropped"))
+        (first,) = await env.receive()
+        assert first.attempt == 1
+
+        await env.drop_connection()
+        other = await env.open_queue()
+        (second,) = await env.receive_soon(on=other)
+
+        assert (second.message, second.attempt) == (first.message, 2)
+        assert await other.ack(second) is True
+        assert await other.size([QUEUE]) == QueueSize(due=0, total=0)
+
+    async def test_the_delivery_count_is_kept_by_the_broker_not_the_client(
+        self, env: QueueEnv
+    ) -> None:
+        assert env.open_queue is not None
+        await env.queue.publish(message("counted"))
+        (first,) = await env.receive()
+        await env.elapse(env.lease_seconds + 1)
+        (second,) = await env.receive_soon()
+        assert second.attempt == 2
+        await env.queue.close()  # the client that counted goes away, holding the lease
+
+        fresh = await env.open_queue()
+        (third,) = await env.receive_soon(on=fresh)
+        assert (third.message, third.attempt) == (first.message, 3)
+        assert await fresh.retry(third, delay_seconds=0.0, error="Flaky: again") is True
+        await fresh.close()
+
+        later = await env.open_queue()
+        (fourth,) = await env.receive_soon(on=later)
+        assert (fourth.message, fourth.attempt) == (first.message, 4)
+        assert await later.ack(fourth) is True
+
+    async def test_an_ack_after_the_lease_was_lost_is_refused_and_the_new_holder_keeps_it(
+        self, env: QueueEnv
+    ) -> None:
+        assert env.open_queue is not None
+        await env.queue.publish(message("late"))
+        (late,) = await env.receive()
+        other = await env.open_queue()
+        (current,) = await env.receive_soon(on=other)  # once the first lease has run out
+        assert current.attempt == 2
+
+        assert await env.queue.ack(late) is False
+        assert await env.queue.retry(late, delay_seconds=0.0, error="late worker") is False
+        await env.queue.release(late)
+
+        assert await other.size([QUEUE]) == QueueSize(due=0, total=1)
+        assert await env.receive(on=other) == []
+        assert await other.ack(current) is True
+        assert await other.size([QUEUE]) == QueueSize(due=0, total=0)
+
+    async def test_a_delayed_retry_arrives_no_sooner_than_its_delay_and_within_the_tolerance(
+        self, env: QueueEnv
+    ) -> None:
+        """D2 on a broker: a retry's delay holds, within +5% and a second of polling."""
+        loop = asyncio.get_running_loop()
+        await env.queue.publish(message("scheduled-retry"))
+        (first,) = await env.receive()
+        delay = 1.5
+        retried_at = loop.time()
+        assert await env.queue.retry(first, delay_seconds=delay, error="Flaky: later") is True
+
+        (second,) = await env.receive_soon()
+        waited = loop.time() - retried_at
+
+        assert second.attempt == 2
+        assert delay <= waited <= delay * 1.05 + 1.0
+
+    async def test_size_sees_another_clients_lease_or_declares_that_it_does_not(
+        self, env: QueueEnv
+    ) -> None:
+        assert env.open_queue is not None
+        other = await env.open_queue()
+        await env.queue.publish(message("theirs"))
+        (theirs,) = await env.receive(on=other)
+
+        if env.queue.capabilities.exact_size:
+            assert await env.queue.size([QUEUE]) == QueueSize(due=0, total=1)
+        else:
+            assert await env.queue.size([QUEUE]) == QueueSize(due=0, total=0), (
+                "declared: another client's lease is not seen"
+            )
+        assert await other.size([QUEUE]) == QueueSize(due=0, total=1)
+        assert await other.ack(theirs) is True

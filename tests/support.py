@@ -76,3 +76,52 @@ def job_groups(
         "jobfence_job_groups_total", {"queue": queue, "consumer": consumer, "result": result}
     )
     return float(value or 0.0)
+
+
+class TcpProxy:
+    """A TCP proxy on 127.0.0.1 (a free port) to ``host:port``, for cutting a client's
+    connection abruptly: :meth:`cut` resets every proxied connection at once and refuses new
+    ones, as a crashed host or a network fault would."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self._target = (host, port)
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+        self.port = 0
+
+    async def __aenter__(self) -> TcpProxy:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.cut()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_r, up_w = await asyncio.open_connection(*self._target)
+        except OSError:
+            writer.transport.abort()
+            return
+        self._writers.update((writer, up_w))
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            try:
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            except OSError:
+                pass
+            finally:
+                dst.transport.abort()
+
+        await asyncio.gather(pipe(reader, up_w), pipe(up_r, writer))
+
+    async def cut(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        for writer in self._writers:
+            writer.transport.abort()  # RST, no goodbye
+        self._writers.clear()
+        await asyncio.sleep(0)

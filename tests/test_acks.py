@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import pytest
@@ -92,6 +93,29 @@ async def test_acks_that_fail_are_kept_and_sent_once_the_queue_answers_again(
     assert acks.pending == 0
     assert await queued(conn) == 0
     await acks.close()
+
+
+async def test_a_run_of_failed_acks_logs_one_warning_and_one_line_when_they_go_through(
+    queue: PgQueue, conn: AsyncConnection[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    got = await take(queue, conn, 2)
+    acks = AckBatcher(queue, max_batch=100, max_delay=3600.0)
+    for delivery in got:
+        acks.add(delivery)
+    caplog.set_level(logging.INFO, logger="jobfence.acks")
+    await conn.execute("ALTER TABLE jobfence_queue.messages RENAME TO messages_away")
+    try:
+        for _ in range(5):  # an outage: every retry fails
+            assert await acks.flush() is False
+    finally:
+        await conn.execute("ALTER TABLE jobfence_queue.messages_away RENAME TO messages")
+    assert await acks.flush() is True
+    await acks.close()
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records if r.levelno >= logging.INFO]
+    assert [level for level, _ in lines] == ["WARNING", "INFO"], lines
+    assert lines[0][1].startswith("cannot acknowledge 2 finished job(s) yet (UndefinedTable")
+    assert lines[1][1] == "acknowledging again after 5 failed tries (2 job(s) now)"
+    assert await queued(conn) == 0
 
 
 @pytest.mark.parametrize(("batch", "delay"), [(0, 1.0), (1, 0.0), (1, -1.0)])

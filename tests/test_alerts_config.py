@@ -4,11 +4,14 @@ heartbeat, and no secret (token, heartbeat URL) shows in a repr, a message or a 
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +19,7 @@ from alert_helpers import TOKEN, relay_env
 from fake_betterstack import FakeBetterStack
 from jobfence import ConfigError
 from jobfence.adapters.betterstack import BetterStackSettings, parse_retry_after
+from jobfence.alerts import AlertRelay
 from jobfence.config import alert_config_from_env
 
 
@@ -42,6 +46,9 @@ def test_alert_config_defaults() -> None:
     )
     assert config.relay_heartbeat_url is None
     assert config.cleanup_heartbeat_url is None
+    assert config.allow_http is False
+    assert (config.state_max_age_seconds, config.update_interval_seconds) == (60.0, 600.0)
+    assert config.delivery_bound_seconds == 600.0
 
 
 def test_alert_config_reads_every_variable() -> None:
@@ -59,6 +66,10 @@ def test_alert_config_reads_every_variable() -> None:
             "JOBFENCE_BETTERSTACK_CLEANUP_HEARTBEAT_URL": "https://hb.example/cleanup",
             "JOBFENCE_ALERT_GROUP_WINDOW": "2m",
             "JOBFENCE_ALERT_ESCALATE_AFTER": "3d",
+            "JOBFENCE_BETTERSTACK_ALLOW_HTTP": "1",
+            "JOBFENCE_ALERT_STATE_MAX_AGE": "30s",
+            "JOBFENCE_ALERT_UPDATE_INTERVAL": "5m",
+            "JOBFENCE_ALERT_DELIVERY_BOUND": "20m",
         }
     )
     assert config.api_url == "http://127.0.0.1:9999"
@@ -71,6 +82,9 @@ def test_alert_config_reads_every_variable() -> None:
     assert config.escalate_after_seconds == 3 * 86400.0
     assert config.relay_heartbeat_url == "https://hb.example/relay"
     assert config.cleanup_heartbeat_url == "https://hb.example/cleanup"
+    assert config.allow_http is True
+    assert (config.state_max_age_seconds, config.update_interval_seconds) == (30.0, 300.0)
+    assert config.delivery_bound_seconds == 1200.0
     assert (
         alert_config_from_env({"JOBFENCE_ALERT_ESCALATE_AFTER": "off"}).escalate_after_seconds
         is None
@@ -87,6 +101,9 @@ def test_alert_config_reads_every_variable() -> None:
         ("JOBFENCE_BETTERSTACK_TIMEOUT", "0"),
         ("JOBFENCE_ALERT_GROUP_WINDOW", "-5"),
         ("JOBFENCE_ALERT_ESCALATE_AFTER", "72 hours"),
+        ("JOBFENCE_ALERT_STATE_MAX_AGE", "0"),
+        ("JOBFENCE_ALERT_UPDATE_INTERVAL", "often"),
+        ("JOBFENCE_ALERT_DELIVERY_BOUND", "-1m"),
     ],
 )
 def test_alert_config_refuses_a_bad_value_naming_the_variable(name: str, value: str) -> None:
@@ -157,3 +174,83 @@ def test_cleanup_sends_its_heartbeat_after_a_successful_run_without_logging_the_
         ("GET", "/api/v1/heartbeat/cleanup-secret-token")
     ]
     assert "cleanup-secret-token" not in result.stdout + result.stderr
+
+
+def run_relay(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "jobfence.cli", "alert-relay"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_alert_relay_with_a_token_but_no_requester_email_is_refused_at_start_up(
+    database_url: str, server: FakeBetterStack
+) -> None:
+    env = relay_env(database_url, server)
+    del env["JOBFENCE_BETTERSTACK_REQUESTER_EMAIL"]
+    result = run_relay(env)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "jobfence: error: JOBFENCE_BETTERSTACK_REQUESTER_EMAIL is not set: with a token, "
+        "Better Stack needs the e-mail of the person the relay's incidents are opened for "
+        "(requester_email)"
+    )
+    assert server.requests == []
+
+
+def test_alert_relay_refuses_plain_http_to_a_non_loopback_host_unless_allowed(
+    database_url: str, server: FakeBetterStack, tmp_path: Path
+) -> None:
+    env = relay_env(
+        database_url, server, JOBFENCE_BETTERSTACK_API_URL="http://betterstack.example.com"
+    )
+    result = run_relay(env)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "jobfence: error: JOBFENCE_BETTERSTACK_API_URL is plain http:// to "
+        "betterstack.example.com: the token would travel in clear text. Use https://, or set "
+        "JOBFENCE_BETTERSTACK_ALLOW_HTTP=1 if the network in between is trusted"
+    )
+    assert TOKEN not in result.stdout + result.stderr
+
+    # Allowed explicitly, it starts (and, with nothing to deliver, sends nothing).
+    env["JOBFENCE_BETTERSTACK_ALLOW_HTTP"] = "1"
+    log = tmp_path / "relay.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "jobfence.cli", "alert-relay", "--poll-seconds", "0.05"],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 30
+        while "alert relay active" not in log.read_text() and time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()
+            time.sleep(0.05)
+        assert "alert relay active" in log.read_text()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+async def test_an_http_loopback_api_url_needs_no_permission() -> None:
+    config = alert_config_from_env(
+        {
+            "JOBFENCE_BETTERSTACK_TOKEN": "tok",
+            "JOBFENCE_BETTERSTACK_REQUESTER_EMAIL": "oncall@example.com",
+            "JOBFENCE_BETTERSTACK_API_URL": "http://127.0.0.1:9",
+        }
+    )
+    relay = AlertRelay.from_config("postgresql://unused", config)
+    await relay.aclose()
+    assert relay.settings.lost_answer_wait_seconds == 10.0 + 5.0, "timeout plus the margin"
+    with pytest.raises(ConfigError, match="JOBFENCE_BETTERSTACK_ALLOW_HTTP must be 1 or 0"):
+        alert_config_from_env({"JOBFENCE_BETTERSTACK_ALLOW_HTTP": "maybe"})

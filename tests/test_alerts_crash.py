@@ -1,4 +1,5 @@
-"""A relay killed between Better Stack's answer and its own record opens no second incident.
+"""A relay killed between Better Stack's answer and its own record opens no second incident,
+resolves once (a second resolve answers 409: done) and escalates the same incident.
 
 The relay runs as ``jobfence alert-relay`` in a subprocess and is SIGKILLed at the worst
 moment: after Better Stack created the incident (and, in the first test, after it answered
@@ -17,6 +18,7 @@ from typing import Any
 
 import pytest
 from psycopg import AsyncConnection
+from psycopg_pool import AsyncConnectionPool
 
 from alert_helpers import (
     TESTS_DIR,
@@ -26,7 +28,8 @@ from alert_helpers import (
     wait_for_alerts,
     write_dead_letter,
 )
-from fake_betterstack import INCIDENTS, FakeBetterStack, hold
+from fake_betterstack import INCIDENTS, FakeBetterStack, hold, stall
+from jobfence import discard_dead_letter
 from support import wait_until
 
 STALLING_RELAY = TESTS_DIR / "alert_relay_proc.py"
@@ -150,7 +153,7 @@ async def test_relay_killed_while_better_stack_holds_its_answer_opens_no_second_
 ) -> None:
     server.script("POST", INCIDENTS, [hold()])
     await write_dead_letter(conn, "k1")
-    env = relay_env(database_url, server, JOBFENCE_BETTERSTACK_TIMEOUT="30")
+    env = relay_env(database_url, server, JOBFENCE_BETTERSTACK_TIMEOUT="3")
     first = cli_relay(env, tmp_path / "first.log")
     processes.append(first)
 
@@ -191,3 +194,184 @@ def test_the_fake_servers_hold_is_released_on_close() -> None:
     fake.close()
     assert done.wait(5)
     thread.join(5)
+
+
+async def test_relay_killed_after_better_stack_resolved_before_recording_resolves_once(
+    *,
+    database_url: str,
+    pool: AsyncConnectionPool[Any],
+    conn: AsyncConnection[Any],
+    server: FakeBetterStack,
+    tmp_path: Path,
+    processes: list[RelayProcess],
+) -> None:
+    dead_letter_id = await write_dead_letter(conn, "r1")
+    assert dead_letter_id is not None
+    env = relay_env(database_url, server)
+    marker = tmp_path / "resolved"
+    first = RelayProcess([str(STALLING_RELAY), str(marker), "resolve"], env, tmp_path / "first.log")
+    processes.append(first)
+    await wait_for_alerts(conn, "sent", 1, timeout=20)
+    await discard_dead_letter(pool, dead_letter_id, reason="handled", resolved_by="ops")
+
+    async def answered() -> bool:
+        return first.alive() and marker.exists()
+
+    await wait_until(answered, timeout=20, message="Better Stack's answer to the resolve")
+    [incident] = server.incident_list()
+    assert server.state(incident["id"]) == "resolved_by_api"
+    [row] = await incident_state(conn)
+    assert row[:2] == ("resolving", 1), "requested and attempted, not recorded"
+    await first.kill()
+
+    second = cli_relay(env, tmp_path / "second.log")
+    processes.append(second)
+
+    async def recorded() -> bool:
+        return (await incident_state(conn))[0][0] == "resolved"
+
+    await wait_until(recorded, timeout=20, message="the restarted relay to record the resolve")
+    [row] = await incident_state(conn)
+    assert row == ("resolved", 2, "jobfence", "jobfence alert relay")
+    assert [c.status for c in server.calls("resolve")] == [200, 409], "409: done already"
+    assert len(server.incident_list()) == 1
+    second.proc.send_signal(signal.SIGTERM)
+    assert await second.wait_exit() == 0
+    assert "resolved 1" in second.output()
+
+
+async def test_relay_killed_after_better_stack_escalated_before_recording_opens_nothing_new(
+    database_url: str,
+    conn: AsyncConnection[Any],
+    server: FakeBetterStack,
+    tmp_path: Path,
+    processes: list[RelayProcess],
+) -> None:
+    await write_dead_letter(conn, "e1")
+    env = relay_env(database_url, server, JOBFENCE_ALERT_ESCALATE_AFTER="1")
+    marker = tmp_path / "escalated"
+    first = RelayProcess(
+        [str(STALLING_RELAY), str(marker), "escalate"], env, tmp_path / "first.log"
+    )
+    processes.append(first)
+
+    async def answered() -> bool:
+        return first.alive() and marker.exists()
+
+    await wait_until(answered, timeout=20, message="Better Stack's answer to the escalate")
+    alert_id, incident_id = marker.read_text().split()
+    [incident] = server.incident_list()
+    assert incident["id"] == incident_id
+    assert len(server.escalations[incident_id]) == 1
+    rows = await alert_rows(conn)
+    assert [(r["kind"], r["state"]) for r in rows] == [
+        ("dead_letters", "sent"),
+        ("escalation", "pending"),
+    ]
+    assert rows[1]["id"] == int(alert_id)
+    await first.kill()
+
+    second = cli_relay(env, tmp_path / "second.log")
+    processes.append(second)
+    await wait_for_alerts(conn, "sent", 2, timeout=25)
+    rows = await alert_rows(conn)
+    assert (rows[1]["outcome"], rows[1]["incident_id"]) == ("escalated", incident_id)
+    assert len(server.incident_list()) == 1, "no second incident"
+    assert len(server.posts()) == 1
+    # The escalate whose answer was never recorded is sent again, on the same incident: at
+    # least once (a lost escalation would be worse than a repeated notification).
+    assert 1 <= len(server.escalations[incident_id]) <= 2
+    second.proc.send_signal(signal.SIGTERM)
+    assert await second.wait_exit() == 0
+    assert "escalated 1" in second.output()
+
+
+async def incident_state(conn: AsyncConnection[Any]) -> list[tuple[Any, ...]]:
+    cur = await conn.execute(
+        "SELECT state, resolve_attempts, resolution, resolved_by FROM jobfence.alert_incidents"
+    )
+    return await cur.fetchall()
+
+
+@pytest.mark.parametrize("step", ["resolve", "escalate"])
+async def test_relay_killed_while_better_stack_holds_its_answer_resolves_or_escalates_the_same(
+    *,
+    database_url: str,
+    pool: AsyncConnectionPool[Any],
+    conn: AsyncConnection[Any],
+    server: FakeBetterStack,
+    tmp_path: Path,
+    processes: list[RelayProcess],
+    step: str,
+) -> None:
+    dead_letter_id = await write_dead_letter(conn, "h1")
+    assert dead_letter_id is not None
+    env = relay_env(
+        database_url, server, JOBFENCE_BETTERSTACK_TIMEOUT="3", JOBFENCE_ALERT_ESCALATE_AFTER="3"
+    )
+    first = cli_relay(env, tmp_path / "first.log")
+    processes.append(first)
+    await wait_for_alerts(conn, "sent", 1, timeout=20)
+    [incident] = server.incident_list()
+    server.script("POST", f"{INCIDENTS}/{incident['id']}/{step}", [hold()])
+    if step == "resolve":
+        await discard_dead_letter(pool, dead_letter_id, reason="handled", resolved_by="ops")
+
+    async def done_at_better_stack() -> bool:
+        return first.alive() and server.created.is_set()
+
+    await wait_until(done_at_better_stack, timeout=20, message=f"Better Stack to {step}")
+    await first.kill()
+    server.release()  # the held answer goes nowhere
+
+    second = cli_relay(env, tmp_path / "second.log")
+    processes.append(second)
+    if step == "resolve":
+
+        async def recorded() -> bool:
+            return (await incident_state(conn))[0][0] == "resolved"
+
+        await wait_until(recorded, timeout=25, message="the resolve to be recorded")
+        assert (await incident_state(conn))[0][2:] == ("jobfence", "jobfence alert relay")
+        assert [c.status for c in server.calls("resolve")] == [None, 409]
+    else:
+        await wait_for_alerts(conn, "sent", 2, timeout=25)
+        assert 1 <= len(server.escalations[incident["id"]]) <= 2, "the same incident"
+    assert len(server.incident_list()) == 1, "no second incident"
+    second.proc.send_signal(signal.SIGTERM)
+    assert await second.wait_exit() == 0
+
+
+async def test_relay_killed_while_better_stack_is_still_creating_waits_before_looking_up(
+    database_url: str,
+    conn: AsyncConnection[Any],
+    server: FakeBetterStack,
+    tmp_path: Path,
+    processes: list[RelayProcess],
+) -> None:
+    # Better Stack takes 3 s to create the incident; the relay is killed meanwhile and
+    # restarted at once. Looking the key up at once would find nothing and open a second
+    # incident: the restarted relay waits until the lost attempt is older than the timeout
+    # (2 s) plus 5 s.
+    server.script("POST", INCIDENTS, [stall(3.0)])
+    await write_dead_letter(conn, "slow-1")
+    env = relay_env(database_url, server)
+    first = cli_relay(env, tmp_path / "first.log")
+    processes.append(first)
+
+    async def posted() -> bool:
+        return first.alive() and len(server.posts()) == 1
+
+    await wait_until(posted, timeout=20, message="the create to reach Better Stack")
+    await first.kill()
+    second = cli_relay(env, tmp_path / "second.log")
+    processes.append(second)
+    await wait_for_alerts(conn, "sent", 1, timeout=25)
+    [post] = server.posts()
+    [lookup] = server.lists()
+    assert lookup.at - post.at >= 7.0 - 0.1, "not before the timeout plus the margin"
+    assert len(server.incident_list()) == 1, "no second incident"
+    [row] = await alert_rows(conn)
+    assert (row["state"], row["outcome"]) == ("sent", "found")
+    second.proc.send_signal(signal.SIGTERM)
+    assert await second.wait_exit() == 0

@@ -18,6 +18,7 @@ from alert_helpers import (
     fast_settings,
     make_relay,
     running,
+    sink_for,
     wait_for_alerts,
     wait_rounds,
     write_dead_letter,
@@ -83,28 +84,35 @@ async def test_a_group_still_pending_after_escalate_after_escalates_once_never_w
     finally:
         await queue.close()
 
-    posts = [p.json() for p in server.posts()]
-    assert len(posts) == 5
-    escalations = {value(p, "error_class"): p for p in posts[3:]}
-    assert set(escalations) == {"Untouched", "HalfResolved"}
-    assert all(value(p, "jobfence_alert") == "escalation" for p in escalations.values())
-    assert value(escalations["Untouched"], "dead_letters") == "2"
-    assert value(escalations["HalfResolved"], "dead_letters") == "1"
-    assert escalations["HalfResolved"]["name"] == (
-        "jobfence: 1 dead letter still pending review after 72h on loyalty/award_points"
-    )
-    assert "HalfResolved-1" in escalations["HalfResolved"]["description"]
-    assert "HalfResolved-0" not in escalations["HalfResolved"]["description"]
+    assert len(server.posts()) == 3, "escalation opens no new incident while one is open"
+    incident_of = {
+        i["attributes"]["metadata"]["error_class"][0]["value"]: i["id"]
+        for i in server.incident_list()
+    }
+    assert set(server.escalations) == {incident_of["Untouched"], incident_of["HalfResolved"]}
+    for bodies in server.escalations.values():
+        assert bodies == [
+            {
+                "escalation_type": "Organization",
+                "call": False,
+                "sms": False,
+                "email": True,
+                "push": True,
+            }
+        ], "escalated once, through the documented endpoint"
+    assert server.state(incident_of["AllResolved"]) == "resolved_by_api"
+    assert server.state(incident_of["Untouched"]) == "open"
     rows = await alert_rows(conn)
     assert sorted(r["kind"] for r in rows) == ["dead_letters"] * 3 + ["escalation"] * 2
-    assert all(
-        r["dedup_key"].startswith("jobfence-esc-") for r in rows if r["kind"] == "escalation"
-    )
+    escalations = [r for r in rows if r["kind"] == "escalation"]
+    assert {r["incident_id"] for r in escalations} == set(server.escalations)
+    assert {r["outcome"] for r in escalations} == {"escalated"}
     assert (
         await scalar(conn, "SELECT count(*) FROM jobfence.alert_groups WHERE escalation_decided")
         == 3
     )
     assert relay.stats.sent == {"dead_letters": 3, "escalation": 2}
+    assert relay.stats.escalated == 2
 
 
 async def test_an_escalation_whose_dead_letters_were_resolved_before_it_went_out_is_cancelled(
@@ -148,3 +156,121 @@ async def test_escalation_turned_off_never_escalates(
         clock.advance(hours=1000)
         await wait_rounds(relay)
     assert len(server.posts()) == 1
+
+
+async def test_escalation_escalates_the_open_incident_through_the_documented_endpoint(
+    database_url: str, conn: AsyncConnection[Any], server: FakeBetterStack
+) -> None:
+    await write_dead_letter(conn, "e1")
+    clock = MovableClock()
+    sink = sink_for(server, policy_id="4711", requester_email="oncall@example.com")
+    relay = make_relay(database_url, server, clock=clock, sink=sink)
+    async with running(relay):
+        clock.advance(seconds=1)
+        await wait_for_alerts(conn, "sent", 1)
+        [incident] = server.incident_list()
+        server.acknowledge_by_person(incident["id"])  # acknowledged: still open
+        clock.advance(hours=73)
+        await wait_for_alerts(conn, "sent", 2)
+        await wait_rounds(relay)
+    await sink.aclose()
+    assert len(server.posts()) == 1, "no new incident"
+    [call] = server.calls("escalate")
+    assert call.path == f"/api/v3/incidents/{incident['id']}/escalate"
+    assert call.status == 200
+    assert call.json() == {
+        "escalation_type": "Policy",
+        "policy_id": 4711,
+        "call": False,
+        "sms": False,
+        "email": True,
+        "push": True,
+    }
+    escalation = (await alert_rows(conn))[1]
+    assert (escalation["kind"], escalation["outcome"], escalation["incident_id"]) == (
+        "escalation",
+        "escalated",
+        incident["id"],
+    )
+    assert await scalar(conn, "SELECT escalated_at IS NOT NULL FROM jobfence.alert_incidents")
+
+
+async def test_escalation_after_a_person_resolved_the_incident_with_dead_letters_pending_opens_one(
+    database_url: str, conn: AsyncConnection[Any], server: FakeBetterStack
+) -> None:
+    await write_dead_letter(conn, "p1")
+    await write_dead_letter(conn, "p2")
+    clock = MovableClock()
+    relay = make_relay(database_url, server, clock=clock)
+    async with running(relay):
+        clock.advance(seconds=1)
+        await wait_for_alerts(conn, "sent", 1)
+        [incident] = server.incident_list()
+        server.resolve_by_person(incident["id"], "bob@example.com")  # but nothing was replayed
+        clock.advance(hours=73)
+        await wait_for_alerts(conn, "sent", 2)
+        await wait_rounds(relay)
+        clock.advance(hours=200)
+        await wait_rounds(relay)
+    assert server.calls("escalate") == [], "a resolved incident is not escalated"
+    _, second = server.posts()
+    body = second.json()
+    assert value(body, "jobfence_alert") == "escalation"
+    assert value(body, "dead_letters") == "2"
+    assert body["name"].startswith("jobfence: 2 dead letters still pending review after 72h")
+    rows = await alert_rows(conn)
+    assert [(r["kind"], r["outcome"]) for r in rows] == [
+        ("dead_letters", "opened"),
+        ("escalation", "opened"),
+    ], "once per group"
+    cur = await conn.execute(
+        "SELECT incident_id, state, resolution FROM jobfence.alert_incidents ORDER BY id"
+    )
+    new_id = server.incident_list()[1]["id"]
+    assert await cur.fetchall() == [
+        (incident["id"], "resolved", "person"),
+        (new_id, "open", None),
+    ], "the new incident is the key's open one (it resolves when the dead letters are)"
+
+
+async def test_groups_merged_into_one_incident_escalate_it_once(
+    database_url: str, conn: AsyncConnection[Any], server: FakeBetterStack
+) -> None:
+    clock = MovableClock()
+    relay = make_relay(database_url, server, clock=clock)
+    async with running(relay):
+        for n in range(3):  # three windows, one incident
+            await write_dead_letter(conn, f"w{n}")
+            clock.advance(seconds=1)
+            await wait_for_alerts(conn, "sent", n + 1)
+        clock.advance(hours=73)
+        await wait_for_alerts(conn, "sent", 6)
+        await wait_rounds(relay)
+    [incident] = server.incident_list()
+    assert len(server.escalations[incident["id"]]) == 1, "one escalate call per incident"
+    rows = await alert_rows(conn)
+    assert [r["outcome"] for r in rows if r["kind"] == "escalation"] == ["escalated"] * 3
+    assert relay.stats.escalated == 1
+
+
+async def test_an_escalate_refused_because_a_person_just_resolved_it_opens_a_new_incident(
+    database_url: str, conn: AsyncConnection[Any], server: FakeBetterStack
+) -> None:
+    await write_dead_letter(conn, "j1")
+    clock = MovableClock()
+    # What the relay knows of the state is never out of date here: only the escalate's 409
+    # tells it that a person resolved the incident in between.
+    relay = make_relay(
+        database_url, server, clock=clock, settings=fast_settings(state_max_age_seconds=1e9)
+    )
+    async with running(relay):
+        clock.advance(seconds=1)
+        await wait_for_alerts(conn, "sent", 1)
+        [incident] = server.incident_list()
+        server.resolve_by_person(incident["id"])
+        clock.advance(hours=73)
+        await wait_for_alerts(conn, "sent", 2)
+    [refused] = server.calls("escalate")
+    assert refused.status == 409
+    assert len(server.incident_list()) == 2, "the escalation opened a new incident"
+    assert [r["outcome"] for r in await alert_rows(conn)] == ["opened", "opened"]

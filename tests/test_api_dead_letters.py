@@ -572,6 +572,12 @@ async def test_list_refuses_bad_parameters_with_a_422_problem(
         assert ["query", field] in [error["loc"] for error in problem["errors"]], problem
 
 
+async def test_a_bad_cursor_is_refused_in_this_apis_words(api: Api) -> None:
+    response = await api.client.get(PREFIX, params={"cursor": "bogus"}, headers=auth())
+    problem = assert_problem(response, 422, type="urn:jobfence:problem:validation")
+    assert problem["detail"] == "cursor is not one this API returned"
+
+
 async def test_list_pages_up_to_500_and_defaults_to_50(
     api: Api, conn: AsyncConnection[Any]
 ) -> None:

@@ -22,7 +22,7 @@ import psycopg
 import pytest
 from psycopg.rows import dict_row
 
-from jobfence import MemoryQueue, Message, db, ops
+from jobfence import MemoryQueue, Message, cli_dead_letters, db, ops
 from jobfence.codec import message_payload
 from jobfence.ops import BulkReplay, DeadLetterFilter
 
@@ -352,6 +352,90 @@ def test_show_decodes_a_printable_base64_payload_and_escapes_one_that_is_not(
     assert "\x1b" not in binary  # a terminal escape in a payload is shown, never interpreted
 
 
+FIVE_MB = 5 * 1024 * 1024
+SHOWN_AT_MOST = 16 * 1024  # the fields, 4 KiB of each payload part, last_error
+
+
+def _payload_section(out: str) -> str:
+    """What show printed between ``payload:`` and ``last_error:``."""
+    return out.split("\npayload:\n", 1)[1].split("\nlast_error:\n", 1)[0]
+
+
+def test_show_cuts_a_5_mb_payload_says_how_much_was_left_out_and_full_prints_it_all(
+    database_url: str, db_conn: psycopg.Connection[Any]
+) -> None:
+    payload = {"blob": "é" + "x" * FIVE_MB, "account_id": 1}  # jsonb's key order
+    dl_id = seed(db_conn, "big", payload=payload)
+    before = everything(db_conn)
+
+    out = ok(dl("show", str(dl_id), url=database_url))
+    assert len(out.encode()) < SHOWN_AT_MOST
+    whole = json.dumps(payload, indent=2, ensure_ascii=False)
+    assert whole.startswith('{\n  "blob"')
+    left_out = len(whole.encode()) - len(whole[:4096].encode())
+    assert (
+        f"\n... {left_out:,} more bytes of the payload not shown; --full prints everything,"
+        " --payload-out FILE writes the payload\n"
+    ) in out
+    assert _payload_section(out).startswith(whole[:4096])
+    assert out.endswith(
+        "last_error:\npointsapp.Flaky: ledger timeout\n  File handler.py, line 3, in award\n"
+    )
+
+    full = ok(dl("show", str(dl_id), "--full", url=database_url))
+    assert json.loads(_payload_section(full)) == payload
+    assert "more bytes" not in full
+    document = json.loads(ok(dl("show", str(dl_id), "--json", url=database_url)))
+    assert document["payload"] == payload  # --json is never cut
+    assert everything(db_conn) == before
+
+
+def test_show_payload_out_writes_every_byte_of_a_5_mb_base64_payload_and_full_prints_it(
+    database_url: str, db_conn: psycopg.Connection[Any], tmp_path: Path
+) -> None:
+    raw = os.urandom(FIVE_MB)  # not UTF-8: kept as base64 (D6)
+    dl_id = seed(db_conn, "binary", payload=_wrapped(raw), payload_encoding="base64")
+    target = tmp_path / "payload.bin"
+
+    out = ok(dl("show", str(dl_id), "--payload-out", str(target), url=database_url))
+    assert len(out.encode()) < SHOWN_AT_MOST
+    assert f"payload: {FIVE_MB} bytes kept as base64 (" in out
+    assert f"payload written to {target} ({FIVE_MB:,} bytes)" in out
+    assert "more bytes of the payload not shown" in out
+    assert target.read_bytes() == raw
+
+    full = ok(dl("show", str(dl_id), "--full", url=database_url))
+    [data] = [line for line in full.splitlines() if line.startswith("  base64: ")]
+    assert base64.b64decode(data.removeprefix("  base64: ")) == raw
+
+
+def test_show_payload_out_writes_a_json_payload_as_stored_and_never_overwrites_a_file(
+    database_url: str, db_conn: psycopg.Connection[Any], tmp_path: Path
+) -> None:
+    document = '{"amount": 1.00000000000000000001, "big": 12345678901234567890123, "blob": "%s"}'
+    inserted = db_conn.execute(
+        "INSERT INTO core.dead_letters (job_id, queue, consumer, payload, payload_encoding,"
+        " attempts, last_error, error_class) VALUES ('json', 'loyalty', 'award_points', %s,"
+        " 'json', 1, 'E: x', 'E') RETURNING id",
+        (document.replace("%s", "y" * 9000),),
+    ).fetchone()
+    assert inserted is not None
+    dl_id = inserted[0]
+    stored = db_conn.execute("SELECT payload::text FROM core.dead_letters").fetchone()[0]
+    target = tmp_path / "payload.json"
+
+    ok(dl("show", str(dl_id), "--payload-out", str(target), url=database_url))
+    assert target.read_bytes() == stored.encode()  # the stored document's text, digits and all
+
+    target.write_bytes(b"keep me")
+    line = one_error_line(dl("show", str(dl_id), "--payload-out", str(target), url=database_url))
+    assert line == (
+        f"jobfence: error: --payload-out {target}: the file exists; name a new file"
+        " (nothing is overwritten)"
+    )
+    assert target.read_bytes() == b"keep me"
+
+
 # -- replay --------------------------------------------------------------------------------
 
 
@@ -645,7 +729,12 @@ ERRORS = [
         "no dead letter with id 999999",
         id="discard-unknown",
     ),
-    pytest.param(["list", "--cursor", "bogus"], 2, "cursor is not one", id="bad-cursor"),
+    pytest.param(
+        ["list", "--cursor", "bogus"],
+        2,
+        "jobfence: error: --cursor is not one that jobfence dead-letters list printed",
+        id="bad-cursor",
+    ),
     pytest.param(
         ["list", "--since", "last tuesday"], 2, "not an ISO 8601 date or time", id="bad-since"
     ),
@@ -655,14 +744,16 @@ ERRORS = [
     pytest.param(
         ["list", "--since", "2026-03-02", "--until", "2026-03-01"],
         2,
-        "created_from must be before created_to",
+        "--since must be before --until",
         id="empty-range",
     ),
     pytest.param(
         ["list", "--status", "pending"], 2, "argument --status: invalid choice", id="bad-status"
     ),
-    pytest.param(["list", "--limit", "501"], 2, "limit must be between 1 and 500", id="limit-high"),
-    pytest.param(["list", "--limit", "0"], 2, "limit must be between 1 and 500", id="limit-zero"),
+    pytest.param(
+        ["list", "--limit", "501"], 2, "--limit must be between 1 and 500", id="limit-high"
+    ),
+    pytest.param(["list", "--limit", "0"], 2, "--limit must be between 1 and 500", id="limit-zero"),
     pytest.param(["list", "--group-by", "tenant"], 2, "group by one or more of", id="bad-group"),
     pytest.param(
         ["list", "--group-by", "queue", "--cursor", "x"],
@@ -689,34 +780,38 @@ ERRORS = [
         id="discard-long-reason",
     ),
     pytest.param(
-        ["replay", "{id}", "--actor", "  "], 2, "resolved_by must name", id="replay-blank-actor"
+        ["replay", "{id}", "--actor", "  "], 2, "--actor must name who", id="replay-blank-actor"
     ),
     pytest.param(
         ["replay-bulk", "--all", "--max-items", "1"],
         2,
-        "2 pending dead letters match, more than max_items=1",
+        "2 pending dead letters match, more than --max-items 1: narrow the filters or raise"
+        " --max-items",
         id="bulk-too-large",
     ),
     pytest.param(
         ["replay-bulk", "--all", "--max-items", "0"],
         2,
-        "max_items must be >= 1",
+        "argument --max-items: not a whole number >= 1: '0'",
         id="bulk-max-zero",
     ),
-    pytest.param(["replay-bulk"], 2, ops.BULK_ALL_NEEDED, id="bulk-no-filter-no-all"),
+    pytest.param(["replay-bulk"], 2, cli_dead_letters.BULK_ALL_NEEDED, id="bulk-no-filter-no-all"),
     pytest.param(
-        ["replay-bulk", "--dry-run"], 2, ops.BULK_ALL_NEEDED, id="bulk-dry-run-no-filter-no-all"
+        ["replay-bulk", "--dry-run"],
+        2,
+        cli_dead_letters.BULK_ALL_NEEDED,
+        id="bulk-dry-run-no-filter-no-all",
     ),
     pytest.param(
         ["replay-bulk", "--all", "--queue", "loyalty"],
         2,
-        ops.BULK_ALL_WITH_FILTER,
+        cli_dead_letters.BULK_ALL_WITH_FILTER,
         id="bulk-all-and-filter",
     ),
     pytest.param(
         ["replay-bulk", "--all", "--since", "2026-01-01", "--dry-run"],
         2,
-        ops.BULK_ALL_WITH_FILTER,
+        cli_dead_letters.BULK_ALL_WITH_FILTER,
         id="bulk-dry-run-all-and-filter",
     ),
     pytest.param(
@@ -753,5 +848,6 @@ def test_an_error_a_person_can_cause_is_one_line_and_changes_nothing(
 
     line = one_error_line(done)
     assert says in line
+    assert "API" not in line  # the HTTP API's wording (its parameters) never shows here
     assert done.returncode == status
     assert everything(db_conn) == before

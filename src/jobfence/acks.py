@@ -71,7 +71,10 @@ class AckBatcher:
                 if not isinstance(exc, Exception):
                     raise
                 self._failures += 1
-                log.warning(
+                # One WARNING per run of failures (an outage would repeat it at every retry);
+                # the rest at DEBUG, and one INFO line once acks go through again.
+                log.log(
+                    logging.WARNING if self._failures == 1 else logging.DEBUG,
                     "cannot acknowledge %d finished job(s) yet (%s: %s); will retry. Until then "
                     "their lease may run out and they come back as duplicates, skipped by the "
                     "fence",
@@ -80,6 +83,12 @@ class AckBatcher:
                     str(exc).strip().splitlines()[0] if str(exc).strip() else "",
                 )
                 return False
+            if self._failures:
+                log.info(
+                    "acknowledging again after %d failed tries (%d job(s) now)",
+                    self._failures,
+                    len(batch),
+                )
             self._failures = 0
             return True
 

@@ -69,7 +69,7 @@ async def cleanup_every(
     """Run :func:`cleanup_expired` every ``interval_seconds`` until ``stop`` is set.
 
     Each round uses a fresh connection, so a database restart or a lost connection costs one
-    round (logged), not the scheduler.
+    round (logged, and reported to ``metrics`` as ``cleanup_failed``), not the scheduler.
     """
     if interval_seconds <= 0:
         raise ValueError("interval_seconds must be > 0")
@@ -81,6 +81,8 @@ async def cleanup_every(
             ) as conn:
                 result = await cleanup_expired(conn, batch_size=batch_size, metrics=metrics)
         except psycopg.Error as exc:
+            if metrics is not None:
+                metrics.cleanup_failed()
             log.warning(
                 "cleanup round failed (%s: %s); next try in %gs",
                 type(exc).__name__,

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from jobfence.adapters.betterstack import HeartbeatOnSuccess
     from jobfence.observability import MetricsServer
     from jobfence.ports import CleanupMetricsSink
+    from jobfence.worker import Worker
 
 
 def _load_app(spec: str) -> App:
@@ -35,12 +36,33 @@ def _load_app(spec: str) -> App:
         sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise JobfenceError(f"cannot import module {module_name!r}: {exc}") from None
-    app = getattr(module, attr, None)
+    except Exception as exc:
+        missing = exc.name if isinstance(exc, ModuleNotFoundError) else None
+        if missing and (module_name == missing or module_name.startswith(f"{missing}.")):
+            raise JobfenceError(f"cannot import module {module_name!r}: {exc}") from None
+        # The module exists but fails while importing: its own error, first line.
+        text = str(exc).strip()
+        first = text.splitlines()[0] if text else ""
+        raise JobfenceError(
+            f"module {module_name!r} does not import: {type(exc).__name__}: {first}"
+        ) from None
+    if not hasattr(module, attr):
+        apps = sorted(name for name, value in vars(module).items() if isinstance(value, App))
+        hint = f" (its jobfence.App: {', '.join(apps)})" if apps else ""
+        raise JobfenceError(f"module {module_name!r} has no attribute {attr!r}{hint}")
+    app = getattr(module, attr)
     if not isinstance(app, App):
         raise JobfenceError(f"{spec} is not a jobfence.App (found {type(app).__name__})")
     return app
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("jobfence")
+    except PackageNotFoundError:  # pragma: no cover - run from a source tree, not installed
+        return "unknown (not installed)"
 
 
 async def _cmd_migrate(args: argparse.Namespace) -> int:
@@ -123,8 +145,9 @@ async def _cmd_worker(args: argparse.Namespace) -> int:
                 outbox_metrics=PrometheusOutboxMetrics(metrics.registry),
             )
             loop = asyncio.get_running_loop()
+            stopped_by: list[signal.Signals] = []
             for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, worker.stop)
+                loop.add_signal_handler(sig, _stop_worker, worker, sig, stopped_by)
             logging.getLogger("jobfence").info(
                 "worker started: queues %s, concurrency %d%s",
                 ", ".join(worker.queues),
@@ -134,11 +157,44 @@ async def _cmd_worker(args: argparse.Namespace) -> int:
             stats = await worker.run(until=args.until)
         counts = [f"{k} {v}" for k, v in sorted(stats.outcomes.items())]
         print("worker stopped: " + ", ".join([*counts, f"released {stats.released}"]))
+        if len(stopped_by) > 1:
+            # Stopped at once: exit as the signal's default action would say (130 for SIGINT).
+            print(
+                f"stopped at once by a second {stopped_by[-1].name}: {stats.cut_off} running"
+                " job(s) cut off, rolled back and given back to the queue"
+            )
+            return 128 + stopped_by[-1].value
     finally:
         if server is not None:
             server.close()
         await pool.close()
     return 0
+
+
+def _stop_worker(worker: Worker, sig: signal.Signals, stopped_by: list[signal.Signals]) -> None:
+    """SIGTERM or SIGINT: the first lets running jobs finish (within the grace period), a second
+    stops at once. Either way every job held is given back: nothing is lost."""
+    stopped_by.append(sig)
+    log = logging.getLogger("jobfence")
+    again = "press Ctrl-C again" if sig == signal.SIGINT else f"send {sig.name} again"
+    if len(stopped_by) == 1:
+        worker.stop()
+        running = worker.running
+        if running:
+            log.info(
+                "stopping: waiting for %d running job(s) (up to %gs; %s to stop now)",
+                running,
+                worker.shutdown_grace_seconds,
+                again,
+            )
+        else:
+            log.info("stopping: no job is running")
+    elif len(stopped_by) == 2:
+        log.info(
+            "stopping now: cutting off %d running job(s); they roll back and go back to the queue",
+            worker.running,
+        )
+        worker.stop(now=True)
 
 
 async def _cmd_outbox_relay(args: argparse.Namespace) -> int:
@@ -194,7 +250,11 @@ async def _cmd_cleanup(args: argparse.Namespace) -> int:
             if (warning := await schema.autovacuum_warning(conn)) is not None:
                 logging.getLogger("jobfence.cleanup").warning(warning)
             if args.every is None:
-                result = await cleanup_expired(conn, batch_size=args.batch_size, metrics=sink)
+                try:
+                    result = await cleanup_expired(conn, batch_size=args.batch_size, metrics=sink)
+                except psycopg.Error:
+                    sink.cleanup_failed()  # the heartbeat reports the failure (/fail)
+                    raise
                 print(f"removed {result.deleted} expired fence rows in {result.batches} batch(es)")
                 return 0
         stop = asyncio.Event()
@@ -356,6 +416,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
     parser.add_argument(
+        "--version", action="version", version=f"jobfence {_version()}", help="print the version"
+    )
+    parser.add_argument(
         "--log-format",
         choices=("text", "json"),
         default=None,
@@ -391,7 +454,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--grace-seconds",
         type=_positive_float,
         default=30.0,
-        help="on SIGTERM, time to finish jobs (30)",
+        help="on SIGTERM or SIGINT, time running jobs get to finish; a second signal stops at"
+        " once (30)",
     )
     p.add_argument(
         "--until",

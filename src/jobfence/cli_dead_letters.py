@@ -14,6 +14,7 @@ import contextlib
 import getpass
 import json
 import os
+import re
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import asdict
@@ -25,12 +26,14 @@ from psycopg_pool import AsyncConnectionPool
 from jobfence import db, ops, schema
 from jobfence.codec import PAYLOAD_BASE64, original_body
 from jobfence.errors import DeadLetterConflict, DeadLetterNotFound
-from jobfence.ops import BulkReplay, DeadLetterFilter, InvalidRequest
+from jobfence.ops import BulkReplay, BulkTooLarge, DeadLetterFilter, InvalidCursor, InvalidRequest
 from jobfence.queues import add_queue_url_option
 
 ENV_ACTOR = "JOBFENCE_ACTOR"
 EXIT_REFUSED = 1  # not found, not pending, failed or unfinished bulk items
+EXIT_INVALID = 2  # a request that cannot be served as asked
 CELL_WIDTH = 48  # longer table cells are cut (the --json output keeps them whole)
+PAYLOAD_SHOWN = 4096  # characters of a payload (of each part) that show prints without --full
 FAILED_SHOWN = 20  # failed bulk items listed in the readable summary
 
 Command = Callable[[argparse.Namespace], Awaitable[int]]
@@ -60,6 +63,17 @@ def _positive_id(what: str) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+def _count(text: str) -> int:
+    """An argparse type for a count of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"not a whole number >= 1: {text!r}")
+    return value
 
 
 _dead_letter_id = _positive_id("dead letter")
@@ -126,6 +140,8 @@ def _add_actor(p: argparse.ArgumentParser) -> None:
 
 def _actor(args: argparse.Namespace) -> str:
     if args.actor is not None:
+        if not str(args.actor).strip():
+            raise InvalidRequest("--actor must name who does it, not a blank string")
         return str(args.actor)
     from_env = os.environ.get(ENV_ACTOR, "").strip()
     if from_env:
@@ -175,9 +191,23 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="one JSON document {items, next_cursor}")
     p.set_defaults(func=_guarded(_cmd_list))
 
-    p = commands.add_parser("show", help="one dead letter whole, payload included")
+    p = commands.add_parser(
+        "show",
+        help="one dead letter, its payload cut at 4 KiB unless --full",
+        description="One dead letter. The payload is shown up to its first "
+        f"{PAYLOAD_SHOWN:,} characters (each part of a base64 payload too), then how many bytes "
+        "were left out; --full prints it whole, --payload-out FILE writes it to a new file. "
+        "--json is never cut.",
+    )
     p.add_argument("id", type=_dead_letter_id, metavar="ID")
-    p.add_argument("--json", action="store_true", help="one JSON document")
+    p.add_argument("--full", action="store_true", help="print the whole payload, however large")
+    p.add_argument(
+        "--payload-out",
+        metavar="FILE",
+        help="write the payload to FILE, a new file: the bytes a replay publishes (a base64 "
+        "payload's original bytes, else the stored JSON text)",
+    )
+    p.add_argument("--json", action="store_true", help="one JSON document, payload whole")
     p.set_defaults(func=_guarded(_cmd_show))
 
     p = commands.add_parser("replay", help="republish one pending dead letter (same job_id)")
@@ -204,7 +234,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--dry-run", action="store_true", help="print how many match; change nothing")
     p.add_argument(
         "--max-items",
-        type=int,
+        type=_count,
         default=None,
         help=f"refuse when more match ({ops.DEFAULT_BULK_MAX})",
     )
@@ -226,7 +256,8 @@ def add_parser(sub: Any) -> None:
 
 def _guarded(command: Command) -> Command:
     """A missing dead letter or bulk run, or a dead letter no longer pending, is one line and
-    exit status 1."""
+    exit status 1; a request refused by :mod:`jobfence.ops` is worded with this command's flags,
+    exit status 2."""
 
     async def run(args: argparse.Namespace) -> int:
         try:
@@ -234,8 +265,53 @@ def _guarded(command: Command) -> Command:
         except (DeadLetterNotFound, DeadLetterConflict, ops.BulkReplayNotFound) as exc:
             _error(str(exc))
             return EXIT_REFUSED
+        except (InvalidRequest, BulkTooLarge) as exc:
+            _error(_in_flags(exc))
+            return EXIT_INVALID
 
     return run
+
+
+# ops names the parameters of its functions (the HTTP API's too); here a person typed flags.
+_FLAGS = {
+    "limit": "--limit",
+    "created_from": "--since",
+    "created_to": "--until",
+    "max_items": "--max-items",
+    "requested_by": "--actor",
+}
+_PARAMETER = re.compile(r"\b(" + "|".join(_FLAGS) + r")\b")
+
+
+# ops' refusals of a bulk selection, in this CLI's words.
+BULK_ALL_NEEDED = (
+    "no filter given: a bulk replay of every pending dead letter (poison included) must be "
+    "asked for explicitly with --all"
+)
+BULK_ALL_WITH_FILTER = (
+    "a filter and --all contradict each other: --all selects every pending dead letter;"
+    " give either filters or --all"
+)
+_BULK_ALL = {ops.BULK_ALL_NEEDED: BULK_ALL_NEEDED, ops.BULK_ALL_WITH_FILTER: BULK_ALL_WITH_FILTER}
+
+
+def _in_flags(exc: InvalidRequest | BulkTooLarge) -> str:
+    """The message of a request refused by :mod:`jobfence.ops`, in terms of this CLI's flags."""
+    if isinstance(exc, InvalidRequest) and str(exc) in _BULK_ALL:
+        return _BULK_ALL[str(exc)]
+    if isinstance(exc, InvalidCursor):
+        return (
+            "--cursor is not one that jobfence dead-letters list printed: pass the value after "
+            "'next cursor:' whole"
+        )
+    if isinstance(exc, BulkTooLarge):
+        return (
+            f"{exc.matching} pending dead letters match, more than --max-items {exc.max_items}:"
+            " narrow the filters or raise --max-items"
+        )
+    if exc.field in _FLAGS:  # the message names ops' parameters: name the flags instead
+        return _PARAMETER.sub(lambda m: _FLAGS[m[1]], str(exc))
+    return str(exc)
 
 
 # --- formatting ---------------------------------------------------------------------------
@@ -370,29 +446,44 @@ async def _list_groups(args: argparse.Namespace, flt: DeadLetterFilter) -> int:
     return 0
 
 
-def _payload_lines(payload: Any, encoding: str) -> list[str]:
+def _cut(text: str, full: bool) -> tuple[str, int]:
+    """``text``, or its first ``PAYLOAD_SHOWN`` characters unless ``full``; and how many UTF-8
+    bytes of it were left out."""
+    if full or len(text) <= PAYLOAD_SHOWN:
+        return text, 0
+    return text[:PAYLOAD_SHOWN], len(text[PAYLOAD_SHOWN:].encode("utf-8", "surrogatepass"))
+
+
+def _payload_lines(payload: Any, encoding: str, *, full: bool) -> tuple[list[str], int]:
+    """The payload as shown, and how many bytes of it were left out (``full``: none)."""
     if encoding != PAYLOAD_BASE64:
-        return ["payload:", json.dumps(payload, indent=2, ensure_ascii=False)]
+        shown, left = _cut(json.dumps(payload, indent=2, ensure_ascii=False), full)
+        return ["payload:", shown], left
     body = original_body(json.dumps(payload), encoding)
+    data, left = _cut(str(payload.get("data", "")), full)
     lines = [
         f"payload: {len(body)} bytes kept as base64 ({payload.get('note', 'not JSON')})",
-        f"  base64: {payload.get('data', '')}",
+        f"  base64: {data}",
     ]
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError:
         text = None
     if text is not None and all(ch.isprintable() or ch in "\n\r\t" for ch in text):
-        lines += ["  decoded:", text]
+        decoded, cut = _cut(text, full)
+        lines += ["  decoded:", decoded]
     else:
-        escaped = _printable(body.decode("utf-8", errors="backslashreplace"))
+        escaped, cut = _cut(_printable(body.decode("utf-8", errors="backslashreplace")), full)
         lines.append(f"  decoded (not printable as text, escaped): {escaped}")
-    return lines
+    return lines, left + cut
 
 
 async def _cmd_show(args: argparse.Namespace) -> int:
     async with _pool() as pool, pool.connection() as conn:
         detail = await ops.show_dead_letter(conn, args.id)
+        body = None if args.payload_out is None else await ops.payload_body(conn, args.id)
+    if body is not None:
+        _write_payload(args.payload_out, body)
     letter = detail.dead_letter
     if args.json:
         _print_json({**asdict(letter), "fence_exists": detail.fence_exists})
@@ -422,10 +513,31 @@ async def _cmd_show(args: argparse.Namespace) -> int:
     for name, value in fields:
         shown = "-" if value is None else _printable(str(value))
         print(f"  {name + ':':<18}{shown}")
-    print("\n".join(_payload_lines(letter.payload, letter.payload_encoding)))
+    lines, left_out = _payload_lines(letter.payload, letter.payload_encoding, full=args.full)
+    print("\n".join(lines))
+    if left_out:
+        print(
+            f"... {left_out:,} more bytes of the payload not shown; --full prints everything, "
+            "--payload-out FILE writes the payload"
+        )
+    if body is not None:
+        print(f"payload written to {args.payload_out} ({len(body):,} bytes)")
     print("last_error:")
     print(letter.last_error)
     return 0
+
+
+def _write_payload(path: str, body: bytes) -> None:
+    """Write ``body`` to a new file ``path`` (an existing file is never overwritten)."""
+    try:
+        with open(path, "xb") as out:
+            out.write(body)
+    except FileExistsError:
+        raise InvalidRequest(
+            f"--payload-out {path}: the file exists; name a new file (nothing is overwritten)"
+        ) from None
+    except OSError as exc:
+        raise InvalidRequest(f"--payload-out {path}: cannot write it: {exc.strerror}") from None
 
 
 def _request_error(exc: ValueError) -> InvalidRequest:

@@ -209,6 +209,10 @@ ENV_RELAY_HEARTBEAT_URL = "JOBFENCE_BETTERSTACK_RELAY_HEARTBEAT_URL"
 ENV_CLEANUP_HEARTBEAT_URL = "JOBFENCE_BETTERSTACK_CLEANUP_HEARTBEAT_URL"
 ENV_ALERT_GROUP_WINDOW = "JOBFENCE_ALERT_GROUP_WINDOW"
 ENV_ALERT_ESCALATE_AFTER = "JOBFENCE_ALERT_ESCALATE_AFTER"
+ENV_BETTERSTACK_ALLOW_HTTP = "JOBFENCE_BETTERSTACK_ALLOW_HTTP"
+ENV_ALERT_STATE_MAX_AGE = "JOBFENCE_ALERT_STATE_MAX_AGE"
+ENV_ALERT_UPDATE_INTERVAL = "JOBFENCE_ALERT_UPDATE_INTERVAL"
+ENV_ALERT_DELIVERY_BOUND = "JOBFENCE_ALERT_DELIVERY_BOUND"
 DEFAULT_BETTERSTACK_API_URL = "https://uptime.betterstack.com"
 NOTIFY_CHANNELS = ("call", "sms", "email", "push")
 DEFAULT_NOTIFY = frozenset({"email", "push"})
@@ -233,6 +237,10 @@ class AlertConfig:
     escalate_after_seconds: float | None
     relay_heartbeat_url: str | None = field(repr=False)
     cleanup_heartbeat_url: str | None = field(repr=False)
+    allow_http: bool = False
+    state_max_age_seconds: float = 60.0
+    update_interval_seconds: float = 600.0
+    delivery_bound_seconds: float = 600.0
 
 
 def parse_duration(text: str, *, name: str) -> float:
@@ -243,6 +251,20 @@ def parse_duration(text: str, *, name: str) -> float:
             f"{name} must be a positive duration such as 90, 90s, 15m, 72h or 3d, got {text!r}"
         )
     return float(match.group(1)) * _UNITS[match.group(2)]
+
+
+def _duration_or(env: Mapping[str, str], name: str, default: float) -> float:
+    text = _optional(env, name)
+    return parse_duration(text, name=name) if text else default
+
+
+def _flag(env: Mapping[str, str], name: str) -> bool:
+    text = (_optional(env, name) or "0").lower()
+    if text in ("1", "true", "yes"):
+        return True
+    if text in ("0", "false", "no"):
+        return False
+    raise ConfigError(f"{name} must be 1 or 0, got {text!r}")
 
 
 def cleanup_heartbeat_url_from_env(environ: Mapping[str, str] | None = None) -> str | None:
@@ -314,4 +336,8 @@ def alert_config_from_env(environ: Mapping[str, str] | None = None) -> AlertConf
         escalate_after_seconds=escalate_after,
         relay_heartbeat_url=_optional(env, ENV_RELAY_HEARTBEAT_URL),
         cleanup_heartbeat_url=cleanup_heartbeat_url_from_env(env),
+        allow_http=_flag(env, ENV_BETTERSTACK_ALLOW_HTTP),
+        state_max_age_seconds=_duration_or(env, ENV_ALERT_STATE_MAX_AGE, 60.0),
+        update_interval_seconds=_duration_or(env, ENV_ALERT_UPDATE_INTERVAL, 600.0),
+        delivery_bound_seconds=_duration_or(env, ENV_ALERT_DELIVERY_BOUND, 600.0),
     )

@@ -23,6 +23,7 @@ from psycopg.types.string import ByteaBinaryLoader
 from psycopg_pool import AsyncConnectionPool
 
 from jobfence._sql import Queries
+from jobfence.codec import original_body
 from jobfence.dead_letters import (
     DeadLetter,
     ReplayResult,
@@ -57,6 +58,7 @@ __all__ = [
     "DeadLetterGroup",
     "DeadLetterItem",
     "DeadLetterPage",
+    "InvalidCursor",
     "InvalidRequest",
     "ItemCache",
     "check_bulk_selection",
@@ -69,6 +71,7 @@ __all__ = [
     "list_dead_letters",
     "list_dead_letters_json",
     "list_page_query",
+    "payload_body",
     "replay",
     "run_bulk_replay",
     "show_dead_letter",
@@ -78,9 +81,26 @@ __all__ = [
 
 
 class InvalidRequest(JobfenceError):
-    """A request that cannot be served as asked (bad cursor, bad filter value)."""
+    """A request that cannot be served as asked (bad cursor, bad filter value).
+
+    ``field`` names the parameter at fault by its name here (``cursor``, ``limit``,
+    ``created_from``...), or is None; the message uses these names too. Each edge words it for
+    its own audience: the HTTP API by its parameters, the CLI by its flags."""
 
     __module__ = "jobfence"
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class InvalidCursor(InvalidRequest):
+    """A cursor that no list page returned: mistyped, cut short, or made up."""
+
+    __module__ = "jobfence"
+
+    def __init__(self) -> None:
+        super().__init__("cursor is not one a list page returned", field="cursor")
 
 
 class BulkReplayNotFound(InvalidRequest):
@@ -136,7 +156,7 @@ class DeadLetterFilter:
                 f"status must be one of {', '.join(STATUSES)}, not {self.status!r}"
             )
         if self.created_from and self.created_to and self.created_from >= self.created_to:
-            raise InvalidRequest("created_from must be before created_to")
+            raise InvalidRequest("created_from must be before created_to", field="created_from")
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -245,7 +265,7 @@ def decode_cursor(cursor: str) -> tuple[datetime, int]:
         created, dead_letter_id = json.loads(base64.urlsafe_b64decode(padded.encode()))
         return datetime.fromisoformat(created), int(dead_letter_id)
     except (ValueError, TypeError, OverflowError, binascii.Error):
-        raise InvalidRequest("cursor is not one this API returned") from None
+        raise InvalidCursor from None
 
 
 def _list_query(
@@ -254,7 +274,7 @@ def _list_query(
     """The named query ``base`` with ``flt``'s WHERE clause, newest first, ``limit + 1`` rows
     (one more tells whether there is a next page)."""
     if not 1 <= limit <= MAX_PAGE:
-        raise InvalidRequest(f"limit must be between 1 and {MAX_PAGE}")
+        raise InvalidRequest(f"limit must be between 1 and {MAX_PAGE}", field="limit")
     params: dict[str, Any] = {}
     if cursor:
         created_at, dead_letter_id = decode_cursor(cursor)
@@ -634,7 +654,7 @@ async def group_pending(
     if not keys or not keys <= set(GROUP_KEYS):
         raise InvalidRequest(f"group by one or more of {', '.join(GROUP_KEYS)}, not {list(by)}")
     if not 1 <= limit <= MAX_PAGE:
-        raise InvalidRequest(f"limit must be between 1 and {MAX_PAGE}")
+        raise InvalidRequest(f"limit must be between 1 and {MAX_PAGE}", field="limit")
     if flt.status not in (None, "pending_review"):
         raise InvalidRequest("groups count pending_review dead letters only")
     where, params = replace(flt, status="pending_review").where()
@@ -664,6 +684,16 @@ async def show_dead_letter(conn: AsyncConnection[Any], dead_letter_id: int) -> D
     )
     row = await cur.fetchone()
     return DeadLetterDetail(dead_letter=letter, fence_exists=bool(row and row[0]))
+
+
+async def payload_body(conn: AsyncConnection[Any], dead_letter_id: int) -> bytes:
+    """The bytes a replay of the dead letter publishes: the original bytes of a base64 payload,
+    the stored JSON document's text (UTF-8) otherwise."""
+    cur = await conn.execute(SQL["payload_body"], {"id": dead_letter_id})
+    row = await cur.fetchone()
+    if row is None:
+        raise DeadLetterNotFound(f"no dead letter with id {dead_letter_id}")
+    return original_body(row[0], row[1])
 
 
 async def show_dead_letter_json(conn: AsyncConnection[Any], dead_letter_id: int) -> str:
@@ -714,13 +744,14 @@ class BulkItem:
     processed_at: datetime | None
 
 
+# Worded for the HTTP API (its body field ``all``); the CLI words them with ``--all``.
 BULK_ALL_NEEDED = (
     "no filter given: a bulk replay of every pending dead letter (poison included) must be "
-    'asked for explicitly: --all in the CLI, "all": true in the API'
+    'asked for explicitly with "all": true'
 )
 BULK_ALL_WITH_FILTER = (
-    "a filter and all contradict each other: all selects every pending dead letter; "
-    "give either filters or all"
+    'a filter and "all": true contradict each other: "all" selects every pending dead letter;'
+    ' give either filters or "all"'
 )
 
 
@@ -730,9 +761,9 @@ def check_bulk_selection(flt: DeadLetterFilter, *, select_all: bool) -> None:
     (:data:`BULK_ALL_WITH_FILTER`). ``status`` is not a filter here."""
     filtered = any(v is not None for k, v in asdict(flt).items() if k != "status")
     if select_all and filtered:
-        raise InvalidRequest(BULK_ALL_WITH_FILTER)
+        raise InvalidRequest(BULK_ALL_WITH_FILTER, field="all")
     if not select_all and not filtered:
-        raise InvalidRequest(BULK_ALL_NEEDED)
+        raise InvalidRequest(BULK_ALL_NEEDED, field="all")
 
 
 def _pending_filter(flt: DeadLetterFilter) -> DeadLetterFilter:

@@ -27,6 +27,15 @@ class QueueCapabilities:
 
     transactional: bool
     delayed_publish: bool = True
+    # True: the queue itself knows which delivery holds a message, so an ack, retry or release
+    # is refused exactly when another delivery took it over. False: the adapter refuses them
+    # once the delivery's lease ran out by the client's clock, even if nobody took the message
+    # over yet (the message is then delivered again).
+    exact_stale_ack: bool = True
+    # True: ``size`` counts every message of the queue, whoever holds or scheduled it. False:
+    # it counts the messages ready in the queue plus those this adapter instance holds or
+    # scheduled; other clients' leases and scheduled messages are not seen.
+    exact_size: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,11 +122,14 @@ class MetricsSink(Protocol):
 
 
 class CleanupMetricsSink(Protocol):
-    """Where the fence cleanup reports: rows removed (per committed batch) and each success."""
+    """Where the fence cleanup reports: rows removed (per committed batch), each success and
+    each failed round."""
 
     def cleanup_rows_removed(self, count: int) -> None: ...
 
     def cleanup_succeeded(self) -> None: ...
+
+    def cleanup_failed(self) -> None: ...
 
 
 class AlertMetricsSink(Protocol):
@@ -129,3 +141,14 @@ class AlertMetricsSink(Protocol):
     def alert_failed(self, kind: str, reason: str) -> None: ...
 
     def alerts_pending(self, count: int) -> None: ...
+
+    def incident_action(self, action: str) -> None:
+        """One step of an incident's lifecycle at Better Stack: opened, merged (a group's dead
+        letters counted on the open incident), updated (a comment), resolved (by the relay),
+        resolved_by_person (seen), escalated."""
+
+    def alerts_refused(self, count: int) -> None:
+        """Alerts and resolves refused for good, as the relay last counted them."""
+
+    def heartbeat_state(self, ok: bool) -> None:
+        """What the relay's heartbeat last reported: success (True) or failure."""

@@ -25,6 +25,7 @@ from jobfence.harness import (
     log_fields,
 )
 from jobfence.model import Delivery
+from jobfence.outage_log import PSYCOPG_LOGGERS, OutageLog, reason
 from jobfence.outbox import (
     OutboxMetricsSink,
     OutboxRelay,
@@ -46,6 +47,7 @@ class WorkerStats:
 
     outcomes: Counter[str] = field(default_factory=Counter)
     released: int = 0
+    cut_off: int = 0  # running jobs cut off by shutdown (given back, rolled back)
 
     @property
     def handled(self) -> int:
@@ -120,12 +122,14 @@ class Worker:
         self.stats = WorkerStats()
         self._pool = pool
         self._stopping = asyncio.Event()
+        self._stop_now = asyncio.Event()
         self._buffer: asyncio.Queue[Delivery] = asyncio.Queue()
         self._room = asyncio.Event()
         self._progress = asyncio.Event()
         self._busy = 0
         self._unreleased: list[Delivery] = []
         self._outage = asyncio.Event()
+        self._outage_log = OutageLog(log)
         self._fetch_failures = 0
         # On a queue outside the database, producers write the outbox: the worker runs its
         # relay too (one active per database, the others stand by).
@@ -141,9 +145,24 @@ class Worker:
             )
         self._relay_task: asyncio.Task[OutboxRelayStats] | None = None
 
-    def stop(self) -> None:
-        """Ask the worker to finish in-flight jobs, give back the rest and return."""
+    def stop(self, *, now: bool = False) -> None:
+        """Ask the worker to finish in-flight jobs (for up to ``shutdown_grace_seconds``), give
+        back the rest and return. ``now``: cut the running jobs off at once instead (their
+        transactions roll back) and give them back too; nothing is lost, and the fence makes
+        their next run safe."""
         self._stopping.set()
+        if now:
+            self._stop_now.set()
+
+    @property
+    def stopping(self) -> bool:
+        """True once :meth:`stop` was called."""
+        return self._stopping.is_set()
+
+    @property
+    def running(self) -> int:
+        """How many jobs are running now (taken from the buffer, not finished)."""
+        return self._busy
 
     def check(self) -> None:
         """Start-up checks: D3 fence TTLs; the retry overrides' rationales and the consumers
@@ -182,11 +201,18 @@ class Worker:
             self._relay_task = asyncio.create_task(
                 self.outbox_relay.run(), name="jobfence-outbox-relay"
             )
+        psycopg_logs = [logging.getLogger(name) for name in PSYCOPG_LOGGERS]
+        for logger in psycopg_logs:  # their per-connection warnings: see OutageLog
+            logger.addFilter(self._outage_log)
         try:
             await self._fetch_loop(until)
         finally:
-            await self._shutdown(processors)
-            await self._stop_relay()
+            try:
+                await self._shutdown(processors)
+                await self._stop_relay()
+            finally:
+                for logger in psycopg_logs:
+                    logger.removeFilter(self._outage_log)
         return self.stats
 
     async def _stop_relay(self) -> None:
@@ -270,28 +296,22 @@ class Worker:
         recovery, which gives back what this worker held."""
         self._fetch_failures += 1
         delay = min(0.5 * 2 ** (self._fetch_failures - 1), 30.0)
-        text = str(exc).strip()
-        log.warning(
-            "cannot %s (%s: %s); retrying in %.1fs",
-            doing,
-            type(exc).__name__,
-            text.splitlines()[0] if text else "",
-            delay,
-        )
         if is_connection_loss(exc, None):
+            self._outage_log.went_away(exc)
             self._outage.set()
+        else:
+            text = str(exc).strip()
+            log.warning(
+                "cannot %s (%s: %s); retrying in %.1fs",
+                doing,
+                type(exc).__name__,
+                text.splitlines()[0] if text else "",
+                delay,
+            )
         await self._wait_or_stop(asyncio.sleep(delay), None)
 
     async def _wait_or_stop(self, aw: Any, max_seconds: float | None) -> None:
-        stop = asyncio.ensure_future(self._stopping.wait())
-        other = asyncio.ensure_future(aw)
-        try:
-            await asyncio.wait(
-                {stop, other}, timeout=max_seconds, return_when=asyncio.FIRST_COMPLETED
-            )
-        finally:
-            for task in (stop, other):
-                task.cancel()
+        await _until_set(self._stopping, aw, max_seconds)
 
     async def _process_loop(self) -> None:
         """Take deliveries from the buffer and run them. A processor holds one pooled connection
@@ -322,7 +342,7 @@ class Worker:
                     raise
                 if waiting is None and left is None:
                     # not about a delivery: returning the connection failed
-                    log.warning("could not return a connection to the pool: %s", exc)
+                    log.warning("could not return a connection to the pool: %s", reason(exc))
 
     def _take_waiting(self) -> Delivery | None:
         """The next delivery in the buffer, if one is there now, counted as busy."""
@@ -443,12 +463,13 @@ class Worker:
     def _lost(self, delivery: Delivery, exc: Exception) -> None:
         """The database went away while ``delivery`` was ours: keep it to give back, and let
         the fetch loop recover (D7)."""
-        log.warning(
+        log.debug(
             "database unreachable while handling job %s: %s",
             delivery.message.job_id,
-            exc,
+            reason(exc),
             extra=log_fields(delivery),
         )
+        self._outage_log.went_away(exc)
         self._unreleased.append(delivery)
         self._outage.set()
         self._room.set()
@@ -462,20 +483,17 @@ class Worker:
                 async with self._pool.connection(timeout=5.0) as conn:
                     await conn.execute("SELECT 1")
             except Exception as exc:
-                log.warning(
-                    "database still unreachable (%s), retrying in %.1fs",
-                    type(exc).__name__,
-                    backoff,
-                )
+                self._outage_log.still_down(exc)
                 await self._wait_or_stop(asyncio.sleep(backoff), None)
                 backoff = min(backoff * 2, 30.0)
                 continue
             break
         if self._stopping.is_set():
             return  # shutdown releases what is held, as far as the database lets it
+        released = self.stats.released
         await self._release_held()
         self._outage.clear()
-        log.info("database reachable again: resuming")
+        self._outage_log.back(self.stats.released - released)
 
     def _drain_buffer_to_unreleased(self) -> None:
         while True:
@@ -488,17 +506,25 @@ class Worker:
 
     async def _release_held(self) -> None:
         held, self._unreleased = self._unreleased, []
+        failed, error = 0, None
         for delivery in held:
             try:
                 await self.queue.release(delivery)
                 self.stats.released += 1
             except Exception as exc:
-                log.warning(
-                    "could not release job %s (%s); it returns when its lease runs out",
+                failed, error = failed + 1, exc
+                log.debug(
+                    "could not release job %s (%s)",
                     delivery.message.job_id,
-                    type(exc).__name__,
+                    reason(exc),
                     extra=log_fields(delivery),
                 )
+        if error is not None:  # one line, not one per job
+            log.warning(
+                "could not release %d job(s) (%s); they return when their lease runs out",
+                failed,
+                reason(error),
+            )
 
     async def _shutdown(self, processors: list[asyncio.Task[None]]) -> None:
         """Give back at once what has not started, so other workers can take it; let running
@@ -508,10 +534,12 @@ class Worker:
             await self._release_held()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.shutdown_grace_seconds
-        while self._busy and (remaining := deadline - loop.time()) > 0:
+        while self._busy and not self._stop_now.is_set():
+            if (remaining := deadline - loop.time()) <= 0:
+                break
             self._progress.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._progress.wait(), remaining)
+            await _until_set(self._stop_now, self._progress.wait(), remaining)
+        self.stats.cut_off = self._busy
         for task in processors:
             task.cancel()
         for task in processors:
@@ -519,3 +547,16 @@ class Worker:
                 await task
         await self.acks.close()
         await self._release_held()
+
+
+async def _until_set(event: asyncio.Event, aw: Any, max_seconds: float | None) -> None:
+    """Wait for ``aw``, at most until ``event`` is set or ``max_seconds`` have passed."""
+    setting = asyncio.ensure_future(event.wait())
+    other = asyncio.ensure_future(aw)
+    try:
+        await asyncio.wait(
+            {setting, other}, timeout=max_seconds, return_when=asyncio.FIRST_COMPLETED
+        )
+    finally:
+        for task in (setting, other):
+            task.cancel()

@@ -8,7 +8,16 @@
 * ``GET {api_url}/api/v3/incidents?metadata[jobfence_dedup_key][][value]=KEY`` finds the incident
   a previous attempt may have opened (resolved ones included); the answer is checked again
   here, and ``pagination.next`` is followed only on the same origin.
-* A heartbeat is a ``GET`` on its own URL (``https://uptime.betterstack.com/api/v1/heartbeat/...``).
+* ``GET {api_url}/api/v3/incidents/{id}`` reads an incident's state (``resolved_at``,
+  ``resolved_by``, ``acknowledged_at``, ``acknowledged_by``).
+* ``POST {api_url}/api/v3/incidents/{id}/resolve`` with ``{"resolved_by": ...}`` resolves it; 409
+  means it was resolved already (by whom: read back with a ``GET``).
+* ``POST {api_url}/api/v3/incidents/{id}/escalate`` with ``escalation_type`` (``Policy`` with
+  ``policy_id`` when a policy is configured, else ``Team`` with ``team_name`` when a team is,
+  else ``Organization``) and the channel booleans.
+* ``POST {api_url}/api/v2/incidents/{id}/comments`` with ``{"content": ...}`` adds a comment.
+* A heartbeat is a ``GET`` on its own URL (``https://uptime.betterstack.com/api/v1/heartbeat/...``);
+  the same URL with ``/fail`` appended reports a failure.
 
 Requests carry ``Authorization: Bearer <token>``; the client is the same whatever ``api_url`` is
 (tests point it at a local server). Neither the token nor a heartbeat URL (which holds a
@@ -30,7 +39,12 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from jobfence.alerts.model import DEDUP_METADATA_KEY, DeliveryError, IncidentRequest
+from jobfence.alerts.model import (
+    DEDUP_METADATA_KEY,
+    DeliveryError,
+    IncidentRequest,
+    IncidentState,
+)
 from jobfence.errors import ConfigError
 from jobfence.ports import CleanupMetricsSink
 
@@ -38,6 +52,7 @@ log = logging.getLogger("jobfence.alerts")
 
 DEFAULT_API_URL = "https://uptime.betterstack.com"
 INCIDENTS_PATH = "api/v3/incidents"
+COMMENTS_PATH = "api/v2/incidents/{id}/comments"
 MAX_LOOKUP_PAGES = 20
 MAX_ERROR_BODY_CHARS = 300
 USER_AGENT = "jobfence-alert-relay"
@@ -78,6 +93,8 @@ class BetterStackSettings:
             raise ConfigError("timeout_seconds must be a positive number")
         if self.team_wait is not None and self.team_wait < 0:
             raise ConfigError("team_wait must be >= 0 seconds")
+        if self.policy_id is not None and not self.policy_id.isdigit():
+            raise ConfigError(f"policy_id must be a number, got {self.policy_id!r}")
 
 
 def _origin(url: str) -> str:
@@ -283,6 +300,88 @@ class BetterStackIncidents:
             url, params = following, None
         raise DeliveryError(f"{what}: more than {MAX_LOOKUP_PAGES} pages", retryable=False)
 
+    def escalation_body(self) -> dict[str, Any]:
+        """The JSON body of ``POST /api/v3/incidents/{id}/escalate``."""
+        s = self.settings
+        body: dict[str, Any]
+        if s.policy_id:
+            body = {"escalation_type": "Policy", "policy_id": int(s.policy_id)}
+        elif s.team_name:
+            body = {"escalation_type": "Team", "team_name": s.team_name}
+        else:
+            body = {"escalation_type": "Organization"}
+        body.update(call=s.call, sms=s.sms, email=s.email, push=s.push)
+        return body
+
+    @staticmethod
+    def _path(incident_id: str, action: str = "") -> str:
+        if not incident_id.isdigit():  # never lets an answer choose another path
+            raise DeliveryError(f"invalid incident id {incident_id[:40]!r}", retryable=False)
+        return f"{INCIDENTS_PATH}/{incident_id}" + (f"/{action}" if action else "")
+
+    async def _call(
+        self, what: str, method: str, path: str, body: dict[str, Any] | None = None
+    ) -> httpx.Response:
+        try:
+            return await self._client.request(method, path, json=body, headers=self._auth())
+        except httpx.HTTPError as exc:
+            raise _transport_failure(what, exc) from None
+
+    @staticmethod
+    def _state(incident_id: str, response: httpx.Response, what: str) -> IncidentState:
+        try:
+            data = response.json().get("data")
+            attributes = data.get("attributes") or {}
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+            raise DeliveryError(f"{what}: unreadable answer", retryable=True) from None
+
+        def text(name: str) -> str | None:
+            value = attributes.get(name)
+            return str(value) if value not in (None, "") else None
+
+        return IncidentState(
+            incident_id=incident_id,
+            resolved_at=text("resolved_at"),
+            resolved_by=text("resolved_by"),
+            acknowledged_at=text("acknowledged_at"),
+            acknowledged_by=text("acknowledged_by"),
+        )
+
+    async def get_incident(self, incident_id: str) -> IncidentState:
+        what = "Better Stack get incident"
+        response = await self._call(what, "GET", self._path(incident_id))
+        if not response.is_success:
+            raise _failure(what, response)
+        return self._state(incident_id, response, what)
+
+    async def resolve_incident(self, incident_id: str, resolved_by: str) -> IncidentState:
+        what = "Better Stack resolve incident"
+        response = await self._call(
+            what, "POST", self._path(incident_id, "resolve"), {"resolved_by": resolved_by}
+        )
+        if response.status_code == 409:  # "Incident was already resolved": by whom, we read
+            return await self.get_incident(incident_id)
+        if not response.is_success:
+            raise _failure(what, response)
+        return self._state(incident_id, response, what)
+
+    async def escalate_incident(self, incident_id: str) -> None:
+        what = "Better Stack escalate incident"
+        response = await self._call(
+            what, "POST", self._path(incident_id, "escalate"), self.escalation_body()
+        )
+        if not response.is_success:
+            raise _failure(what, response)
+
+    async def comment_incident(self, incident_id: str, content: str) -> None:
+        what = "Better Stack comment on incident"
+        self._path(incident_id)  # the same check of the id
+        response = await self._call(
+            what, "POST", COMMENTS_PATH.format(id=incident_id), {"content": content}
+        )
+        if not response.is_success:
+            raise _failure(what, response)
+
     async def aclose(self) -> None:
         await self._client.aclose()
 
@@ -314,6 +413,7 @@ _HEARTBEAT_REDACTION = _RedactHeartbeatUrls()
 
 def _mask_in_httpx_logs(url: str) -> None:
     masked = f"{_origin(url)}/***"
+    # url/fail (the failure beat) starts with url: it is masked as origin/***/fail.
     _HEARTBEAT_REDACTION.urls[url] = masked
     _HEARTBEAT_REDACTION.urls[str(httpx.URL(url))] = masked  # as httpx prints it
     httpx_log = logging.getLogger("httpx")
@@ -348,9 +448,11 @@ class BetterStackHeartbeat:
     def __repr__(self) -> str:
         return f"BetterStackHeartbeat({self.name}, {_origin(self._url)})"
 
-    async def beat(self) -> bool:
+    async def beat(self, ok: bool = True) -> bool:
+        """A success beat (``GET url``) or, with ``ok=False``, a failure (``GET url/fail``)."""
+        url = self._url if ok else self._url.rstrip("/") + "/fail"
         try:
-            response = await self._client.get(self._url)
+            response = await self._client.get(url)
         except httpx.HTTPError as exc:
             log.warning("%s heartbeat failed (%s)", self.name, type(exc).__name__)
             return False
@@ -365,8 +467,10 @@ class BetterStackHeartbeat:
 
 class HeartbeatOnSuccess:
     """A :class:`~jobfence.ports.CleanupMetricsSink` that forwards to ``inner`` and sends the
-    cleanup's Better Stack heartbeat after each successful round (``cleanup_succeeded``), so a
-    cleanup that stopped running is noticed. :meth:`aclose` waits for the last heartbeat."""
+    cleanup's Better Stack heartbeat after each round: success after a successful one
+    (``cleanup_succeeded``), failure (``/fail``) after a failed one (``cleanup_failed``), so a
+    cleanup that stopped running or keeps failing is noticed. :meth:`aclose` waits for the last
+    heartbeat."""
 
     def __init__(self, inner: CleanupMetricsSink, heartbeat: BetterStackHeartbeat | None) -> None:
         self._inner = inner
@@ -378,8 +482,15 @@ class HeartbeatOnSuccess:
 
     def cleanup_succeeded(self) -> None:
         self._inner.cleanup_succeeded()
+        self._beat(ok=True)
+
+    def cleanup_failed(self) -> None:
+        self._inner.cleanup_failed()
+        self._beat(ok=False)
+
+    def _beat(self, *, ok: bool) -> None:
         if self._heartbeat is not None:
-            task = asyncio.get_running_loop().create_task(self._heartbeat.beat())
+            task = asyncio.get_running_loop().create_task(self._heartbeat.beat(ok))
             self._pending.add(task)
             task.add_done_callback(self._pending.discard)
 

@@ -273,7 +273,12 @@ class PgQueue:
             except asyncio.CancelledError:
                 raise
             except psycopg.Error as exc:
-                log.warning("queue listener lost its connection, retrying: %s", type(exc).__name__)
+                # Once per loss (an outage would repeat it at every retry), then DEBUG.
+                log.log(
+                    logging.WARNING if backoff == 0.5 else logging.DEBUG,
+                    "queue listener lost its connection, retrying: %s",
+                    type(exc).__name__,
+                )
                 self._wakeup.set()  # fall back to polling meanwhile
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 10.0)

@@ -111,7 +111,8 @@ class PrometheusCleanupMetrics:
 
     ``jobfence_cleanup_rows_removed_total`` counts expired fence rows deleted (per committed
     batch); ``jobfence_cleanup_last_success_timestamp_seconds`` is the Unix time the last
-    cleanup round finished without error (0 until one has): alert when it is too old.
+    cleanup round finished without error (0 until one has): alert when it is too old;
+    ``jobfence_cleanup_failures_total`` counts rounds that failed.
     """
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
@@ -126,6 +127,11 @@ class PrometheusCleanupMetrics:
             "Unix time at which the last cleanup round finished without error (0: never).",
             registry=self.registry,
         )
+        self.failures = Counter(
+            "jobfence_cleanup_failures",
+            "Cleanup rounds that failed (database error).",
+            registry=self.registry,
+        )
 
     def cleanup_rows_removed(self, count: int) -> None:
         self.rows_removed.inc(count)
@@ -133,25 +139,43 @@ class PrometheusCleanupMetrics:
     def cleanup_succeeded(self) -> None:
         self.last_success.set_to_current_time()
 
+    def cleanup_failed(self) -> None:
+        self.failures.inc()
+
 
 ALERT_KINDS = ("dead_letters", "escalation")
 ALERT_FAILURE_REASONS = ("network", "rate_limited", "server_error", "rejected")
+INCIDENT_ACTIONS = (
+    "opened",
+    "merged",
+    "updated",
+    "resolved",
+    "resolved_by_person",
+    "escalated",
+)
 
 
 class PrometheusAlertMetrics:
     """The Better Stack relay's metrics (a :class:`~jobfence.ports.AlertMetricsSink`).
 
-    ``jobfence_alerts_sent_total{kind}`` counts incidents opened (kind: dead_letters or
-    escalation); ``jobfence_alerts_failed_total{kind, reason}`` counts failed delivery attempts
-    (reason: network, rate_limited, server_error, or rejected for a 4xx that is not retried);
+    ``jobfence_alerts_sent_total{kind}`` counts alerts handled (kind: dead_letters or
+    escalation: an incident opened, a group counted on the open one, or that one escalated);
+    ``jobfence_alerts_failed_total{kind, reason}`` counts failed attempts (reason: network,
+    rate_limited, server_error, or rejected for a 4xx that is not retried);
     ``jobfence_alerts_pending`` is how many alerts wait to be delivered, as the relay last saw.
+    ``jobfence_alert_incidents_total{action}`` counts incident lifecycle steps (opened, merged,
+    updated, resolved, resolved_by_person, escalated); ``jobfence_alerts_refused`` is how many
+    alerts and resolves Better Stack refused for good (waiting for ``--retry-failed``);
+    ``jobfence_alert_relay_heartbeat_ok`` is 1 while the relay's heartbeat reports success, 0
+    while it reports failure.
     """
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.sent = Counter(
             "jobfence_alerts_sent",
-            "Alerts delivered to Better Stack (incidents opened), by kind.",
+            "Alerts handled at Better Stack (incident opened, counted on the open one, or "
+            "escalated), by kind.",
             ("kind",),
             registry=self.registry,
         )
@@ -167,8 +191,37 @@ class PrometheusAlertMetrics:
             registry=self.registry,
         )
 
+        self.incidents = Counter(
+            "jobfence_alert_incidents",
+            "Incident lifecycle steps at Better Stack, by action.",
+            ("action",),
+            registry=self.registry,
+        )
+        for action in INCIDENT_ACTIONS:
+            self.incidents.labels(action)
+        self.refused = Gauge(
+            "jobfence_alerts_refused",
+            "Alerts and resolves refused for good by Better Stack (until --retry-failed).",
+            registry=self.registry,
+        )
+        self.heartbeat_ok = Gauge(
+            "jobfence_alert_relay_heartbeat_ok",
+            "1 while the alert relay's heartbeat reports success, 0 while it reports failure.",
+            registry=self.registry,
+        )
+        self.heartbeat_ok.set(1)
+
     def alert_sent(self, kind: str) -> None:
         self.sent.labels(kind).inc()
+
+    def incident_action(self, action: str) -> None:
+        self.incidents.labels(action).inc()
+
+    def alerts_refused(self, count: int) -> None:
+        self.refused.set(count)
+
+    def heartbeat_state(self, ok: bool) -> None:
+        self.heartbeat_ok.set(1 if ok else 0)
 
     def alert_failed(self, kind: str, reason: str) -> None:
         self.failed.labels(kind, reason).inc()

@@ -7,6 +7,7 @@ from jobfence.alerts.model import (
     Heartbeat,
     IncidentRequest,
     IncidentSink,
+    IncidentState,
 )
 from jobfence.alerts.outbox import AlertCounts, alert_counts, record_dead_letter_alerts
 from jobfence.alerts.relay import AlertRelay, RelaySettings, RelayStats, retry_failed_alerts
@@ -19,6 +20,7 @@ __all__ = [
     "Heartbeat",
     "IncidentRequest",
     "IncidentSink",
+    "IncidentState",
     "RelaySettings",
     "RelayStats",
     "alert_counts",

@@ -63,18 +63,48 @@ class DeliveryError(Exception):
         return "rejected"
 
 
+@dataclass(frozen=True, slots=True)
+class IncidentState:
+    """What the incident service says of one incident: resolved (when, by whom) or not, and
+    acknowledged (when, by whom) or not."""
+
+    incident_id: str
+    resolved_at: str | None = None
+    resolved_by: str | None = None
+    acknowledged_at: str | None = None
+    acknowledged_by: str | None = None
+
+    @property
+    def resolved(self) -> bool:
+        return self.resolved_at is not None
+
+
 class IncidentSink(Protocol):
-    """Where alerts become incidents (Better Stack in production)."""
+    """Where alerts become incidents (Better Stack in production). Every method raises
+    :class:`DeliveryError` on failure."""
 
     async def find_incident(self, dedup_key: str) -> str | None:
         """The id of an incident, open or resolved, whose metadata carries ``dedup_key``."""
 
     async def create_incident(self, request: IncidentRequest) -> str:
-        """Open an incident and return its id; raise :class:`DeliveryError` on failure."""
+        """Open an incident and return its id."""
+
+    async def get_incident(self, incident_id: str) -> IncidentState:
+        """The incident's current state (a 404 raises with ``status=404``)."""
+
+    async def resolve_incident(self, incident_id: str, resolved_by: str) -> IncidentState:
+        """Resolve it; an incident already resolved (409) is not an error: its state is
+        returned, ``resolved_by`` saying who resolved it."""
+
+    async def escalate_incident(self, incident_id: str) -> None:
+        """Escalate the (unresolved) incident as configured."""
+
+    async def comment_incident(self, incident_id: str, content: str) -> None:
+        """Add a comment (Markdown) to the incident's timeline."""
 
 
 class Heartbeat(Protocol):
-    """A liveness ping sent after a successful round (a Better Stack heartbeat URL)."""
+    """A liveness ping (a Better Stack heartbeat URL): success, or failure (``ok=False``)."""
 
-    async def beat(self) -> bool:
+    async def beat(self, ok: bool = True) -> bool:
         """Send one heartbeat; True when it was accepted. Never raises."""

@@ -10,11 +10,24 @@ per database; another one stands by):
 2. **escalate** (D4): a closed group whose window ended ``escalate_after`` ago gets one
    escalation alert if some of its dead letters are still ``pending_review`` (never otherwise);
 3. **deliver**: each due alert's attempt is counted and committed *before* the request goes
-   out. A first attempt creates the incident; a later one (an earlier request may have reached
-   Better Stack before a crash or a timeout) first looks the dedup key up and records the
-   incident it finds instead of opening a second one. Network errors, timeouts, 429 (honouring
-   ``Retry-After``) and 5xx are retried with backoff, pausing all deliveries meanwhile; other
-   4xx are logged, counted and the alert is marked failed.
+   out. A later attempt (an earlier request may have reached Better Stack before a crash or a
+   timeout) first looks the dedup key up and records the incident it finds instead of opening a
+   second one; it waits until the earlier attempt is ``lost_answer_wait`` old (the request
+   timeout plus a margin), so that Better Stack has finished any create still in flight.
+   Then, **one incident per key**: when the key already has an unresolved incident (its state
+   confirmed by ``GET /api/v3/incidents/{id}`` when what we know is older than
+   ``state_max_age``), a dead letters alert is merged into it (counted) and an escalation
+   escalates it (``POST .../escalate``, once per incident); only a key without one (none yet,
+   or the last one resolved, by a person or by us) gets a new incident. Network errors,
+   timeouts, 429 (honouring ``Retry-After``) and 5xx are retried with backoff, pausing all
+   deliveries meanwhile; other 4xx are logged, counted and the alert is marked failed;
+4. **resolve**: a key whose dead letters were all replayed or discarded has its incident
+   resolved (``POST .../resolve``), the request recorded before it goes out (409, resolved
+   already, counts as done, and says by whom);
+5. **update**: an open incident whose count grew gets a comment with the new count, at most
+   once per ``update_interval``;
+6. **heartbeat**: success while delivery works; failure (``/fail``) while an alert or a resolve
+   was refused for good or has waited longer than ``delivery_bound``.
 
 The relay never touches the queue or the workers: when Better Stack is down, dead letters keep
 being recorded in the outbox and go out once it is back.
@@ -24,18 +37,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import random
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 import psycopg
 from psycopg import AsyncConnection
 from psycopg.rows import dict_row
 
-from jobfence.alerts.model import DeliveryError, Heartbeat, IncidentRequest, IncidentSink
+from jobfence.alerts.model import (
+    DeliveryError,
+    Heartbeat,
+    IncidentRequest,
+    IncidentSink,
+    IncidentState,
+)
 from jobfence.alerts.outbox import SQL, alert_counts
 from jobfence.config import secrets_from_env
 from jobfence.errors import ConfigError
@@ -54,6 +75,12 @@ SAMPLE_DEAD_LETTERS = 5
 MAX_NAME_CHARS = 200
 MAX_SUMMARY_CHARS = 300
 DEFAULT_POLL_SECONDS = 1.0
+#: Who the relay says resolved an incident (Better Stack's ``resolved_by``: an e-mail or a
+#: custom identifier); an incident resolved by anyone else was resolved by a person.
+RESOLVED_BY = "jobfence alert relay"
+#: Added to the request timeout: how much older than it a lost attempt must be before the
+#: relay looks its dedup key up and may create again.
+LOST_ANSWER_MARGIN_SECONDS = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,8 +89,14 @@ class RelaySettings:
 
     ``escalate_after_seconds=None`` turns escalation off. A retryable failure waits
     ``Retry-After`` when the service sent one (at most ``retry_after_cap_seconds``), otherwise
-    ``min(retry_base * 2^(attempt-1), retry_cap) * U(0.5, 1)``. Heartbeats go out after a
-    successful round, at most once per ``heartbeat_interval_seconds``.
+    ``min(retry_base * 2^(attempt-1), retry_cap) * U(0.5, 1)``; a lost answer (no HTTP status:
+    timeout, dropped connection) at least ``lost_answer_wait_seconds``, which should exceed the
+    request timeout. Heartbeats go out at most once per ``heartbeat_interval_seconds`` (and at
+    once when what they report changes): failure while an alert or resolve was refused for good
+    or has waited more than ``delivery_bound_seconds``, success otherwise. What the relay knows
+    of an incident's state is refreshed from Better Stack when it is older than
+    ``state_max_age_seconds`` and a decision depends on it; a growing count is reported as a
+    comment at most once per ``update_interval_seconds``.
     """
 
     group_window_seconds: float = 60.0
@@ -75,11 +108,19 @@ class RelaySettings:
     heartbeat_interval_seconds: float = 30.0
     batch_size: int = 100
     reconnect_cap_seconds: float = 30.0
+    state_max_age_seconds: float = 60.0
+    update_interval_seconds: float = 600.0
+    delivery_bound_seconds: float = 600.0
+    lost_answer_wait_seconds: float = 15.0
 
     def __post_init__(self) -> None:
         for name in (
             "group_window_seconds",
             "poll_seconds",
+            "state_max_age_seconds",
+            "update_interval_seconds",
+            "delivery_bound_seconds",
+            "lost_answer_wait_seconds",
             "retry_base_seconds",
             "retry_cap_seconds",
             "retry_after_cap_seconds",
@@ -111,14 +152,24 @@ class RelayStats:
     retried: Counter[str] = field(default_factory=Counter)
     cancelled: Counter[str] = field(default_factory=Counter)
     found_existing: int = 0
+    opened: int = 0
+    merged: int = 0
+    updated: int = 0
+    resolved: int = 0
+    resolved_by_person: int = 0
+    escalated: int = 0
+    state_checks: int = 0
     heartbeats: int = 0
     heartbeat_failures: int = 0
+    heartbeat_ok: bool = True
 
     def summary(self) -> str:
         return (
             f"sent {sum(self.sent.values())}, failed {sum(self.failed.values())}, "
             f"retries {sum(self.retried.values())}, cancelled {sum(self.cancelled.values())}, "
-            f"found already open {self.found_existing}"
+            f"found already open {self.found_existing}, opened {self.opened}, "
+            f"merged {self.merged}, updates {self.updated}, resolved {self.resolved}, "
+            f"escalated {self.escalated}"
         )
 
 
@@ -144,6 +195,46 @@ class _Group:
     first_dead_letter_id: int | None
     last_dead_letter_id: int | None
     last_created_at: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Incident:
+    id: int
+    incident_id: str
+    state: str
+    escalated_at: datetime | None
+    stale: bool
+
+
+@dataclass(frozen=True, slots=True)
+class _Resolving:
+    id: int
+    incident_id: str
+    queue: str
+    consumer: str
+    error_class: str
+    dead_letters: int
+    resolve_attempts: int
+    still_pending: int
+
+
+def _timestamp(text: str | None) -> datetime | None:
+    """An ISO 8601 time from Better Stack, or None when absent or unreadable."""
+    if not text:
+        return None
+    try:
+        return datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _plural(n: int, word: str) -> str:
@@ -217,12 +308,34 @@ class AlertRelay:
             BetterStackIncidents,
             BetterStackSettings,
         )
-        from jobfence.config import ENV_BETTERSTACK_TOKEN
+        from jobfence.config import (
+            ENV_BETTERSTACK_ALLOW_HTTP,
+            ENV_BETTERSTACK_API_URL,
+            ENV_BETTERSTACK_REQUESTER_EMAIL,
+            ENV_BETTERSTACK_TOKEN,
+        )
 
         if config.token is None:
             raise ConfigError(
                 f"{ENV_BETTERSTACK_TOKEN} is not set: the alert relay needs a Better Stack "
                 "Uptime API token"
+            )
+        if not config.requester_email:
+            raise ConfigError(
+                f"{ENV_BETTERSTACK_REQUESTER_EMAIL} is not set: with a token, Better Stack "
+                "needs the e-mail of the person the relay's incidents are opened for "
+                "(requester_email)"
+            )
+        parts = urlsplit(config.api_url)
+        if (
+            parts.scheme == "http"
+            and not _is_loopback(parts.hostname or "")
+            and not config.allow_http
+        ):
+            raise ConfigError(
+                f"{ENV_BETTERSTACK_API_URL} is plain http:// to {parts.hostname}: the token "
+                f"would travel in clear text. Use https://, or set {ENV_BETTERSTACK_ALLOW_HTTP}=1 "
+                "if the network in between is trusted"
             )
         sink = BetterStackIncidents(
             BetterStackSettings(
@@ -252,6 +365,10 @@ class AlertRelay:
             group_window_seconds=config.group_window_seconds,
             escalate_after_seconds=config.escalate_after_seconds,
             poll_seconds=poll_seconds if poll_seconds is not None else DEFAULT_POLL_SECONDS,
+            state_max_age_seconds=config.state_max_age_seconds,
+            update_interval_seconds=config.update_interval_seconds,
+            delivery_bound_seconds=config.delivery_bound_seconds,
+            lost_answer_wait_seconds=config.timeout_seconds + LOST_ANSWER_MARGIN_SECONDS,
         )
         relay = cls(conninfo, sink, settings=settings, heartbeat=heartbeat, metrics=metrics)
         relay._owned = [sink, *([heartbeat] if heartbeat else [])]
@@ -352,11 +469,14 @@ class AlertRelay:
         await self._group(conn)
         if self.settings.escalate_after_seconds is not None:
             await self._schedule_escalations(conn, self.settings.escalate_after_seconds)
+        await self._request_resolves(conn)
         more = await self._deliver(conn)
+        more = await self._resolve_due(conn) or more
+        await self._send_updates(conn)
         self.stats.rounds += 1
         if self._metrics is not None:
             self._metrics.alerts_pending((await alert_counts(conn)).pending)
-        await self._maybe_heartbeat()
+        await self._maybe_heartbeat(await self._healthy(conn))
         return 0.0 if more else await self._until_next(conn)
 
     async def _until_next(self, conn: AsyncConnection[Any]) -> float:
@@ -409,7 +529,13 @@ class AlertRelay:
         for _ in range(self.settings.batch_size):
             if loop.time() < self._pause_until or self._stopping.is_set():
                 return False
-            cur = await conn.execute(SQL["alert_claim_next"], {"now": self._now()})
+            cur = await conn.execute(
+                SQL["alert_claim_next"],
+                {
+                    "now": self._now(),
+                    "lost_answer_wait_seconds": self.settings.lost_answer_wait_seconds,
+                },
+            )
             row = await cur.fetchone()
             if row is None:
                 return False
@@ -420,22 +546,29 @@ class AlertRelay:
         group = await self._group_context(conn, alert.group_id)
         request = await self._request(conn, alert, group)
         try:
-            incident_id = None
             if alert.attempts > 1:
                 # An earlier request may have reached Better Stack before a crash or timeout.
-                incident_id = await self._sink.find_incident(alert.dedup_key)
-                if incident_id is not None:
+                found = await self._sink.find_incident(alert.dedup_key)
+                if found is not None:
                     self.stats.found_existing += 1
                     log.info(
                         "alert %d: incident %s was opened by an earlier attempt; recording it",
                         alert.id,
-                        incident_id,
+                        found,
                     )
-            if incident_id is None:
-                if alert.kind == "escalation" and group.still_pending == 0:
-                    await self._cancel(conn, alert)
+                    await self._record_sent(conn, alert, found, request, "found")
                     return
-                incident_id = await self._sink.create_incident(request)
+            if alert.kind == "escalation" and group.still_pending == 0:
+                await self._cancel(conn, alert)
+                return
+            current = await self._unresolved_incident(conn, alert.group_id)
+            if current is not None and alert.kind == "dead_letters":
+                await self._record_merged(conn, alert, current)
+                return
+            if current is not None:
+                await self._escalate(conn, alert, current)
+                return
+            incident_id = await self._sink.create_incident(request)
         except DeliveryError as exc:
             await self._delivery_failed(conn, alert, exc)
             return
@@ -445,7 +578,270 @@ class AlertRelay:
                 conn, alert, DeliveryError(f"{type(exc).__name__}: {exc}", retryable=True)
             )
             return
-        await self._record_sent(conn, alert, incident_id, request)
+        await self._record_sent(conn, alert, incident_id, request, "opened")
+
+    async def _unresolved_incident(
+        self, conn: AsyncConnection[Any], group_id: int
+    ) -> _Incident | None:
+        """The key's incident that is not resolved, its state confirmed by Better Stack when
+        what we know is older than ``state_max_age``; None when there is none (any more)."""
+        async with conn.cursor(row_factory=dict_row) as cur:
+            await cur.execute(
+                SQL["incident_unresolved_for_key"],
+                {
+                    "group_id": group_id,
+                    "now": self._now(),
+                    "max_age_seconds": self.settings.state_max_age_seconds,
+                },
+            )
+            row = await cur.fetchone()
+        if row is None:
+            return None
+        incident = _Incident(**row)
+        if not incident.stale:
+            return incident
+        self.stats.state_checks += 1
+        try:
+            state = await self._sink.get_incident(incident.incident_id)
+        except DeliveryError as exc:
+            if exc.status != 404:
+                raise
+            state = IncidentState(incident.incident_id, resolved_by="deleted in Better Stack")
+            await self._record_resolved(conn, incident.id, state, gone=True)
+            return None
+        if state.resolved:
+            await self._record_resolved(conn, incident.id, state)
+            return None
+        await conn.execute(
+            SQL["incident_checked"],
+            {
+                "id": incident.id,
+                "now": self._now(),
+                "acknowledged_at": _timestamp(state.acknowledged_at),
+                "acknowledged_by": state.acknowledged_by,
+            },
+        )
+        return incident
+
+    async def _escalate(
+        self, conn: AsyncConnection[Any], alert: _Claimed, incident: _Incident
+    ) -> None:
+        """D4 on the key's unresolved incident: escalate it (once per incident)."""
+        already = incident.escalated_at is not None
+        if not already:
+            try:
+                await self._sink.escalate_incident(incident.incident_id)
+            except DeliveryError as exc:
+                if exc.status in (404, 409):
+                    # Resolved (or gone) since we looked: look again, then try again soon;
+                    # the next attempt opens a new incident if it is resolved.
+                    await conn.execute(SQL["incident_checked_expire"], {"id": incident.id})
+                    raise DeliveryError(str(exc), retryable=True, status=exc.status) from None
+                raise
+        await self._record_escalated(conn, alert, incident, already=already)
+
+    async def _record_escalated(
+        self, conn: AsyncConnection[Any], alert: _Claimed, incident: _Incident, *, already: bool
+    ) -> None:
+        await conn.execute(
+            SQL["alert_mark_escalated"],
+            {
+                "alert_id": alert.id,
+                "id": incident.id,
+                "incident_id": incident.incident_id,
+                "now": self._now(),
+            },
+        )
+        self.stats.sent[alert.kind] += 1
+        if self._metrics is not None:
+            self._metrics.alert_sent(alert.kind)
+        if already:
+            log.info(
+                "escalation %d: incident %s was escalated already (once per incident)",
+                alert.id,
+                incident.incident_id,
+            )
+            return
+        self.stats.escalated += 1
+        if self._metrics is not None:
+            self._metrics.incident_action("escalated")
+        log.info(
+            "Better Stack incident %s escalated (D4, alert %d)", incident.incident_id, alert.id
+        )
+
+    async def _record_merged(
+        self, conn: AsyncConnection[Any], alert: _Claimed, incident: _Incident
+    ) -> None:
+        cur = await conn.execute(
+            SQL["alert_mark_merged"],
+            {
+                "alert_id": alert.id,
+                "id": incident.id,
+                "incident_id": incident.incident_id,
+                "now": self._now(),
+            },
+        )
+        row = await cur.fetchone()
+        self.stats.sent[alert.kind] += 1
+        self.stats.merged += 1
+        if self._metrics is not None:
+            self._metrics.alert_sent(alert.kind)
+            self._metrics.incident_action("merged")
+        log.info(
+            "alert %d: %s counted on the open incident %s (%s in all); no new incident",
+            alert.id,
+            _plural(alert.dead_letters, "dead letter"),
+            incident.incident_id,
+            row[0] if row else "?",
+        )
+
+    async def _record_resolved(
+        self,
+        conn: AsyncConnection[Any],
+        incident_row_id: int,
+        state: IncidentState,
+        *,
+        gone: bool = False,
+    ) -> None:
+        by_relay = not gone and state.resolved_by in (None, RESOLVED_BY)
+        cur = await conn.execute(
+            SQL["incident_mark_resolved"],
+            {
+                "id": incident_row_id,
+                "now": self._now(),
+                "resolved_at": None,
+                "resolved_by": state.resolved_by or RESOLVED_BY,
+                "resolution": "jobfence" if by_relay else "person",
+            },
+        )
+        if await cur.fetchone() is None:
+            return
+        if by_relay:
+            self.stats.resolved += 1
+        else:
+            self.stats.resolved_by_person += 1
+        if self._metrics is not None:
+            self._metrics.incident_action("resolved" if by_relay else "resolved_by_person")
+        log.info(
+            "Better Stack incident %s resolved by %s",
+            state.incident_id,
+            "the relay" if by_relay else (state.resolved_by or "a person"),
+        )
+
+    # -- resolving ----------------------------------------------------------------------------
+
+    async def _request_resolves(self, conn: AsyncConnection[Any]) -> None:
+        cur = await conn.execute(SQL["incident_resolve_request"], {"now": self._now()})
+        requested = len(await cur.fetchall())
+        if requested:
+            log.info(
+                "alert relay: %d incident(s) to resolve (every dead letter replayed or discarded)",
+                requested,
+            )
+
+    async def _resolve_due(self, conn: AsyncConnection[Any]) -> bool:
+        """Resolve the due incidents; True when the batch was full."""
+        loop = asyncio.get_running_loop()
+        for _ in range(self.settings.batch_size):
+            if loop.time() < self._pause_until or self._stopping.is_set():
+                return False
+            async with conn.cursor(row_factory=dict_row) as cur:
+                await cur.execute(SQL["incident_resolve_claim"], {"now": self._now()})
+                row = await cur.fetchone()
+            if row is None:
+                return False
+            await self._resolve_one(conn, _Resolving(**row))
+        return True
+
+    async def _resolve_one(self, conn: AsyncConnection[Any], item: _Resolving) -> None:
+        if item.still_pending > 0:
+            await conn.execute(SQL["incident_resolve_cancel"], {"id": item.id})
+            log.info(
+                "incident %s stays open: %s of its key arrived since",
+                item.incident_id,
+                _plural(item.still_pending, "dead letter"),
+            )
+            return
+        try:
+            state = await self._sink.resolve_incident(item.incident_id, RESOLVED_BY)
+        except DeliveryError as exc:
+            if exc.status == 404:
+                gone = IncidentState(item.incident_id, resolved_by="deleted in Better Stack")
+                await self._record_resolved(conn, item.id, gone, gone=True)
+                return
+            await self._resolve_failed(conn, item, exc)
+            return
+        await self._record_resolved(conn, item.id, state)
+
+    async def _resolve_failed(
+        self, conn: AsyncConnection[Any], item: _Resolving, exc: DeliveryError
+    ) -> None:
+        if self._metrics is not None:
+            self._metrics.alert_failed("resolve", exc.reason)
+        if exc.retryable:
+            delay = self._retry_delay(item.resolve_attempts, exc.retry_after)
+            await conn.execute(
+                SQL["incident_resolve_retry"],
+                {"id": item.id, "now": self._now(), "delay_seconds": delay, "error": str(exc)},
+            )
+            self._pause_until = asyncio.get_running_loop().time() + delay
+            log.warning(
+                "incident %s not resolved on attempt %d: %s; retrying in %.1fs",
+                item.incident_id,
+                item.resolve_attempts,
+                exc,
+                delay,
+            )
+            return
+        await conn.execute(SQL["incident_resolve_refused"], {"id": item.id, "error": str(exc)})
+        log.error(
+            "resolving incident %s REFUSED and not retried: %s. Fix the Better Stack settings, "
+            "then run `jobfence alert-relay --retry-failed`",
+            item.incident_id,
+            exc,
+        )
+
+    # -- updates ------------------------------------------------------------------------------
+
+    async def _send_updates(self, conn: AsyncConnection[Any]) -> None:
+        loop = asyncio.get_running_loop()
+        async with conn.cursor(row_factory=dict_row) as cur:
+            await cur.execute(
+                SQL["incident_updates_due"],
+                {
+                    "now": self._now(),
+                    "update_interval_seconds": self.settings.update_interval_seconds,
+                    "limit": self.settings.batch_size,
+                },
+            )
+            rows = await cur.fetchall()
+        for row in rows:
+            if loop.time() < self._pause_until or self._stopping.is_set():
+                return
+            total = int(row["dead_letters"])
+            new = total - int(row["reported_dead_letters"])
+            content = (
+                f"jobfence: {_plural(total, 'dead letter')} so far on queue {row['queue']}, "
+                f"consumer {row['consumer']} ({row['error_class']}), {new} since the last "
+                "count. This incident stays open until every one is replayed or discarded "
+                "(runbook: dead-letter-replay); it is then resolved automatically."
+            )
+            reported: int | None = total
+            try:
+                await self._sink.comment_incident(str(row["incident_id"]), content)
+            except DeliveryError as exc:
+                reported = None  # tried again one interval later
+                if self._metrics is not None:
+                    self._metrics.alert_failed("update", exc.reason)
+                log.warning("incident %s: update not sent: %s", row["incident_id"], exc)
+            await conn.execute(
+                SQL["incident_mark_updated"],
+                {"id": row["id"], "now": self._now(), "reported": reported},
+            )
+            if reported is not None:
+                self.stats.updated += 1
+                if self._metrics is not None:
+                    self._metrics.incident_action("updated")
 
     async def _cancel(self, conn: AsyncConnection[Any], alert: _Claimed) -> None:
         """An escalation whose dead letters were all resolved before it went out (D4: never
@@ -467,14 +863,35 @@ class AlertRelay:
         alert: _Claimed,
         incident_id: str,
         request: IncidentRequest,
+        outcome: str = "opened",
     ) -> None:
-        await conn.execute(
-            SQL["alert_mark_sent"],
-            {"id": alert.id, "incident_id": incident_id, "now": self._now()},
-        )
+        """The alert opened ``incident_id`` (or found it opened by an earlier attempt): it
+        becomes the key's unresolved incident, in the same transaction."""
+        async with conn.transaction():
+            await conn.execute(
+                SQL["alert_mark_sent"],
+                {
+                    "id": alert.id,
+                    "incident_id": incident_id,
+                    "outcome": outcome,
+                    "now": self._now(),
+                },
+            )
+            await conn.execute(
+                SQL["incident_register"],
+                {
+                    "group_id": alert.group_id,
+                    "incident_id": incident_id,
+                    "alert_id": alert.id,
+                    "dead_letters": alert.dead_letters,
+                    "now": self._now(),
+                },
+            )
         self.stats.sent[alert.kind] += 1
+        self.stats.opened += 1
         if self._metrics is not None:
             self._metrics.alert_sent(alert.kind)
+            self._metrics.incident_action("opened")
         log.info("Better Stack incident %s: %s", incident_id, request.name)
 
     async def _delivery_failed(
@@ -482,6 +899,10 @@ class AlertRelay:
     ) -> None:
         if exc.retryable:
             delay = self._retry_delay(alert.attempts, exc.retry_after)
+            if exc.status is None:
+                # The answer was lost: Better Stack may still be working on the request. The
+                # next attempt looks the dedup key up; it waits until this one is surely over.
+                delay = max(delay, self.settings.lost_answer_wait_seconds)
             await conn.execute(
                 SQL["alert_mark_retry"],
                 {"id": alert.id, "now": self._now(), "delay_seconds": delay, "error": str(exc)},
@@ -523,14 +944,43 @@ class AlertRelay:
         nominal = min(s.retry_base_seconds * float(2**exponent), s.retry_cap_seconds)
         return nominal * self._rng.uniform(0.5, 1.0)
 
-    async def _maybe_heartbeat(self) -> None:
+    async def _healthy(self, conn: AsyncConnection[Any]) -> bool:
+        """Whether delivery works: nothing refused for good, nothing waiting longer than
+        ``delivery_bound``."""
+        cur = await conn.execute(SQL["relay_health"], {"now": self._now()})
+        row = await cur.fetchone()
+        assert row is not None
+        refused, oldest_waiting = row
+        if self._metrics is not None:
+            self._metrics.alerts_refused(int(refused))
+        ok = int(refused) == 0 and (
+            oldest_waiting is None or float(oldest_waiting) <= self.settings.delivery_bound_seconds
+        )
+        if ok != self.stats.heartbeat_ok:
+            if ok:
+                log.info("alert relay: delivery works again; the heartbeat reports success")
+            else:
+                log.error(
+                    "alert relay: the heartbeat reports FAILURE: %s refused for good, oldest "
+                    "waiting %s (bound %s). See the runbook dead-letter-replay",
+                    _plural(int(refused), "alert"),
+                    "none" if oldest_waiting is None else f"{float(oldest_waiting):.0f}s",
+                    _duration(self.settings.delivery_bound_seconds),
+                )
+        return ok
+
+    async def _maybe_heartbeat(self, ok: bool) -> None:
+        changed = ok != self.stats.heartbeat_ok
+        self.stats.heartbeat_ok = ok
+        if self._metrics is not None:
+            self._metrics.heartbeat_state(ok)
         if self._heartbeat is None:
             return
         loop = asyncio.get_running_loop()
-        if loop.time() < self._next_beat:
+        if loop.time() < self._next_beat and not changed:
             return
         self._next_beat = loop.time() + self.settings.heartbeat_interval_seconds
-        if await self._heartbeat.beat():
+        if await self._heartbeat.beat(ok):
             self.stats.heartbeats += 1
         else:
             self.stats.heartbeat_failures += 1
@@ -612,10 +1062,11 @@ class AlertRelay:
 
 
 async def retry_failed_alerts(conn: AsyncConnection[Any], *, clock: Clock | None = None) -> int:
-    """Put every failed alert back to pending (after fixing what made Better Stack refuse
-    them); returns how many. Their earlier attempts count: the relay looks for an existing
-    incident before creating one."""
-    cur = await conn.execute(
-        SQL["alerts_retry_failed"], {"now": clock.now() if clock is not None else None}
-    )
-    return len(await cur.fetchall())
+    """Put every failed alert (and every refused resolve) back to pending, after fixing what
+    made Better Stack refuse them; returns how many. Their earlier attempts count: the relay
+    looks for an existing incident before creating one."""
+    now = clock.now() if clock is not None else None
+    cur = await conn.execute(SQL["alerts_retry_failed"], {"now": now})
+    alerts = len(await cur.fetchall())
+    cur = await conn.execute(SQL["incidents_retry_refused"], {"now": now})
+    return alerts + len(await cur.fetchall())

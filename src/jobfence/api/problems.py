@@ -22,7 +22,7 @@ from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jobfence.errors import DeadLetterConflict, DeadLetterNotFound, DeadLetterNotReplayable
-from jobfence.ops import BulkReplayNotFound, BulkTooLarge, InvalidRequest
+from jobfence.ops import BulkReplayNotFound, BulkTooLarge, InvalidCursor, InvalidRequest
 
 log = logging.getLogger("jobfence.api")
 
@@ -171,10 +171,15 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(InvalidRequest)
     async def _invalid(request: Request, exc: InvalidRequest) -> ProblemResponse:
+        # The shared layer names its own parameters, which are this API's; a cursor is worded
+        # for a client of this API (the CLI words each for its flags).
+        detail = (
+            "cursor is not one this API returned" if isinstance(exc, InvalidCursor) else str(exc)
+        )
         return respond(
             request,
             ValidationProblem(
-                type=TYPE_VALIDATION, title="Request validation failed", status=422, detail=str(exc)
+                type=TYPE_VALIDATION, title="Request validation failed", status=422, detail=detail
             ),
         )
 

@@ -111,11 +111,18 @@ RETURNING id;
 
 -- name: alert_claim_next
 -- The next due alert. Its attempt is counted (and committed, autocommit) before the request is
--- sent, so a later attempt knows an earlier request may have reached Better Stack.
+-- sent, so a later attempt knows an earlier request may have reached Better Stack. An attempt
+-- whose outcome was never recorded (the relay died, or the answer was lost) is not repeated
+-- before it is lost_answer_wait_seconds old: by then Better Stack has finished it or dropped it,
+-- so the lookup that comes first sees the incident it may have opened.
 WITH next AS (
     SELECT id
     FROM jobfence.alerts
     WHERE state = 'pending' AND next_attempt_at <= coalesce(%(now)s::timestamptz, now())
+      AND (last_attempt_at IS NULL
+           OR next_attempt_at > last_attempt_at
+           OR last_attempt_at <= coalesce(%(now)s::timestamptz, now())
+                                 - make_interval(secs => %(lost_answer_wait_seconds)s::double precision))
     ORDER BY next_attempt_at, id
     LIMIT 1
     FOR UPDATE SKIP LOCKED
@@ -153,8 +160,9 @@ ORDER BY o.dead_letter_id
 LIMIT %(limit)s;
 
 -- name: alert_mark_sent
+-- outcome: 'opened' (this alert created the incident) or 'found' (an earlier attempt had).
 UPDATE jobfence.alerts
-SET state = 'sent', incident_id = %(incident_id)s, last_error = NULL,
+SET state = 'sent', incident_id = %(incident_id)s, outcome = %(outcome)s, last_error = NULL,
     finished_at = coalesce(%(now)s::timestamptz, now())
 WHERE id = %(id)s AND state = 'pending'
 RETURNING id;
@@ -190,10 +198,13 @@ WHERE state = 'failed'
 RETURNING id;
 
 -- name: relay_next_wake
--- Seconds until the relay has something to do: an alert due or a window ending (NULL: nothing).
+-- Seconds until the relay has something to do: an alert or a resolve due, or a window ending
+-- (NULL: nothing).
 SELECT extract(epoch FROM (
            least((SELECT min(next_attempt_at) FROM jobfence.alerts WHERE state = 'pending'),
-                 (SELECT min(window_end) FROM jobfence.alert_groups WHERE closed_at IS NULL))
+                 (SELECT min(window_end) FROM jobfence.alert_groups WHERE closed_at IS NULL),
+                 (SELECT min(resolve_next_at) FROM jobfence.alert_incidents
+                  WHERE state = 'resolving' AND NOT resolve_refused))
            - coalesce(%(now)s::timestamptz, now())))::double precision AS seconds;
 
 -- name: alert_counts
@@ -213,3 +224,183 @@ SELECT
        FROM jobfence.alerts
        WHERE state = 'pending' AND kind = 'dead_letters') AS dead_letters_awaiting_alert,
     (SELECT min(created_at) FROM jobfence.alerts WHERE state = 'pending') AS oldest_pending_at;
+
+-- The lifecycle of incidents (migration 0011): one unresolved incident per key.
+
+-- name: incident_unresolved_for_key
+-- The key's incident that is not resolved (as far as we know), with whether what we know of its
+-- state is older than max_age_seconds (then Better Stack is asked before deciding on it).
+SELECT i.id, i.incident_id, i.state, i.escalated_at,
+       i.checked_at <= coalesce(%(now)s::timestamptz, now())
+                       - make_interval(secs => %(max_age_seconds)s::double precision) AS stale
+FROM jobfence.alert_incidents i
+JOIN jobfence.alert_groups g
+  ON g.queue = i.queue AND g.consumer = i.consumer AND g.error_class = i.error_class
+WHERE g.id = %(group_id)s AND i.state <> 'resolved';
+
+-- name: incident_register
+-- The incident an alert opened (or found opened by its earlier attempt) becomes its key's one
+-- unresolved incident. Runs in the transaction that marks the alert sent.
+INSERT INTO jobfence.alert_incidents (queue, consumer, error_class, incident_id, opened_by_alert,
+                                      opened_at, dead_letters, reported_dead_letters, checked_at)
+SELECT g.queue, g.consumer, g.error_class, %(incident_id)s, %(alert_id)s,
+       coalesce(%(now)s::timestamptz, now()), %(dead_letters)s, %(dead_letters)s,
+       coalesce(%(now)s::timestamptz, now())
+FROM jobfence.alert_groups g
+WHERE g.id = %(group_id)s
+ON CONFLICT DO NOTHING
+RETURNING id;
+
+-- name: incident_checked
+-- Better Stack says the incident is not resolved (acknowledged or not).
+UPDATE jobfence.alert_incidents
+SET checked_at = coalesce(%(now)s::timestamptz, now()),
+    acknowledged_at = %(acknowledged_at)s::timestamptz,
+    acknowledged_by = %(acknowledged_by)s
+WHERE id = %(id)s;
+
+-- name: incident_checked_expire
+-- What we know of the incident's state is out of date (an escalate was refused): the next
+-- decision asks Better Stack first.
+UPDATE jobfence.alert_incidents SET checked_at = '-infinity' WHERE id = %(id)s;
+
+-- name: incident_mark_resolved
+-- Resolved: by the relay (its resolve request answered 200, or 409 "already resolved" by us)
+-- or by a person in Better Stack (seen on a state check or on a 409).
+UPDATE jobfence.alert_incidents
+SET state = 'resolved', resolved_at = coalesce(%(resolved_at)s::timestamptz, %(now)s::timestamptz, now()),
+    resolved_by = %(resolved_by)s, resolution = %(resolution)s, resolve_error = NULL,
+    resolve_refused = false, checked_at = coalesce(%(now)s::timestamptz, now())
+WHERE id = %(id)s AND state <> 'resolved'
+RETURNING id;
+
+-- name: alert_mark_merged
+-- A dead letters alert whose key already has an unresolved incident: no new incident; its dead
+-- letters are counted on that one (reported later as an update comment). One statement, so the
+-- count moves exactly when the alert is marked.
+WITH merged AS (
+    UPDATE jobfence.alerts
+    SET state = 'sent', incident_id = %(incident_id)s, outcome = 'merged', last_error = NULL,
+        finished_at = coalesce(%(now)s::timestamptz, now())
+    WHERE id = %(alert_id)s AND state = 'pending'
+    RETURNING dead_letters
+)
+UPDATE jobfence.alert_incidents i
+SET dead_letters = i.dead_letters + merged.dead_letters
+FROM merged
+WHERE i.id = %(id)s
+RETURNING i.dead_letters;
+
+-- name: alert_mark_escalated
+-- An escalation that escalated the key's unresolved incident (or found it escalated already).
+WITH sent AS (
+    UPDATE jobfence.alerts
+    SET state = 'sent', incident_id = %(incident_id)s, outcome = 'escalated', last_error = NULL,
+        finished_at = coalesce(%(now)s::timestamptz, now())
+    WHERE id = %(alert_id)s AND state = 'pending'
+    RETURNING id
+)
+UPDATE jobfence.alert_incidents i
+SET escalated_at = coalesce(i.escalated_at, coalesce(%(now)s::timestamptz, now()))
+FROM sent
+WHERE i.id = %(id)s
+RETURNING i.id;
+
+-- name: incident_resolve_request
+-- Every dead letter of the key was replayed or discarded: the key's open incident is to be
+-- resolved. Committed before the request goes out, so a restart still does it.
+UPDATE jobfence.alert_incidents i
+SET state = 'resolving', resolve_requested_at = coalesce(%(now)s::timestamptz, now()),
+    resolve_next_at = coalesce(%(now)s::timestamptz, now()), resolve_error = NULL
+WHERE i.state = 'open'
+  AND NOT EXISTS (SELECT 1 FROM core.dead_letters d
+                  WHERE d.queue = i.queue AND d.error_class = i.error_class
+                    AND d.consumer = i.consumer AND d.status = 'pending_review')
+RETURNING i.id;
+
+-- name: incident_resolve_claim
+-- The next due resolve, its attempt counted before the request, with the key's pending dead
+-- letters counted again (a new one since the request: the incident stays open).
+WITH next AS (
+    SELECT id
+    FROM jobfence.alert_incidents
+    WHERE state = 'resolving' AND NOT resolve_refused
+      AND resolve_next_at <= coalesce(%(now)s::timestamptz, now())
+    ORDER BY resolve_next_at, id
+    LIMIT 1
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE jobfence.alert_incidents i
+SET resolve_attempts = i.resolve_attempts + 1,
+    resolve_last_attempt_at = coalesce(%(now)s::timestamptz, now())
+FROM next
+WHERE i.id = next.id
+RETURNING i.id, i.incident_id, i.queue, i.consumer, i.error_class, i.dead_letters,
+          i.resolve_attempts,
+          (SELECT count(*) FROM core.dead_letters d
+           WHERE d.queue = i.queue AND d.error_class = i.error_class
+             AND d.consumer = i.consumer AND d.status = 'pending_review') AS still_pending;
+
+-- name: incident_resolve_cancel
+-- A dead letter of the key arrived after the resolve was requested: the incident stays open.
+UPDATE jobfence.alert_incidents
+SET state = 'open', resolve_requested_at = NULL, resolve_next_at = NULL, resolve_error = NULL
+WHERE id = %(id)s AND state = 'resolving'
+RETURNING id;
+
+-- name: incident_resolve_retry
+UPDATE jobfence.alert_incidents
+SET resolve_next_at = coalesce(%(now)s::timestamptz, now())
+                      + make_interval(secs => %(delay_seconds)s::double precision),
+    resolve_error = %(error)s
+WHERE id = %(id)s AND state = 'resolving'
+RETURNING resolve_next_at;
+
+-- name: incident_resolve_refused
+-- Better Stack refused the resolve for good (401, 403, 422...): kept, counted as refused (the
+-- heartbeat says so) until `jobfence alert-relay --retry-failed`.
+UPDATE jobfence.alert_incidents
+SET resolve_refused = true, resolve_error = %(error)s
+WHERE id = %(id)s AND state = 'resolving'
+RETURNING id;
+
+-- name: incidents_retry_refused
+UPDATE jobfence.alert_incidents
+SET resolve_refused = false, resolve_next_at = coalesce(%(now)s::timestamptz, now())
+WHERE resolve_refused
+RETURNING id;
+
+-- name: incident_updates_due
+-- Open incidents whose count grew since Better Stack was last told, and whose last update (or
+-- opening) is at least update_interval_seconds old: one comment each, at most that often.
+SELECT id, incident_id, queue, consumer, error_class, dead_letters, reported_dead_letters,
+       opened_at
+FROM jobfence.alert_incidents
+WHERE state = 'open' AND dead_letters > reported_dead_letters
+  AND coalesce(last_update_at, opened_at)
+      <= coalesce(%(now)s::timestamptz, now())
+         - make_interval(secs => %(update_interval_seconds)s::double precision)
+ORDER BY id
+LIMIT %(limit)s;
+
+-- name: incident_mark_updated
+-- reported is the count the comment stated; a failed comment sets only last_update_at (NULL
+-- reported), so it is tried again one interval later.
+UPDATE jobfence.alert_incidents
+SET reported_dead_letters = coalesce(%(reported)s, reported_dead_letters),
+    updates = updates + (CASE WHEN %(reported)s::integer IS NULL THEN 0 ELSE 1 END),
+    last_update_at = coalesce(%(now)s::timestamptz, now())
+WHERE id = %(id)s
+RETURNING id;
+
+-- name: relay_health
+-- What the relay's heartbeat reports: alerts and resolves refused for good, and how long the
+-- oldest alert or resolve has been waiting to go out (seconds; NULL: none waits).
+SELECT
+    (SELECT count(*) FROM jobfence.alerts WHERE state = 'failed')
+    + (SELECT count(*) FROM jobfence.alert_incidents WHERE resolve_refused) AS refused,
+    extract(epoch FROM (
+        coalesce(%(now)s::timestamptz, now())
+        - least((SELECT min(created_at) FROM jobfence.alerts WHERE state = 'pending'),
+                (SELECT min(resolve_requested_at) FROM jobfence.alert_incidents
+                 WHERE state = 'resolving'))))::double precision AS oldest_waiting_seconds;

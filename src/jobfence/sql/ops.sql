@@ -220,3 +220,8 @@ SELECT CASE WHEN %(by_queue)s::boolean THEN queue END AS queue,
        CASE WHEN %(by_error_class)s::boolean THEN error_class END AS error_class,
        created_at
 FROM core.dead_letters
+
+-- name: payload_body
+-- A dead letter's payload as the stored jsonb text, and its encoding: the bytes a replay
+-- publishes (jobfence.codec.original_body), for `jobfence dead-letters show --payload-out`.
+SELECT payload::text AS payload_text, payload_encoding FROM core.dead_letters WHERE id = %(id)s;

@@ -1,0 +1,405 @@
+"""A queue on NATS JetStream (``pip install 'jobfence[nats]'``).
+
+One stream (default ``JOBFENCE``, subjects ``<subject_prefix>.>``) holds every queue, with file
+storage and work-queue retention: an acked message is removed. Each jobfence queue is the
+subject ``<subject_prefix>.<queue>`` and has one durable pull consumer with explicit acks,
+shared by every worker of that queue.
+
+- **Lease**: the consumer's AckWait. A receive sets it to its ``lease_seconds`` (all workers of
+  a queue should use the same lease). A message not acked or nak'ed within AckWait is
+  delivered again by the server, so a hung or dead holder loses it after AckWait.
+- **Attempt**: the server's delivery count (``metadata.num_delivered``), plus the deliveries of
+  earlier copies of the same job (the ``Jobfence-Prior`` header of a released message).
+- **Fields**: the body is the payload; job id, consumer, tenant and correlation id travel in
+  ``Jobfence-*`` headers, percent-encoded where a header could not carry them as they are.
+- **Stale receipts**: JetStream accepts an ack from an earlier delivery of a message that was
+  delivered again (it acks by stream sequence). So the adapter keeps each delivery's lease
+  deadline on the client (the pull request's send time + AckWait, minus a margin) and refuses
+  ack, retry and release after it: ``capabilities.exact_stale_ack`` is False. An ack that races
+  the server's AckWait by less than the margin can still remove a message another worker
+  holds; it is sent only after the job's transaction committed, so that worker's fence finds
+  the job done.
+- **Retry with a delay**: ``nak(delay)``; the server counts the next delivery.
+- **Release**: a plain ``nak`` would count a delivery at the server, so a release publishes a
+  copy (waiting for the server's ack) carrying the delivery count so far minus one, then acks
+  the original. A crash in between leaves two copies: one more delivery, absorbed by the fence.
+- **Delayed publish**: JetStream (before 2.12's message schedules) has none:
+  ``capabilities.delayed_publish`` is False and a publish with a delay is refused.
+- **max_deliver**: unlimited by default. The harness dead-letters a job itself when the retry
+  policy's attempts run out (D1), counting the server's deliveries; a finite ``max_deliver``
+  would make JetStream stop delivering a message silently, which jobfence never does.
+
+Not transactional: ``publish`` and ``ack`` refuse a database transaction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import re
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote, unquote
+
+from psycopg import AsyncConnection
+
+from jobfence.errors import ConfigError
+from jobfence.model import Delivery, Message
+from jobfence.ports import QueueCapabilities, QueueSize
+
+try:
+    import nats
+    from nats.aio.client import Client as NatsClient
+    from nats.aio.msg import Msg
+    from nats.js import JetStreamContext
+    from nats.js.api import (
+        AckPolicy,
+        ConsumerConfig,
+        DeliverPolicy,
+        RetentionPolicy,
+        StorageType,
+        StreamConfig,
+    )
+    from nats.js.errors import NotFoundError
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError("jobfence.adapters.nats needs nats-py: pip install 'jobfence[nats]'") from exc
+
+_H_CONSUMER = "Jobfence-Consumer"
+_H_JOB_ID = "Jobfence-Job-Id"
+_H_TENANT = "Jobfence-Tenant-Id"
+_H_CORRELATION = "Jobfence-Correlation-Id"
+_H_PRIOR = "Jobfence-Prior"
+_SUBJECT_TOKEN = re.compile(r"^[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*$")
+_NAME = re.compile(r"^[A-Za-z0-9_\-]+$")
+_HEADER_SAFE = "!\"#$&'()*+,-./:;<=>?@[\\]^_`{|}~"
+# A waiting receive re-issues its pull request at least this often (looks at close() again),
+# and at least four times per lease.
+_WAIT_SLICE_SECONDS = 1.0
+# How long the server gets to answer a no-wait pull request.
+_NO_WAIT_ANSWER_SECONDS = 5.0
+
+
+@dataclass(slots=True)
+class NatsReceipt:
+    msg: Msg
+    prior: int
+    deadline: float  # time.monotonic() after which this delivery's lease counts as lost
+    settled: bool = False
+
+
+def _receipt(delivery: Delivery) -> NatsReceipt:
+    receipt = delivery.receipt
+    if not isinstance(receipt, NatsReceipt):
+        raise TypeError("this delivery did not come from NatsQueue")
+    return receipt
+
+
+def _refuse_tx(operation: str) -> ConfigError:
+    return ConfigError(
+        f"NatsQueue is not transactional (capabilities.transactional is False): it cannot "
+        f"{operation} inside a database transaction; call it without tx= after the "
+        "transaction commits"
+    )
+
+
+def _header(value: str) -> str:
+    """A header value: spaces, line breaks, ``%`` and non-ASCII percent-encoded (headers are
+    line-based and trimmed), the rest as is."""
+    return quote(value, safe=_HEADER_SAFE)
+
+
+def _lease_margin(lease_seconds: float) -> float:
+    return max(lease_seconds * 0.1, 0.05)
+
+
+class NatsQueue:
+    """The NATS JetStream queue adapter. ``url`` is a ``nats://`` URL (or several, comma
+    separated). ``stream`` and ``subject_prefix`` name where the queues live; the stream is
+    created when missing (file storage, work-queue retention, ``replicas`` copies)."""
+
+    capabilities = QueueCapabilities(
+        transactional=False, delayed_publish=False, exact_stale_ack=False
+    )
+
+    def __init__(
+        self,
+        url: str = "nats://127.0.0.1:4222",
+        *,
+        stream: str = "JOBFENCE",
+        subject_prefix: str = "jobfence",
+        replicas: int = 1,
+        default_lease_seconds: float = 30.0,
+    ) -> None:
+        if not _NAME.match(stream):
+            raise ConfigError(f"stream must be letters, digits, _ or -, got {stream!r}")
+        if not _SUBJECT_TOKEN.match(subject_prefix):
+            raise ConfigError(f"subject_prefix must be a valid subject, got {subject_prefix!r}")
+        self._url = url
+        self._stream = stream
+        self._subject_prefix = subject_prefix
+        self._replicas = replicas
+        self._default_lease = default_lease_seconds
+        self._nc: NatsClient | None = None
+        self._js: JetStreamContext | None = None
+        self._connect_lock = asyncio.Lock()
+        self._ack_wait: dict[str, float] = {}  # queue -> the AckWait its consumer has
+        self._closed = False
+
+    # -- connection, stream and consumers ------------------------------------------------
+
+    async def _jetstream(self) -> JetStreamContext:
+        async with self._connect_lock:
+            if self._js is None:
+                self._nc = await nats.connect(self._url.split(","), name="jobfence")
+                js = self._nc.jetstream()
+                try:
+                    await js.stream_info(self._stream)
+                except NotFoundError:
+                    await js.add_stream(
+                        StreamConfig(
+                            name=self._stream,
+                            subjects=[f"{self._subject_prefix}.>"],
+                            storage=StorageType.FILE,
+                            retention=RetentionPolicy.WORK_QUEUE,
+                            num_replicas=self._replicas,
+                        )
+                    )
+                self._js = js
+            return self._js
+
+    def _subject(self, queue: str) -> str:
+        if not _SUBJECT_TOKEN.match(queue):
+            raise ConfigError(
+                f"a NATS queue name is dot-separated letters, digits, _ or -, got {queue!r}"
+            )
+        return f"{self._subject_prefix}.{queue}"
+
+    @staticmethod
+    def _durable(queue: str) -> str:
+        digest = hashlib.sha256(queue.encode()).hexdigest()[:8]
+        return f"jobfence_{re.sub(r'[^A-Za-z0-9_-]', '_', queue)}_{digest}"
+
+    async def _consumer(self, queue: str, lease_seconds: float | None) -> str:
+        """The durable consumer of ``queue``, created (or its AckWait changed) as needed."""
+        js = await self._jetstream()
+        durable = self._durable(queue)
+        wanted = lease_seconds if lease_seconds is not None else self._ack_wait.get(queue)
+        if queue in self._ack_wait and (wanted is None or wanted == self._ack_wait[queue]):
+            return durable
+        ack_wait = wanted if wanted is not None else self._default_lease
+        await js.add_consumer(
+            self._stream,
+            ConsumerConfig(
+                durable_name=durable,
+                filter_subject=self._subject(queue),
+                ack_policy=AckPolicy.EXPLICIT,
+                deliver_policy=DeliverPolicy.ALL,
+                ack_wait=ack_wait,
+                max_deliver=-1,
+                max_ack_pending=-1,
+            ),
+        )
+        self._ack_wait[queue] = ack_wait
+        return durable
+
+    # -- the port -----------------------------------------------------------------------
+
+    async def publish(
+        self,
+        message: Message,
+        *,
+        delay_seconds: float = 0.0,
+        tx: AsyncConnection[Any] | None = None,
+    ) -> None:
+        if tx is not None:
+            raise _refuse_tx("publish")
+        if delay_seconds > 0:
+            raise ConfigError(
+                "NatsQueue has no delayed publish (capabilities.delayed_publish is False): "
+                "JetStream cannot hold a new message back; publish without a delay"
+            )
+        await self._publish(message, prior=0)
+
+    async def _publish(self, message: Message, *, prior: int) -> None:
+        js = await self._jetstream()
+        await self._consumer(message.queue, None)
+        headers = {
+            _H_CONSUMER: _header(message.consumer),
+            _H_JOB_ID: _header(message.job_id),
+            _H_PRIOR: str(prior),
+        }
+        if message.tenant_id is not None:
+            headers[_H_TENANT] = _header(message.tenant_id)
+        if message.correlation_id is not None:
+            headers[_H_CORRELATION] = _header(message.correlation_id)
+        await js.publish(
+            self._subject(message.queue), message.body, stream=self._stream, headers=headers
+        )
+
+    async def receive(
+        self,
+        queues: Sequence[str],
+        *,
+        max_messages: int,
+        lease_seconds: float,
+        wait_seconds: float = 0.0,
+    ) -> list[Delivery]:
+        if max_messages <= 0 or self._closed:
+            return []
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_seconds
+        try:
+            durables = [(q, await self._consumer(q, lease_seconds)) for q in queues]
+            got: list[Delivery] = []
+            for queue, durable in durables:
+                got += await self._pull(queue, durable, max_messages - len(got), None)
+                if len(got) >= max_messages:
+                    return got
+            while not got and not self._closed and durables:
+                remaining = deadline - loop.time()
+                if remaining <= 0.01:
+                    break
+                # A delivery's lease is counted from its pull request's send time, so a long
+                # lingering request would eat into it: at most a quarter of the lease.
+                slice_ = min(remaining, _WAIT_SLICE_SECONDS, lease_seconds / 4) / len(durables)
+                for queue, durable in durables:
+                    got += await self._pull(queue, durable, max_messages, max(slice_, 0.01))
+                    if got or self._closed:
+                        break
+            return got
+        except Exception:
+            if self._closed:
+                return []
+            raise
+
+    async def _pull(
+        self, queue: str, durable: str, batch: int, expires: float | None
+    ) -> list[Delivery]:
+        """One pull request: no-wait (``expires`` None) or lingering up to ``expires``.
+
+        Waits for the server's closing status (no messages, request timeout) unless the batch
+        fills, so no message is delivered to a request nobody reads any more."""
+        await self._jetstream()
+        assert self._nc is not None
+        nc = self._nc
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+        request: dict[str, Any] = {"batch": batch}
+        if expires is None:
+            request["no_wait"] = True
+            answer_within = _NO_WAIT_ANSWER_SECONDS
+        else:
+            request["expires"] = int(expires * 1_000_000_000)
+            answer_within = expires + _NO_WAIT_ANSWER_SECONDS
+        sent = time.monotonic()
+        lease = self._ack_wait[queue]
+        lease_deadline = sent + lease - _lease_margin(lease)
+        got: list[Delivery] = []
+        try:
+            await nc.publish(
+                f"$JS.API.CONSUMER.MSG.NEXT.{self._stream}.{durable}",
+                json.dumps(request).encode(),
+                reply=inbox,
+            )
+            give_up = sent + answer_within
+            while len(got) < batch:
+                try:
+                    msg = await sub.next_msg(timeout=max(give_up - time.monotonic(), 0.001))
+                except (TimeoutError, nats.errors.TimeoutError):
+                    break
+                status = (msg.headers or {}).get("Status")
+                if status == "100":  # idle heartbeat
+                    continue
+                if status is not None or not msg.reply:
+                    break  # 404 no messages, 408 request timeout, 409 and the like
+                got.append(self._delivery(queue, msg, lease_deadline))
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        return got
+
+    @staticmethod
+    def _delivery(queue: str, msg: Msg, lease_deadline: float) -> Delivery:
+        headers = msg.headers or {}
+        prior = int(headers.get(_H_PRIOR, "0"))
+        tenant, correlation = headers.get(_H_TENANT), headers.get(_H_CORRELATION)
+        message = Message(
+            queue=queue,
+            consumer=unquote(headers.get(_H_CONSUMER, "")),
+            job_id=unquote(headers.get(_H_JOB_ID, "")),
+            body=bytes(msg.data),
+            tenant_id=None if tenant is None else unquote(tenant),
+            correlation_id=None if correlation is None else unquote(correlation),
+        )
+        delivered = int(msg.metadata.num_delivered)
+        receipt = NatsReceipt(msg=msg, prior=prior, deadline=lease_deadline)
+        return Delivery(message=message, attempt=prior + delivered, receipt=receipt)
+
+    @staticmethod
+    def _holds(receipt: NatsReceipt) -> bool:
+        return not receipt.settled and time.monotonic() < receipt.deadline
+
+    async def ack(self, delivery: Delivery, *, tx: AsyncConnection[Any] | None = None) -> bool:
+        if tx is not None:
+            raise _refuse_tx("ack")
+        receipt = _receipt(delivery)
+        if not self._holds(receipt):
+            return False
+        receipt.settled = True
+        await receipt.msg.ack_sync()
+        return True
+
+    async def ack_many(self, deliveries: Sequence[Delivery]) -> None:
+        for delivery in deliveries:
+            await self.ack(delivery)
+
+    async def retry(self, delivery: Delivery, *, delay_seconds: float, error: str) -> bool:
+        receipt = _receipt(delivery)
+        if not self._holds(receipt):
+            return False
+        receipt.settled = True
+        await receipt.msg.nak(delay=delay_seconds if delay_seconds > 0 else None)
+        if self._nc is not None:
+            await self._nc.flush()
+        return True
+
+    async def release(self, delivery: Delivery) -> None:
+        receipt = _receipt(delivery)
+        if not self._holds(receipt):
+            return
+        receipt.settled = True
+        delivered = int(receipt.msg.metadata.num_delivered)
+        try:
+            await self._publish(delivery.message, prior=receipt.prior + delivered - 1)
+        except BaseException:
+            with contextlib.suppress(Exception):  # back at once, counted, not after AckWait
+                await receipt.msg.nak()
+            raise
+        await receipt.msg.ack_sync()
+
+    async def size(self, queues: Sequence[str]) -> QueueSize:
+        """``due``: messages never delivered; ``total`` adds those delivered and not yet acked
+        (leased, or waiting for a redelivery after a nak or a lost lease)."""
+        js = await self._jetstream()
+        due = total = 0
+        for queue in queues:
+            try:
+                info = await js.consumer_info(self._stream, self._durable(queue))
+            except NotFoundError:
+                continue
+            due += info.num_pending or 0
+            total += (info.num_pending or 0) + (info.num_ack_pending or 0)
+        return QueueSize(due=due, total=total)
+
+    async def close(self) -> None:
+        """Close the connection; a waiting receiver returns an empty list."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._nc is not None:
+            with contextlib.suppress(Exception):
+                await self._nc.close()

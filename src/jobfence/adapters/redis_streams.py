@@ -1,0 +1,469 @@
+"""A queue on Redis Streams with consumer groups (``pip install 'jobfence[redis]'``).
+
+Each jobfence queue is one stream, ``<prefix>:{<queue>}:stream``, read by one consumer group
+(``jobfence``); every adapter instance is a consumer of its own in that group.
+
+- **Lease**: a delivered entry sits in the group's pending entries list (PEL) under this
+  consumer. A receiver claims (``XAUTOCLAIM``) entries that stayed pending longer than its own
+  ``lease_seconds``, so a hung or dead holder loses the entry after that idle time. All workers
+  of a queue should use the same lease.
+- **Attempt**: the PEL's delivery count (``times_delivered``, kept by Redis and raised by each
+  claim), plus the deliveries of earlier entries of the same job (the ``prior`` field, written
+  when a retry or release republishes the job as a new entry).
+- **Stale receipts**: ack, retry and release run as one Lua script that first checks the PEL:
+  the entry must still be pending for this consumer with the delivery count the receipt saw.
+- **Delays**: Redis has no delayed delivery. A delayed publish or retry waits in a sorted set
+  (``<prefix>:{<queue>}:delayed``, scored by due time in ms, the job's fields in a hash beside
+  it) and is moved into the stream by the next receive after it falls due. This lives in one
+  function (:meth:`RedisStreamsQueue._schedule`), to be replaced by the PostgreSQL outbox.
+- **Trimming**: an acked entry is deleted (``XDEL``) by the same script that acks it, so the
+  stream holds only live entries and never needs a ``MAXLEN`` trim that could drop an unacked
+  one. Run Redis with AOF (``appendonly yes``) so an acked job never comes back after a restart
+  and a published one is not lost.
+
+The keys of one queue share the hash tag ``{<queue>}``, so on Redis Cluster they live in one
+slot and each Lua script touches one node.
+
+Not transactional: ``publish`` and ``ack`` refuse a database transaction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from psycopg import AsyncConnection
+
+from jobfence.errors import ConfigError
+from jobfence.model import Delivery, Message
+from jobfence.ports import QueueCapabilities, QueueSize
+
+try:
+    import redis.asyncio as aioredis
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import ResponseError
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "jobfence.adapters.redis_streams needs redis: pip install 'jobfence[redis]'"
+    ) from exc
+
+GROUP = "jobfence"
+# The longest a waiting receive blocks in one XREADGROUP before it looks at delayed entries,
+# expired leases and close() again.
+_BLOCK_SLICE_SECONDS = 0.25
+_PROMOTE_BATCH = 100
+
+# KEYS: stream, delayed zset, delayed hash. ARGV: now_ms, limit.
+_PROMOTE = """
+local ids = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', ARGV[1], 'LIMIT', 0, ARGV[2])
+for _, uid in ipairs(ids) do
+  local packed = redis.call('HGET', KEYS[3], uid)
+  if packed then
+    redis.call('XADD', KEYS[1], '*', unpack(cmsgpack.unpack(packed)))
+  end
+  redis.call('HDEL', KEYS[3], uid)
+  redis.call('ZREM', KEYS[2], uid)
+end
+return #ids
+"""
+
+# KEYS: stream. ARGV: group, consumer, min_idle_ms, count.
+# Returns {{id, fields, times_delivered}, ...} for the entries claimed.
+_CLAIM = """
+local out = {}
+local cursor = '0-0'
+for _ = 1, 10 do
+  local wanted = tonumber(ARGV[4]) - #out
+  if wanted <= 0 then break end
+  local r = redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], cursor,
+                       'COUNT', wanted)
+  for _, e in ipairs(r[2]) do
+    if type(e) == 'table' then
+      local p = redis.call('XPENDING', KEYS[1], ARGV[1], e[1], e[1], 1)
+      if #p == 1 then
+        table.insert(out, {e[1], e[2], p[1][4]})
+      end
+    end
+  end
+  cursor = r[1]
+  if cursor == '0-0' then break end
+end
+return out
+"""
+
+# KEYS: stream, delayed zset, delayed hash.
+# ARGV: group, entry id, consumer, times_delivered, mode (ack | again), prior, due_ms, uid.
+# ``again`` republishes the entry's fields with ``prior`` replaced: into the stream when due_ms
+# is 0, else into the delayed set. Returns 1, or 0 (changing nothing) for a stale receipt.
+_SETTLE = """
+local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
+if #p == 0 or p[1][2] ~= ARGV[3] or tonumber(p[1][4]) ~= tonumber(ARGV[4]) then
+  return 0
+end
+if ARGV[5] == 'again' then
+  local e = redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[2])
+  if #e == 1 then
+    local fields = e[1][2]
+    for i = 1, #fields, 2 do
+      if fields[i] == 'prior' then fields[i + 1] = ARGV[6] end
+    end
+    if ARGV[7] == '0' then
+      redis.call('XADD', KEYS[1], '*', unpack(fields))
+    else
+      redis.call('ZADD', KEYS[2], ARGV[7], ARGV[8])
+      redis.call('HSET', KEYS[3], ARGV[8], cmsgpack.pack(fields))
+    end
+  end
+end
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+redis.call('XDEL', KEYS[1], ARGV[2])
+return 1
+"""
+
+# KEYS: delayed zset, delayed hash. ARGV: due_ms, uid, field, value, ...
+_SCHEDULE = """
+local fields = {}
+for i = 3, #ARGV do fields[#fields + 1] = ARGV[i] end
+redis.call('ZADD', KEYS[1], ARGV[1], ARGV[2])
+redis.call('HSET', KEYS[2], ARGV[2], cmsgpack.pack(fields))
+return 1
+"""
+
+
+# KEYS: stream. ARGV: group, consumer. Removes the consumer from the group when it holds
+# nothing (its pending entries, if any, stay claimable by the others after their idle time).
+_FORGET_CONSUMER = """
+if #redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2]) == 0 then
+  redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
+end
+return 1
+"""
+
+
+@dataclass(slots=True)
+class RedisReceipt:
+    stream: str
+    entry_id: str
+    consumer: str
+    times_delivered: int
+    prior: int
+    settled: bool = False
+
+
+def _receipt(delivery: Delivery) -> RedisReceipt:
+    receipt = delivery.receipt
+    if not isinstance(receipt, RedisReceipt):
+        raise TypeError("this delivery did not come from RedisStreamsQueue")
+    return receipt
+
+
+def _refuse_tx(operation: str) -> ConfigError:
+    return ConfigError(
+        f"RedisStreamsQueue is not transactional (capabilities.transactional is False): it "
+        f"cannot {operation} inside a database transaction; call it without tx= after the "
+        "transaction commits"
+    )
+
+
+def _fields(message: Message, prior: int) -> dict[str, bytes | str]:
+    fields: dict[str, bytes | str] = {
+        "consumer": message.consumer,
+        "job_id": message.job_id,
+        "body": message.body,
+        "prior": str(prior),
+    }
+    if message.tenant_id is not None:
+        fields["tenant_id"] = message.tenant_id
+    if message.correlation_id is not None:
+        fields["correlation_id"] = message.correlation_id
+    return fields
+
+
+def _text(fields: dict[bytes, bytes], name: bytes) -> str | None:
+    value = fields.get(name)
+    return None if value is None else value.decode()
+
+
+class RedisStreamsQueue:
+    """The Redis Streams queue adapter.
+
+    ``url`` is a ``redis://`` or ``rediss://`` URL. ``prefix`` starts every key (give each
+    application, or each test, its own). ``consumer_name`` names this instance in the consumer
+    group; the default is unique per instance (host, process, random part).
+    """
+
+    capabilities = QueueCapabilities(transactional=False, delayed_publish=True)
+
+    def __init__(
+        self,
+        url: str = "redis://127.0.0.1:6379/0",
+        *,
+        prefix: str = "jobfence",
+        consumer_name: str | None = None,
+    ) -> None:
+        if not prefix or any(c in prefix for c in "{}"):
+            raise ConfigError(f"prefix must be non-empty and without braces, got {prefix!r}")
+        self._redis: aioredis.Redis = aioredis.Redis.from_url(url, decode_responses=False)
+        self._prefix = prefix
+        self._consumer = consumer_name or (
+            f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        )
+        self._promote = self._redis.register_script(_PROMOTE)
+        self._claim = self._redis.register_script(_CLAIM)
+        self._settle = self._redis.register_script(_SETTLE)
+        self._schedule_script = self._redis.register_script(_SCHEDULE)
+        self._forget_consumer = self._redis.register_script(_FORGET_CONSUMER)
+        self._grouped: set[str] = set()
+        self._lease_ms: int | None = None
+        self._closed = False
+
+    # -- keys ---------------------------------------------------------------------------
+
+    def _stream(self, queue: str) -> str:
+        if any(c in queue for c in "{}"):
+            raise ConfigError(f"a queue name must not contain braces, got {queue!r}")
+        return f"{self._prefix}:{{{queue}}}:stream"
+
+    def _delayed(self, queue: str) -> tuple[str, str]:
+        base = f"{self._prefix}:{{{queue}}}:delayed"
+        return base, f"{base}:jobs"
+
+    def _queue_of(self, stream: str) -> str:
+        return stream[len(self._prefix) + 2 : -len("}:stream")]
+
+    async def _ensure_group(self, stream: str) -> None:
+        if stream in self._grouped:
+            return
+        try:
+            await self._redis.xgroup_create(stream, GROUP, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+        self._grouped.add(stream)
+
+    # -- the port -----------------------------------------------------------------------
+
+    async def publish(
+        self,
+        message: Message,
+        *,
+        delay_seconds: float = 0.0,
+        tx: AsyncConnection[Any] | None = None,
+    ) -> None:
+        if tx is not None:
+            raise _refuse_tx("publish")
+        stream = self._stream(message.queue)
+        await self._ensure_group(stream)
+        if delay_seconds > 0:
+            await self._schedule(message.queue, _fields(message, 0), delay_seconds)
+        else:
+            await self._redis.xadd(stream, _fields(message, 0))  # type: ignore[arg-type]
+
+    async def _schedule(
+        self, queue: str, fields: dict[str, bytes | str], delay_seconds: float
+    ) -> None:
+        """Hold ``fields`` back until ``delay_seconds`` from now, then let a receive move them
+        into the stream. The one place Redis delays live (retries with a delay are scheduled by
+        the settle script in the same way)."""
+        zset, jobs = self._delayed(queue)
+        due_ms = int((time.time() + delay_seconds) * 1000)
+        flat = [item for pair in fields.items() for item in pair]
+        await self._schedule_script(keys=[zset, jobs], args=[due_ms, uuid.uuid4().hex, *flat])
+
+    async def receive(
+        self,
+        queues: Sequence[str],
+        *,
+        max_messages: int,
+        lease_seconds: float,
+        wait_seconds: float = 0.0,
+    ) -> list[Delivery]:
+        if max_messages <= 0 or not queues:
+            return []
+        self._lease_ms = lease_ms = max(int(lease_seconds * 1000), 1)
+        streams = [self._stream(q) for q in queues]
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_seconds
+        try:
+            for stream in streams:
+                await self._ensure_group(stream)
+            while True:
+                if self._closed:
+                    return []
+                got = await self._take(queues, streams, max_messages, lease_ms)
+                remaining = deadline - loop.time()
+                if got or remaining <= 0 or self._closed or not streams:
+                    return got
+                block_ms = max(int(min(remaining, _BLOCK_SLICE_SECONDS) * 1000), 1)
+                got = await self._read_new(streams, max_messages, block_ms=block_ms)
+                if got:
+                    return got
+        except (RedisConnectionError, OSError):
+            if self._closed:
+                return []
+            raise
+
+    async def _take(
+        self, queues: Sequence[str], streams: Sequence[str], max_messages: int, lease_ms: int
+    ) -> list[Delivery]:
+        now_ms = int(time.time() * 1000)
+        for queue, stream in zip(queues, streams, strict=True):
+            zset, jobs = self._delayed(queue)
+            await self._promote(keys=[stream, zset, jobs], args=[now_ms, _PROMOTE_BATCH])
+        got: list[Delivery] = []
+        for stream in streams:
+            wanted = max_messages - len(got)
+            if wanted <= 0:
+                break
+            claimed: list[list[Any]] = await self._claim(
+                keys=[stream], args=[GROUP, self._consumer, lease_ms, wanted]
+            )
+            for entry_id, raw, delivered in claimed:
+                got.append(self._delivery(stream, entry_id, _pairs(raw), int(delivered)))
+        if len(got) < max_messages:
+            got += await self._read_new(streams, max_messages - len(got), block_ms=None)
+        return got
+
+    async def _read_new(
+        self, streams: Sequence[str], count: int, *, block_ms: int | None
+    ) -> list[Delivery]:
+        result: list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]] | None
+        result = await self._redis.xreadgroup(  # type: ignore[assignment]
+            GROUP,
+            self._consumer,
+            dict.fromkeys(streams, ">"),
+            count=count,
+            block=block_ms,
+        )
+        got: list[Delivery] = []
+        for stream_name, entries in result or []:
+            stream = stream_name.decode()
+            for entry_id, fields in entries:
+                if len(got) < count:
+                    got.append(self._delivery(stream, entry_id, fields, 1))
+        return got
+
+    def _delivery(
+        self, stream: str, entry_id: bytes | str, fields: dict[bytes, bytes], delivered: int
+    ) -> Delivery:
+        prior = int(fields.get(b"prior", b"0"))
+        message = Message(
+            queue=self._queue_of(stream),
+            consumer=_text(fields, b"consumer") or "",
+            job_id=_text(fields, b"job_id") or "",
+            body=fields.get(b"body", b""),
+            tenant_id=_text(fields, b"tenant_id"),
+            correlation_id=_text(fields, b"correlation_id"),
+        )
+        receipt = RedisReceipt(
+            stream=stream,
+            entry_id=entry_id.decode() if isinstance(entry_id, bytes) else entry_id,
+            consumer=self._consumer,
+            times_delivered=delivered,
+            prior=prior,
+        )
+        return Delivery(message=message, attempt=prior + delivered, receipt=receipt)
+
+    async def _settle_entry(
+        self, receipt: RedisReceipt, *, again: bool, prior: int = 0, delay_seconds: float = 0.0
+    ) -> bool:
+        if receipt.settled:
+            return False
+        queue = self._queue_of(receipt.stream)
+        zset, jobs = self._delayed(queue)
+        due_ms = int((time.time() + delay_seconds) * 1000) if delay_seconds > 0 else 0
+        done = await self._settle(
+            keys=[receipt.stream, zset, jobs],
+            args=[
+                GROUP,
+                receipt.entry_id,
+                receipt.consumer,
+                receipt.times_delivered,
+                "again" if again else "ack",
+                prior,
+                due_ms,
+                uuid.uuid4().hex,
+            ],
+        )
+        if done:
+            receipt.settled = True
+        return bool(done)
+
+    async def ack(self, delivery: Delivery, *, tx: AsyncConnection[Any] | None = None) -> bool:
+        if tx is not None:
+            raise _refuse_tx("ack")
+        return await self._settle_entry(_receipt(delivery), again=False)
+
+    async def ack_many(self, deliveries: Sequence[Delivery]) -> None:
+        for delivery in deliveries:
+            await self.ack(delivery)
+
+    async def retry(self, delivery: Delivery, *, delay_seconds: float, error: str) -> bool:
+        receipt = _receipt(delivery)
+        return await self._settle_entry(
+            receipt,
+            again=True,
+            prior=receipt.prior + receipt.times_delivered,
+            delay_seconds=delay_seconds,
+        )
+
+    async def release(self, delivery: Delivery) -> None:
+        receipt = _receipt(delivery)
+        await self._settle_entry(
+            receipt, again=True, prior=receipt.prior + receipt.times_delivered - 1
+        )
+
+    async def size(self, queues: Sequence[str]) -> QueueSize:
+        now_ms = int(time.time() * 1000)
+        due = total = 0
+        for queue in queues:
+            stream = self._stream(queue)
+            zset, _ = self._delayed(queue)
+            delayed_total = int(await self._redis.zcard(zset))
+            delayed_due = int(await self._redis.zcount(zset, "-inf", now_ms))
+            total += delayed_total
+            due += delayed_due
+            if not await self._redis.exists(stream):
+                continue
+            length = int(await self._redis.xlen(stream))
+            try:
+                summary = await self._redis.xpending(stream, GROUP)
+            except ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                pending, expired = 0, 0
+            else:
+                pending = int(summary["pending"])
+                expired = 0
+                if pending and self._lease_ms is not None:
+                    idle = await self._redis.xpending_range(
+                        stream, GROUP, min="-", max="+", count=pending, idle=self._lease_ms
+                    )
+                    expired = len(idle)
+            total += length
+            due += length - pending + expired
+        return QueueSize(due=due, total=total)
+
+    async def close(self) -> None:
+        """Leave the consumer group if this instance holds nothing, and close the connections;
+        a waiting receiver returns an empty list."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(Exception):
+            for stream in sorted(self._grouped):
+                await self._forget_consumer(keys=[stream], args=[GROUP, self._consumer])
+        with contextlib.suppress(Exception):
+            await self._redis.aclose()
+
+
+def _pairs(raw: Sequence[Any]) -> dict[bytes, bytes]:
+    """A flat [field, value, ...] list from Lua as a dict."""
+    return {bytes(raw[i]): bytes(raw[i + 1]) for i in range(0, len(raw), 2)}

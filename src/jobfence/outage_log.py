@@ -1,0 +1,120 @@
+"""What a worker logs about a database outage: one line when the database goes away, one when it
+is back (how long it was gone, how many jobs were given back), and between them at most one line
+every ``still_down_every`` seconds. psycopg's and psycopg_pool's own warnings about each broken
+connection, pipeline and failed reconnection are held back meanwhile and counted in the line that
+says it is back. No line shows an object's repr (``<psycopg.AsyncConnection [BAD] at 0x...>``)."""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Callable
+
+from jobfence.harness import is_connection_loss
+
+STILL_DOWN_EVERY = 30.0  # seconds between two "still unreachable" lines
+PSYCOPG_LOGGERS = ("psycopg", "psycopg.pool")  # a filter applies to its own logger's records
+
+# An object's repr names its class with its module (``<psycopg.AsyncConnection [BAD] at 0x...>``,
+# ``<jobfence.pgtx._Chained ...>``); reprs nest, so they are removed from the inside out.
+# Held back even outside an outage: each follows an error the worker reports itself (the
+# connection broke; a pipeline's block failed and psycopg drops the second error).
+_ALWAYS_HELD_BACK = (
+    "discarding broken connection",
+    "discarding closed connection",
+    "error ignored terminating",
+)
+_REPR = re.compile(r"<[A-Za-z_]\w*(?:\.\w+)+[^<>]*>")
+
+
+def reason(exc: BaseException) -> str:
+    """``Class: first line`` of the error that says the database is unreachable (``exc`` or
+    what caused it), without any object's repr."""
+    root, seen = exc, set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if is_connection_loss(cause, None):
+            root = cause
+            break
+        cause = cause.__cause__ or cause.__context__
+    text = str(root).strip()
+    first = text.splitlines()[0] if text else ""
+    while (cleaned := _REPR.sub("", first)) != first:
+        first = cleaned
+    first = " ".join(first.split()).rstrip(" :")
+    return f"{type(root).__name__}: {first}" if first else type(root).__name__
+
+
+class OutageLog:
+    """The log lines of one worker's outages; also a :class:`logging.Filter` for psycopg's
+    loggers (see :meth:`filter`)."""
+
+    def __init__(
+        self,
+        log: logging.Logger,
+        *,
+        still_down_every: float = STILL_DOWN_EVERY,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._log = log
+        self._every = still_down_every
+        self._clock = clock
+        self._since: float | None = None
+        self._next_still_down = 0.0
+        self._held_back = 0
+
+    @property
+    def down(self) -> bool:
+        return self._since is not None
+
+    def went_away(self, exc: BaseException) -> None:
+        """The database is unreachable: one WARNING for the outage, DEBUG for the rest."""
+        if self._since is not None:
+            self._log.debug("database unreachable: %s", reason(exc))
+            return
+        self._since = self._clock()
+        self._next_still_down = self._since + self._every
+        self._log.warning(
+            "database went away (%s): pausing; the jobs in hand go back to the queue when it"
+            " is back",
+            reason(exc),
+        )
+
+    def still_down(self, exc: BaseException) -> None:
+        """A probe failed: a WARNING at most every ``still_down_every`` seconds."""
+        now = self._clock()
+        since = now if self._since is None else self._since
+        if now < self._next_still_down:
+            self._log.debug("database still unreachable: %s", reason(exc))
+            return
+        self._next_still_down = now + self._every
+        self._log.warning(
+            "database still unreachable after %.0fs (%s); retrying", now - since, reason(exc)
+        )
+
+    def back(self, released: int) -> None:
+        """The database answers again and ``released`` held jobs were given back."""
+        gone = 0.0 if self._since is None else self._clock() - self._since
+        held_back, self._held_back = self._held_back, 0
+        self._since = None
+        self._log.info(
+            "database back after %.1fs, %d job(s) released: resuming%s",
+            gone,
+            released,
+            f" ({held_back} psycopg warning(s) held back)" if held_back else "",
+        )
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """For the ``psycopg`` and ``psycopg.pool`` loggers: hold back their WARNINGs during an
+        outage, and always those in ``_ALWAYS_HELD_BACK``; they are counted in the next
+        :meth:`back` line. With that logger at DEBUG (``jobfence -v``), all pass."""
+        if record.levelno < logging.WARNING or logging.getLogger(record.name).isEnabledFor(
+            logging.DEBUG
+        ):
+            return True
+        if self.down or str(record.msg).startswith(_ALWAYS_HELD_BACK):
+            self._held_back += 1
+            return False
+        return True

@@ -1,0 +1,58 @@
+"""Open a broker queue adapter by broker name, and delete what a test created on the broker."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+from jobfence import QueuePort
+
+BROKERS = ("redis", "nats", "rabbitmq")
+
+
+def make_queue(broker: str, url: str, name: str) -> QueuePort:
+    """An adapter on ``broker`` whose keys, stream or queues are all named after ``name``
+    (lower-case letters and digits)."""
+    if broker == "redis":
+        from jobfence.adapters.redis_streams import RedisStreamsQueue
+
+        return RedisStreamsQueue(url, prefix=name)
+    if broker == "nats":
+        from jobfence.adapters.nats import NatsQueue
+
+        return NatsQueue(url, stream=name.upper(), subject_prefix=name)
+    if broker == "rabbitmq":
+        from jobfence.adapters.rabbitmq import RabbitMQQueue
+
+        return RabbitMQQueue(url, prefix=name)
+    raise ValueError(f"unknown broker {broker!r}")
+
+
+async def delete_everything(broker: str, url: str, name: str, queues: Sequence[str]) -> None:
+    """Delete the keys, stream or queues named after ``name`` (RabbitMQ's wait queues delete
+    themselves a minute after their last use)."""
+    if broker == "redis":
+        import redis.asyncio as aioredis
+
+        admin = aioredis.Redis.from_url(url)
+        keys = [key async for key in admin.scan_iter(match=f"{name}:*")]
+        if keys:
+            await admin.delete(*keys)
+        await admin.aclose()
+    elif broker == "nats":
+        import nats
+        from nats.js.errors import NotFoundError
+
+        nc = await nats.connect(url)
+        with contextlib.suppress(NotFoundError):  # nothing was published
+            await nc.jetstream().delete_stream(name.upper())
+        await nc.close()
+    else:
+        import aio_pika
+
+        connection = await aio_pika.connect(url)
+        for queue in queues:
+            channel = await connection.channel()
+            await channel.queue_delete(f"{name}.{queue}")
+            await channel.close()
+        await connection.close()

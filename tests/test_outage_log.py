@@ -1,0 +1,201 @@
+"""A database outage in the worker's log: one line when the database goes away, one when it is
+back (with the outage's length and the jobs released), at most one line every 30 s between; no
+flood of psycopg_pool warnings, no object reprs; and still no job lost or applied twice."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg_pool import AsyncConnectionPool
+
+import pointsapp
+from jobfence import PgQueue, PrometheusMetrics, Worker, db
+from jobfence.outage_log import OutageLog, reason
+from outage_proxy import OutageProxy
+from support import scalar, wait_until
+
+JOBS = 60
+OUTAGE_SECONDS = 3.0
+REPR = re.compile(r"<[A-Za-z_][\w.]*[ >]|0x[0-9a-f]{6,}|\[BAD\]")
+
+
+async def test_an_outage_logs_one_line_when_the_database_goes_one_when_back_and_no_flood(
+    database_url: str, conn: psycopg.AsyncConnection[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    await conn.execute(pointsapp.SCHEMA_SQL)
+    app = pointsapp.build_app()
+    async with conn.transaction():
+        for i in range(JOBS):
+            payload = {"account_id": i % 10 + 1, "points": 1, "mode": "slow"}
+            await app.enqueue(conn, "award_points", payload, job_id=f"j{i}")
+    proxy = OutageProxy(database_url)
+    await proxy.start()
+    pool = await db.open_pool(proxy.url, max_size=5)
+    queue = PgQueue(pool, poll_interval_seconds=0.1)
+    metrics = PrometheusMetrics()
+    worker = Worker(app, pool, queue, concurrency=3, poll_seconds=0.1, metrics=metrics)
+    caplog.set_level(logging.INFO, logger="jobfence")
+    run = asyncio.create_task(worker.run(until="empty"))
+    try:
+
+        async def some_done() -> bool:
+            return metrics.count("succeeded") >= 5
+
+        await wait_until(some_done, message="the first jobs to succeed")
+        before = len(caplog.records)  # start-up lines (autovacuum off...) are not the outage's
+        proxy.cut()
+
+        async def noticed() -> bool:
+            return "database went away" in caplog.text
+
+        await wait_until(noticed, message="the worker to notice the outage")
+        await asyncio.sleep(OUTAGE_SECONDS)  # the outage itself: its length is the experiment
+        proxy.restore()
+        stats = await asyncio.wait_for(run, timeout=60)
+    finally:
+        worker.stop()
+        await asyncio.wait_for(asyncio.shield(run), timeout=30)
+        await queue.close()
+        await pool.close()
+        await proxy.close()
+
+    records = [r for r in caplog.records if r.levelno >= logging.INFO]
+    messages = [r.getMessage() for r in records]
+    went = [m for m in messages if m.startswith("database went away (")]
+    back = [m for m in messages if m.startswith("database back after ")]
+    assert len(went) == 1, messages
+    assert len(back) == 1, messages
+    found = re.fullmatch(
+        r"database back after (\d+\.\d)s, (\d+) job\(s\) released: resuming"
+        r"( \(\d+ psycopg warning\(s\) held back\))?",
+        back[0],
+    )
+    assert found is not None, back[0]
+    assert float(found[1]) >= OUTAGE_SECONDS
+    assert int(found[2]) == stats.released >= 1
+    assert not [m for m in messages if REPR.search(m)], messages
+    warnings = [r.getMessage() for r in caplog.records[before:] if r.levelno >= logging.WARNING]
+    assert len(warnings) <= 3, warnings  # went away; the acks', the listener's first failure
+    assert not [m for m in messages if "still unreachable" in m]  # 3 s < 30 s
+    # Nothing lost, nothing twice, no retry burnt.
+    assert await scalar(conn, "SELECT count(*) FROM awards") == JOBS
+    assert await scalar(conn, "SELECT count(DISTINCT job_id) FROM awards") == JOBS
+    assert await scalar(conn, "SELECT count(*) FROM core.processed_jobs") == JOBS
+    assert await scalar(conn, "SELECT count(*) FROM core.dead_letters") == 0
+    assert metrics.count("retried") == 0
+
+
+async def test_a_worker_stopped_during_an_outage_logs_one_line_for_the_jobs_it_cannot_release(
+    database_url: str, conn: psycopg.AsyncConnection[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    await conn.execute(pointsapp.SCHEMA_SQL)
+    app = pointsapp.build_app()
+    async with conn.transaction():
+        for i in range(JOBS):
+            payload = {"account_id": i % 10 + 1, "points": 1, "mode": "slow"}
+            await app.enqueue(conn, "award_points", payload, job_id=f"j{i}")
+    proxy = OutageProxy(database_url)
+    await proxy.start()
+    # A short pool timeout: each release during the outage fails within 0.5 s, not 30 s.
+    pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
+        proxy.url, max_size=5, kwargs={"autocommit": True}, open=False, timeout=0.5
+    )
+    await pool.open(wait=True)
+    queue = PgQueue(pool, poll_interval_seconds=0.1)
+    metrics = PrometheusMetrics()
+    worker = Worker(
+        app, pool, queue, concurrency=3, poll_seconds=0.1, lease_seconds=2.0, metrics=metrics
+    )
+    caplog.set_level(logging.INFO, logger="jobfence")
+    run = asyncio.create_task(worker.run())
+    try:
+
+        async def some_done() -> bool:
+            return metrics.count("succeeded") >= 5
+
+        await wait_until(some_done, message="the first jobs to succeed")
+        proxy.cut()
+
+        async def noticed() -> bool:
+            return "database went away" in caplog.text
+
+        await wait_until(noticed, message="the worker to notice the outage")
+        worker.stop()
+        stats = await asyncio.wait_for(run, timeout=60)
+    finally:
+        worker.stop()
+        await asyncio.wait_for(asyncio.shield(run), timeout=60)
+        await queue.close()
+        await pool.close()
+        await proxy.close()
+
+    messages = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    lines = [m for m in messages if m.startswith("could not release")]
+    assert len(lines) == 1, messages
+    found = re.fullmatch(
+        r"could not release (\d+) job\(s\) \(PoolTimeout: [^<>]*\); they return when their"
+        r" lease runs out",
+        lines[0],
+    )
+    assert found is not None, lines[0]
+    assert int(found[1]) >= 1
+    assert stats.released == 0
+    # They come back after their lease: a second worker applies every job exactly once.
+    direct = await db.open_pool(database_url, max_size=5)
+    second_queue = PgQueue(direct, poll_interval_seconds=0.1)
+    try:
+        second = Worker(app, direct, second_queue, concurrency=3, poll_seconds=0.1)
+        await asyncio.wait_for(second.run(until="empty"), timeout=60)
+    finally:
+        await second_queue.close()
+        await direct.close()
+    assert await scalar(conn, "SELECT count(*) FROM awards") == JOBS
+    assert await scalar(conn, "SELECT count(DISTINCT job_id) FROM awards") == JOBS
+    assert await scalar(conn, "SELECT count(*) FROM core.dead_letters") == 0
+
+
+def test_a_long_outage_logs_still_unreachable_at_most_once_per_interval(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    now = [0.0]
+    outage = OutageLog(
+        logging.getLogger("jobfence.test"), still_down_every=30, clock=lambda: now[0]
+    )
+    caplog.set_level(logging.INFO, logger="jobfence.test")
+    lost = psycopg.OperationalError("connection refused")
+    outage.went_away(lost)
+    for _ in range(100):  # a probe every 0.5 s for 50 s, and more jobs cut off
+        now[0] += 0.5
+        outage.went_away(lost)
+        outage.still_down(lost)
+    outage.back(released=7)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO] == [
+        "database went away (OperationalError: connection refused): pausing; the jobs in hand"
+        " go back to the queue when it is back",
+        "database still unreachable after 30s (OperationalError: connection refused); retrying",
+        "database back after 50.0s, 7 job(s) released: resuming",
+    ]
+
+
+def test_the_reason_names_the_connection_error_never_a_repr() -> None:
+    try:
+        try:
+            raise psycopg.OperationalError("consuming input failed: server closed the connection")
+        except psycopg.OperationalError:
+            raise psycopg.ProgrammingError(
+                "transaction exit at the wrong nesting level: <jobfence.pgtx._Chained (active)"
+                " connection=<psycopg.AsyncConnection [BAD] at 0x7f3a2b1c0d90>>"
+            ) from None
+    except psycopg.ProgrammingError as exc:
+        hidden = exc
+    hidden.__context__ = psycopg.OperationalError("server closed the connection")
+    assert reason(hidden) == "OperationalError: server closed the connection"
+    assert (
+        reason(psycopg.ProgrammingError("a <psycopg.AsyncConnection [BAD] at 0x7f3a2b1c0d90> :"))
+        == "ProgrammingError: a"
+    )

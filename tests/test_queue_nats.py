@@ -1,0 +1,79 @@
+"""NatsQueue: the queue contract on the real NATS JetStream, and what only a broker shows."""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+from urllib.parse import urlsplit
+
+import nats
+import pytest
+from nats.js.errors import NotFoundError
+
+from jobfence import QueueCapabilities
+from jobfence.adapters.nats import NatsQueue
+from queue_conformance import QUEUE, BrokerConformance, QueueEnv, message
+from support import TcpProxy
+
+
+class TestNatsConformance(BrokerConformance):
+    expected_capabilities = QueueCapabilities(
+        transactional=False, delayed_publish=False, exact_stale_ack=False
+    )
+
+    @pytest.fixture
+    async def env(self, nats_url: str) -> AsyncIterator[QueueEnv]:
+        name = f"JFTEST_{uuid.uuid4().hex[:12]}"
+        opened: list[NatsQueue] = []
+
+        async def open_queue() -> NatsQueue:
+            queue = NatsQueue(nats_url, stream=name, subject_prefix=name.lower())
+            opened.append(queue)
+            return queue
+
+        parts = urlsplit(nats_url)
+        async with TcpProxy(parts.hostname or "127.0.0.1", parts.port or 4222) as proxy:
+            # The queue under test reaches NATS through a proxy that can cut it off.
+            dropped = NatsQueue(
+                f"nats://127.0.0.1:{proxy.port}", stream=name, subject_prefix=name.lower()
+            )
+            opened.append(dropped)
+            yield QueueEnv(
+                queue=dropped, open_queue=open_queue, drop_connection=proxy.cut, lease_seconds=2.0
+            )
+        for queue in opened:
+            await queue.close()
+        nc = await nats.connect(nats_url)
+        with contextlib.suppress(NotFoundError):  # a test that never connected made none
+            await nc.jetstream().delete_stream(name)
+        await nc.close()
+
+
+async def test_a_release_whose_copy_cannot_be_published_gives_the_original_back(
+    nats_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Publishing the copy fails: the release fails loudly, and the original is delivered again
+    at once (counted), not after its 60 s AckWait."""
+    name = f"JFTEST_{uuid.uuid4().hex[:12]}"
+    queue = NatsQueue(nats_url, stream=name, subject_prefix=name.lower())
+    try:
+        await queue.publish(message("copy-refused"))
+        (first,) = await queue.receive([QUEUE], max_messages=1, lease_seconds=60)
+
+        async def refused(*args: object, **kwargs: object) -> None:
+            raise ConnectionError("the server refused the copy")
+
+        monkeypatch.setattr(queue, "_publish", refused)
+        with pytest.raises(ConnectionError, match="refused the copy"):
+            await queue.release(first)
+        monkeypatch.undo()
+
+        again = await queue.receive([QUEUE], max_messages=1, lease_seconds=60, wait_seconds=5)
+        assert [(d.message, d.attempt) for d in again] == [(first.message, 2)]
+        assert await queue.ack(again[0]) is True
+    finally:
+        await queue.close()
+        nc = await nats.connect(nats_url)
+        await nc.jetstream().delete_stream(name)
+        await nc.close()

@@ -1,0 +1,95 @@
+"""RabbitMQQueue: the queue contract on the real RabbitMQ, and what only a broker shows."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from urllib.parse import urlsplit, urlunsplit
+
+import aio_pika
+import pytest
+
+from jobfence import QueueCapabilities
+from jobfence.adapters.rabbitmq import RabbitMQQueue, wait_bucket_ms
+from queue_conformance import QUEUE, BrokerConformance, QueueEnv, message
+from support import TcpProxy
+
+
+class TestRabbitMQConformance(BrokerConformance):
+    expected_capabilities = QueueCapabilities(
+        transactional=False, delayed_publish=True, exact_stale_ack=False, exact_size=False
+    )
+
+    @pytest.fixture
+    async def env(self, amqp_url: str) -> AsyncIterator[QueueEnv]:
+        prefix = f"jftest.{uuid.uuid4().hex[:12]}"
+        opened: list[RabbitMQQueue] = []
+
+        async def open_queue() -> RabbitMQQueue:
+            queue = RabbitMQQueue(amqp_url, prefix=prefix)
+            opened.append(queue)
+            return queue
+
+        parts = urlsplit(amqp_url)
+        async with TcpProxy(parts.hostname or "127.0.0.1", parts.port or 5672) as proxy:
+            # The queue under test reaches RabbitMQ through a proxy that can cut it off.
+            credentials = parts.netloc.rpartition("@")[0]
+            dropped = RabbitMQQueue(
+                urlunsplit(parts._replace(netloc=f"{credentials}@127.0.0.1:{proxy.port}")),
+                prefix=prefix,
+            )
+            opened.append(dropped)
+            yield QueueEnv(queue=dropped, open_queue=open_queue, drop_connection=proxy.cut)
+        for queue in opened:
+            await queue.close()
+        await delete_queues(amqp_url, prefix)
+
+
+async def delete_queues(amqp_url: str, prefix: str) -> None:
+    """Delete the queues a test declared: its main queues and every wait queue they used."""
+    connection = await aio_pika.connect(amqp_url)
+    try:
+        for queue in ("conformance.main", "conformance.other", "conformance.nobody"):
+            names = [f"{prefix}.{queue}"]
+            names += [f"{prefix}.{queue}.wait.{wait_bucket_ms(s)}" for s in (0.25, 0.5, 60.0)]
+            for name in names:
+                channel = await connection.channel()
+                await channel.queue_delete(name)
+                await channel.close()
+    finally:
+        await connection.close()
+
+
+def test_a_delay_is_rounded_up_to_a_wait_queue_at_most_5_percent_longer() -> None:
+    for seconds in (0.0, 0.05, 0.1, 0.25, 0.5, 1.0, 30.0, 37.3, 60.0, 3600.0):
+        ttl = wait_bucket_ms(seconds)
+        assert seconds * 1000 <= ttl <= max(seconds * 1000 * 1.05, 100) + 1
+    assert len({wait_bucket_ms(s / 10) for s in range(0, 36_001)}) < 250
+
+
+async def test_a_retry_whose_copy_cannot_be_published_gives_the_original_back(
+    amqp_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Publishing the copy fails (the broker went away for that call): the retry fails loudly,
+    and the original is back in the queue at once, counted, not stuck unacked on the channel
+    for its 60 s lease."""
+    prefix = f"jftest.{uuid.uuid4().hex[:12]}"
+    queue = RabbitMQQueue(amqp_url, prefix=prefix)
+    try:
+        await queue.publish(message("copy-refused"))
+        (first,) = await queue.receive([QUEUE], max_messages=1, lease_seconds=60)
+
+        async def refused(*args: object, **kwargs: object) -> None:
+            raise ConnectionError("the broker refused the copy")
+
+        monkeypatch.setattr(queue, "_publish", refused)
+        with pytest.raises(ConnectionError, match="refused the copy"):
+            await queue.retry(first, delay_seconds=30.0, error="Flaky: later")
+        monkeypatch.undo()
+
+        again = await queue.receive([QUEUE], max_messages=1, lease_seconds=60, wait_seconds=5)
+        assert [(d.message, d.attempt) for d in again] == [(first.message, 2)]
+        assert await queue.ack(again[0]) is True
+    finally:
+        await queue.close()
+        await delete_queues(amqp_url, prefix)
