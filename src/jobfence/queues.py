@@ -24,6 +24,7 @@ line at start-up, with the URL's password replaced by ``***``.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import importlib
 import logging
@@ -43,6 +44,9 @@ if TYPE_CHECKING:
     from psycopg_pool import AsyncConnectionPool
 
 log = logging.getLogger("jobfence.queues")
+
+# How long a broker adapter's open_queue may take at start-up.
+OPEN_TIMEOUT_SECONDS = 15.0
 
 # The factory every broker adapter module exposes as ``open_queue``.
 QueueFactory = Callable[[str], Awaitable[QueuePort]]
@@ -187,7 +191,12 @@ async def open_queue(target: QueueTarget, pool: AsyncConnectionPool[Any]) -> Que
     factory = _factory(target)
     assert target.url is not None
     try:
-        return await factory(target.url)
+        # Bounded: some clients keep retrying an unreachable server for minutes.
+        return await asyncio.wait_for(factory(target.url), OPEN_TIMEOUT_SECONDS)
+    except TimeoutError:
+        raise ConfigError(
+            f"cannot open {target.describe()}: no answer within {OPEN_TIMEOUT_SECONDS:g}s"
+        ) from None
     except ConfigError as exc:
         raise ConfigError(redact_url(target.url, str(exc))) from None
     except Exception as exc:
