@@ -297,3 +297,26 @@ async def test_migrate_queue_url_moves_the_database_and_refuses_while_jobs_would
     assert back.returncode == 0, back
     assert back.stdout.splitlines()[-1] == "jobs go to the PostgreSQL queue"
     assert (await queue_setting(conn)).kind == "postgresql"
+
+
+async def test_the_worker_command_on_a_broker_runs_the_relay_unless_told_not_to(
+    database_url: str, conn: psycopg.AsyncConnection[Any]
+) -> None:
+    await conn.execute(pointsapp.SCHEMA_SQL)
+    await record_queue(conn, "rabbitmq", "amqp://broker/")
+    app = pointsapp.build_app()
+    for n in (1, 2):
+        await app.enqueue(conn, "award_points", {"account_id": n, "points": 3}, job_id=f"w-{n}")
+    args = ["worker", "pointsapp:app", "--queue-url", "amqp://broker/", "--until", "empty"]
+
+    without = await asyncio.to_thread(_run, database_url, *args, "--no-outbox-relay")
+    assert without.returncode == 0, without
+    assert await scalar(conn, "SELECT count(*) FROM jobfence.outbox") == 2
+    assert await scalar(conn, "SELECT count(*) FROM public.awards") == 0
+
+    done = await asyncio.to_thread(_run, database_url, *args)
+    assert done.returncode == 0, done
+    assert "with the outbox relay" in done.stderr
+    assert done.stdout.strip() == "worker stopped: succeeded 2, released 0"
+    assert await scalar(conn, "SELECT count(*) FROM jobfence.outbox") == 0
+    assert await scalar(conn, "SELECT count(*) FROM public.awards") == 2
