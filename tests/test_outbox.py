@@ -287,3 +287,34 @@ async def test_a_worker_on_an_external_queue_runs_the_relay_and_applies_each_job
     assert await scalar(external, "SELECT points FROM public.accounts WHERE id = 2") == 9
     assert await scalar(external, "SELECT count(*) FROM jobfence.outbox") == 0
     assert metrics.registry.get_sample_value("jobfence_outbox_published_total") == 4
+
+
+async def test_a_producer_racing_the_move_to_a_broker_writes_the_outbox_never_the_old_queue(
+    conn: psycopg.AsyncConnection[Any], database_url: str
+) -> None:
+    """The move locks the PostgreSQL queue's table; a producer's statement waits for it and
+    then reads the new setting, so its job cannot land in the queue nobody reads any more."""
+    app = pointsapp.build_app()
+    async with (
+        await psycopg.AsyncConnection.connect(database_url) as mover,
+        await psycopg.AsyncConnection.connect(database_url) as producer,
+    ):
+        await record_queue(mover, "memory", "memory://")  # in mover's open transaction
+        enqueue = asyncio.create_task(
+            app.enqueue(producer, AWARD, {"account_id": 1, "points": 1}, job_id="racer")
+        )
+
+        async def producer_waits() -> bool:
+            waiting = await scalar(
+                conn,
+                "SELECT count(*) FROM pg_stat_activity WHERE pid = %s AND wait_event_type = 'Lock'",
+                (producer.info.backend_pid,),
+            )
+            return bool(waiting)
+
+        await wait_until(producer_waits, message="the producer to wait for the move's lock")
+        await mover.commit()
+        await asyncio.wait_for(enqueue, 10)
+        await producer.commit()
+    assert await _rows(conn) == [(pointsapp.QUEUE, AWARD, "racer", None, None)]
+    assert await scalar(conn, "SELECT count(*) FROM jobfence_queue.messages") == 0
