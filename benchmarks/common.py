@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import platform
 import subprocess
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from importlib import metadata
@@ -138,16 +139,69 @@ class Tracker:
         self.last = now
 
 
-def build_jobfence_app(tracker: Tracker | None = None, jobs_per_transaction: int = 1) -> App:
+def build_jobfence_app(
+    tracker: Tracker | None = None, jobs_per_transaction: int = 1, flavour: str = "async"
+) -> App:
+    """The benchmark's consumer; ``flavour``: ``async`` (an async def handler), ``sync`` (a plain
+    def handler on the sync connection, in a worker thread) or ``sqlalchemy`` (a def handler
+    running the same UPDATE as an ORM-enabled statement through a Session on that connection)."""
     app = App()
-
-    @app.consumer(
+    register = app.consumer(
         CONSUMER, queue=QUEUE, schema=AwardPoints, jobs_per_transaction=jobs_per_transaction
     )
-    async def award(payload: AwardPoints, job: JobMeta, tx: psycopg.AsyncConnection[Any]) -> None:
-        await tx.execute(WORK_SQL, (payload.points, payload.account_id))
+    if flavour == "async":
+
+        @register
+        async def award(
+            payload: AwardPoints, job: JobMeta, tx: psycopg.AsyncConnection[Any]
+        ) -> None:
+            await tx.execute(WORK_SQL, (payload.points, payload.account_id))
+            if tracker is not None:
+                tracker.done()
+
+        return app
+
+    lock = threading.Lock()  # the handlers run in several threads
+
+    def done() -> None:
         if tracker is not None:
-            tracker.done()
+            with lock:
+                tracker.done()
+
+    if flavour == "sync":
+
+        @register
+        def award_sync(payload: AwardPoints, job: JobMeta, tx: psycopg.Connection[Any]) -> None:
+            tx.execute(WORK_SQL, (payload.points, payload.account_id))
+            done()
+
+        return app
+
+    from sqlalchemy import BigInteger, Integer, update
+    from sqlalchemy.orm import DeclarativeBase, mapped_column
+
+    from jobfence.contrib.sqlalchemy import session_for
+
+    class Base(DeclarativeBase):
+        pass
+
+    class Account(Base):
+        __tablename__ = "bench_accounts"
+        # Not annotated: the annotations of a class defined in a function are not resolvable.
+        id = mapped_column(Integer, primary_key=True)
+        points = mapped_column(BigInteger)
+
+    statement = update(Account)
+
+    @register
+    def award_orm(payload: AwardPoints, job: JobMeta, tx: psycopg.Connection[Any]) -> None:
+        with session_for(tx) as session:
+            session.execute(
+                statement.where(Account.id == payload.account_id).values(
+                    points=Account.points + payload.points
+                )
+            )
+        done()
 
     return app
 

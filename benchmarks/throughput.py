@@ -14,6 +14,10 @@ id = %s``:
                    connector and worker keep Procrastinate's defaults otherwise.
 (a') ceiling-sync  (a) with psycopg's blocking API, for information: the issue's "about 2,500
                    transactions/s on one connection" matches this one, not the async loop.
+(b3) jobfence,     (b) with a plain ``def`` handler: its transaction runs in a worker thread on
+     sync def      the sync pool (``--systems jobfence-sync``).
+(b4) jobfence,     (b3) with the work statement run as an ORM-enabled ``update()`` through a
+     SQLAlchemy    SQLAlchemy Session on the handler's connection (``jobfence-sqlalchemy``).
 
 "1 worker" and "4 workers" are 1 and 4 OS processes (multiprocessing, spawn), each handling one
 job at a time, so the systems are comparable. An extra column runs jobfence and Procrastinate
@@ -84,16 +88,29 @@ CEILING = "ceiling"
 CEILING_SYNC = "ceiling-sync"
 JOBFENCE = "jobfence"
 JOBFENCE_GROUP = "jobfence-group"
+JOBFENCE_SYNC = "jobfence-sync"
+JOBFENCE_SQLALCHEMY = "jobfence-sqlalchemy"
 PROCRASTINATE = "procrastinate"
 LABELS = {
     CEILING: "(a) ceiling",
     JOBFENCE: "(b) jobfence",
     JOBFENCE_GROUP: "(b2) jobfence, grouped",
+    JOBFENCE_SYNC: "(b3) jobfence, sync def",
+    JOBFENCE_SQLALCHEMY: "(b4) jobfence, SQLAlchemy",
     PROCRASTINATE: "(c) procrastinate",
     CEILING_SYNC: "(a') ceiling, sync",
 }
-SYSTEMS = (CEILING, JOBFENCE, JOBFENCE_GROUP, PROCRASTINATE, CEILING_SYNC)
-JOBFENCES = (JOBFENCE, JOBFENCE_GROUP)
+SYSTEMS = (
+    CEILING,
+    JOBFENCE,
+    JOBFENCE_GROUP,
+    JOBFENCE_SYNC,
+    JOBFENCE_SQLALCHEMY,
+    PROCRASTINATE,
+    CEILING_SYNC,
+)
+JOBFENCES = (JOBFENCE, JOBFENCE_GROUP, JOBFENCE_SYNC, JOBFENCE_SQLALCHEMY)
+FLAVOURS = {JOBFENCE_SYNC: "sync", JOBFENCE_SQLALCHEMY: "sqlalchemy"}
 PROCRASTINATE_TABLES = (
     "procrastinate_jobs, procrastinate_events, procrastinate_workers, procrastinate_periodic_defers"
 )
@@ -179,7 +196,11 @@ async def _child_jobfence(cmd: dict[str, Any], pipe: Connection, go: Event) -> T
     try:
         queue = PgQueue(pool, poll_interval_seconds=0.05)
         worker = Worker(
-            build_jobfence_app(tracker, cmd["group"] if cmd["system"] == JOBFENCE_GROUP else 1),
+            build_jobfence_app(
+                tracker,
+                cmd["group"] if cmd["system"] == JOBFENCE_GROUP else 1,
+                FLAVOURS.get(cmd["system"], "async"),
+            ),
             pool,
             queue,
             concurrency=concurrency,
@@ -235,6 +256,8 @@ CHILDREN = {
     CEILING_SYNC: _child_ceiling_sync,
     JOBFENCE: _child_jobfence,
     JOBFENCE_GROUP: _child_jobfence,
+    JOBFENCE_SYNC: _child_jobfence,
+    JOBFENCE_SQLALCHEMY: _child_jobfence,
     PROCRASTINATE: _child_procrastinate,
 }
 
@@ -417,7 +440,10 @@ def _print_cpu(
 def _print_ratios(by_key: dict[str, list[Measurement]], rounds: int) -> dict[str, dict[str, Any]]:
     ratios: dict[str, dict[str, Any]] = {}
     print()
-    print("ratios: median of the per-round ratios (min-max); targets (b)/(a) >= 0.60, (b)/(c) >= 4")
+    print(
+        "ratios: median of the per-round ratios (min-max); targets (b)/(a) >= 0.60, (b)/(c) >= 4,"
+        " (b3)/(b) >= 0.8 at 4 workers"
+    )
     comparisons: list[tuple[str, int, int, str, float | None, str]] = []
     for system, b in ((JOBFENCE, "(b)"), (JOBFENCE_GROUP, "(b2)")):
         for procs in (1, 4):
@@ -427,6 +453,11 @@ def _print_ratios(by_key: dict[str, list[Measurement]], rounds: int) -> dict[str
                 (system, procs, 1, CEILING_SYNC, None, f"{b}/(a')"),
             ]
         comparisons.append((system, 1, 4, PROCRASTINATE, None, f"{b}/(c)"))
+    # Sync handlers against the async path, side by side: target 0.8 at 4 workers.
+    for system, b in ((JOBFENCE_SYNC, "(b3)"), (JOBFENCE_SQLALCHEMY, "(b4)")):
+        for procs, concurrency in ((1, 1), (4, 1), (1, 4)):
+            target = 0.8 if (system, procs) == (JOBFENCE_SYNC, 4) else None
+            comparisons.append((system, procs, concurrency, JOBFENCE, target, f"{b}/(b)"))
     for system, procs, concurrency, other, target, label in comparisons:
         mine, theirs = Config(system, procs, concurrency), Config(other, procs, concurrency)
         col = mine.column
@@ -441,6 +472,8 @@ def _print_ratios(by_key: dict[str, list[Measurement]], rounds: int) -> dict[str
             spread = f"({min(per_round):.2f}-{max(per_round):.2f})"
             if other == CEILING_SYNC:
                 verdict = "for information: the blocking-API ceiling"
+            elif other == JOBFENCE and target is None:
+                verdict = "for information: sync handler / async handler"
             elif target is None:
                 verdict = "for information: both in one process, 4 jobs at a time"
             else:
@@ -514,7 +547,15 @@ async def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
         configs = [Config(s, p, 1) for p in (1, 4) for s in systems]
         if not args.no_extra:  # one process running 4 jobs at a time, for information
             configs += [
-                Config(s, 1, 4) for s in (JOBFENCE, JOBFENCE_GROUP, PROCRASTINATE) if s in systems
+                Config(s, 1, 4)
+                for s in (
+                    JOBFENCE,
+                    JOBFENCE_GROUP,
+                    JOBFENCE_SYNC,
+                    JOBFENCE_SQLALCHEMY,
+                    PROCRASTINATE,
+                )
+                if s in systems
             ]
         ctx = mp.get_context("spawn")
         go = ctx.Event()
@@ -573,7 +614,8 @@ def main() -> int:
     parser.add_argument(
         "--systems",
         default=",".join(SYSTEMS),
-        type=lambda text: [part.strip() for part in text.split(",") if part.strip()],
+        # jobfence_sync and jobfence-sync alike
+        type=lambda text: [p.strip().replace("_", "-") for p in text.split(",") if p.strip()],
         help=f"comma-separated subset of {','.join(SYSTEMS)} (all)",
     )
     parser.add_argument(

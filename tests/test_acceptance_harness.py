@@ -67,14 +67,20 @@ class AccountFrozen(Exception):
     """A handler error the test policy lists as permanent."""
 
 
-def make_app(handler: Handler, *, retry: RetryPolicy | None = None) -> App:
+# Handler flavours: the tests marked with it run once with an async handler and once with the
+# same body as a plain def handler (pointsapp.as_sync), whose transaction runs in a worker thread
+# on the sync pool.
+FLAVOURS = pytest.mark.parametrize("flavour", ["async", "sync"])
+
+
+def make_app(handler: Handler, *, retry: RetryPolicy | None = None, flavour: str = "async") -> App:
     app = App()
     app.consumer(
         "award_points",
         queue=pointsapp.QUEUE,
         schema=pointsapp.Award,
         **({"retry": retry} if retry is not None else {}),
-    )(handler)
+    )(pointsapp.flavoured(handler, flavour))
     return app
 
 
@@ -171,13 +177,13 @@ def workdir(tmp_path: Path) -> Path:
 class WorkerProcess:
     """``crash_worker.py`` in a subprocess, with its output kept for failure messages."""
 
-    def __init__(self, mode: str, database_url: str, workdir: Path) -> None:
+    def __init__(self, mode: str, database_url: str, workdir: Path, flavour: str = "async") -> None:
         self.workdir = workdir
         self.marker = workdir / "in_handler"
         self.log = workdir / f"{mode}.log"
         with self.log.open("wb") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, str(CRASH_WORKER), mode, database_url, str(workdir)],
+                [sys.executable, str(CRASH_WORKER), mode, database_url, str(workdir), flavour],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -302,19 +308,23 @@ async def test_acceptance_1_same_job_id_processed_concurrently_has_exactly_one_e
 # -- Acceptance 2 -------------------------------------------------------------------------------
 
 
-async def test_acceptance_2_crash_between_work_and_fence_leaves_neither(
+@pytest.mark.parametrize("flavour", ["async", "sync", "sqlalchemy", "async-sqlalchemy"])
+async def test_acceptance_2_crash_between_work_and_fence_leaves_neither(  # noqa: PLR0917
     database_url: str,
     pool: AsyncConnectionPool[Any],
     points: AsyncConnection[Any],
     workdir: Path,
     processes: list[WorkerProcess],
+    flavour: str,
 ) -> None:
     """A worker process SIGKILLed after its work statement, before commit, leaves no effect and
-    no fence; after the 1 s lease the job is delivered again (attempt 2) and applied once."""
+    no fence; after the 1 s lease the job is delivered again (attempt 2) and applied once. With
+    each handler flavour: async, a sync def, a sync def writing through the SQLAlchemy ORM, an
+    async handler writing through the ORM's AsyncSession."""
     app = pointsapp.build_app()
     await app.enqueue(points, "award_points", {"account_id": 2, "points": 7}, job_id="crash-1")
 
-    proc = WorkerProcess("crash", database_url, workdir)
+    proc = WorkerProcess("crash", database_url, workdir, flavour)
     processes.append(proc)
     backend_pid, job_id, attempt = await proc.wait_in_handler()
     assert (job_id, attempt) == ("crash-1", 1)
@@ -448,13 +458,15 @@ async def _deliver_until_dead_lettered(
     raise AssertionError("not dead-lettered after 6 deliveries")
 
 
+@FLAVOURS
 async def test_acceptance_3_transient_failure_retries_5_times_growing_then_dead_letter_attempts_6(
-    pool: AsyncConnectionPool[Any], points: AsyncConnection[Any]
+    pool: AsyncConnectionPool[Any], points: AsyncConnection[Any], flavour: str
 ) -> None:
     seed = 20260817
     clock = FakeClock(datetime.now(UTC).replace(microsecond=0))
     queue = PgQueue(pool, clock=clock, poll_interval_seconds=0.05)
-    app = pointsapp.build_app()  # mode "transient" raises pointsapp.Flaky on every attempt
+    # mode "transient" raises pointsapp.Flaky on every attempt
+    app = pointsapp.build_app(flavour=flavour)
     metrics = PrometheusMetrics()
     payload = {"account_id": 3, "points": 11, "mode": "transient"}
     message = app.message(
@@ -493,7 +505,7 @@ async def test_acceptance_3_transient_failure_retries_5_times_growing_then_dead_
     assert dl.error_class == "pointsapp.Flaky"
     assert dl.last_error.startswith("pointsapp.Flaky: ledger timeout on attempt 6")
     assert "Traceback" in dl.last_error
-    assert "apply_award" in dl.last_error  # the frame that raised
+    assert "apply_award" in dl.last_error  # the frame that raised (apply_award_sync for sync)
     assert dl.correlation_id == "corr-42"
     assert dl.tenant_id == "tenant-7"
     assert (dl.consumer, dl.queue, dl.job_id) == ("award_points", pointsapp.QUEUE, "flaky-1")
@@ -511,8 +523,9 @@ async def test_acceptance_3_transient_failure_retries_5_times_growing_then_dead_
 # -- Acceptance 5 -------------------------------------------------------------------------------
 
 
+@FLAVOURS
 async def test_acceptance_5_replay_with_same_job_id_produces_no_second_effect(
-    pool: AsyncConnectionPool[Any], points: AsyncConnection[Any]
+    pool: AsyncConnectionPool[Any], points: AsyncConnection[Any], flavour: str
 ) -> None:
     broken = {"yes": True}
     attempts: list[tuple[str, int]] = []
@@ -523,7 +536,7 @@ async def test_acceptance_5_replay_with_same_job_id_produces_no_second_effect(
         if broken["yes"]:
             raise HardFailure("ledger rejected the account")
 
-    app = make_app(award)
+    app = make_app(award, flavour=flavour)
     metrics = PrometheusMetrics()
     queue = PgQueue(pool, poll_interval_seconds=0.05)
 
@@ -577,8 +590,9 @@ async def test_acceptance_5_replay_with_same_job_id_produces_no_second_effect(
     assert metrics.count("duplicate") == 1
 
 
+@FLAVOURS
 async def test_acceptance_5_replay_of_job_already_fenced_by_redelivery_has_no_second_effect(
-    pool: AsyncConnectionPool[Any], points: AsyncConnection[Any]
+    pool: AsyncConnectionPool[Any], points: AsyncConnection[Any], flavour: str
 ) -> None:
     """The dead letter was written, then a redelivery of the job succeeded (fence row);
     replaying the dead letter afterwards must not apply the work again."""
@@ -589,7 +603,7 @@ async def test_acceptance_5_replay_of_job_already_fenced_by_redelivery_has_no_se
             raise HardFailure("ledger rejected the account")
         await pointsapp.apply_award(payload, job, tx)
 
-    app = make_app(award)
+    app = make_app(award, flavour=flavour)
     metrics = PrometheusMetrics()
     queue = PgQueue(pool, poll_interval_seconds=0.05)
 
@@ -641,8 +655,9 @@ async def _row_counts(conn: AsyncConnection[Any]) -> dict[str, int]:
     return counts
 
 
+@FLAVOURS
 async def test_acceptance_8_successful_jobs_write_no_row_beyond_their_fence(
-    pool: AsyncConnectionPool[Any], points: AsyncConnection[Any]
+    pool: AsyncConnectionPool[Any], points: AsyncConnection[Any], flavour: str
 ) -> None:
     n = 50
     before = await _row_counts(points)
@@ -650,7 +665,7 @@ async def test_acceptance_8_successful_jobs_write_no_row_beyond_their_fence(
     assert "core.dead_letters" in before
     assert before["jobfence_queue.messages"] == 0
 
-    app = pointsapp.build_app()
+    app = pointsapp.build_app(flavour=flavour)
     for i in range(n):
         await app.enqueue(
             points,
@@ -679,8 +694,9 @@ async def test_acceptance_8_successful_jobs_write_no_row_beyond_their_fence(
 # -- D7: failure classes ------------------------------------------------------------------------
 
 
+@FLAVOURS
 async def test_hard_failure_and_permanent_error_type_dead_letter_at_once_without_retry(
-    pool: AsyncConnectionPool[Any], points: AsyncConnection[Any]
+    pool: AsyncConnectionPool[Any], points: AsyncConnection[Any], flavour: str
 ) -> None:
     async def award(payload: pointsapp.Award, job: JobMeta, tx: AsyncConnection[Any]) -> None:
         await pointsapp.apply_award(payload.model_copy(update={"mode": "ok"}), job, tx)
@@ -691,7 +707,7 @@ async def test_hard_failure_and_permanent_error_type_dead_letter_at_once_without
         if payload.mode == "transient":
             raise pointsapp.Flaky("ledger timeout")
 
-    app = make_app(award, retry=RetryPolicy(permanent=(AccountFrozen,)))
+    app = make_app(award, retry=RetryPolicy(permanent=(AccountFrozen,)), flavour=flavour)
     for job_id, mode in (("hard-1", "hard"), ("frozen-1", "frozen"), ("flaky-1", "transient")):
         await app.enqueue(
             points, "award_points", {"account_id": 6, "points": 1, "mode": mode}, job_id=job_id
@@ -721,8 +737,9 @@ async def test_hard_failure_and_permanent_error_type_dead_letter_at_once_without
     assert metrics.count("retried") == 1
 
 
+@FLAVOURS
 async def test_d7_serialization_failure_is_retried_at_once_without_counting_an_attempt(
-    pool: AsyncConnectionPool[Any], points: AsyncConnection[Any]
+    pool: AsyncConnectionPool[Any], points: AsyncConnection[Any], flavour: str
 ) -> None:
     calls: list[int] = []
 
@@ -732,7 +749,7 @@ async def test_d7_serialization_failure_is_retried_at_once_without_counting_an_a
         if len(calls) <= 2:
             raise errors.SerializationFailure("could not serialize access (induced)")
 
-    app = make_app(award)
+    app = make_app(award, flavour=flavour)
     await app.enqueue(points, "award_points", {"account_id": 7, "points": 19}, job_id="ser-1")
     metrics = PrometheusMetrics()
     stats = await run_worker(app, pool, metrics)
@@ -751,19 +768,21 @@ async def test_d7_serialization_failure_is_retried_at_once_without_counting_an_a
 # -- Graceful shutdown --------------------------------------------------------------------------
 
 
-async def test_sigterm_finishes_the_job_in_progress_and_releases_fetched_jobs(
+@FLAVOURS
+async def test_sigterm_finishes_the_job_in_progress_and_releases_fetched_jobs(  # noqa: PLR0917
     database_url: str,
     pool: AsyncConnectionPool[Any],
     points: AsyncConnection[Any],
     workdir: Path,
     processes: list[WorkerProcess],
+    flavour: str,
 ) -> None:
     app = pointsapp.build_app()
     job_ids = [f"term-{i}" for i in range(5)]
     for job_id in job_ids:
         await app.enqueue(points, "award_points", {"account_id": 8, "points": 2}, job_id=job_id)
 
-    proc = WorkerProcess("graceful", database_url, workdir)
+    proc = WorkerProcess("graceful", database_url, workdir, flavour)
     processes.append(proc)
     _, running, attempt = await proc.wait_in_handler()
     assert attempt == 1
@@ -804,8 +823,9 @@ async def test_sigterm_finishes_the_job_in_progress_and_releases_fetched_jobs(
 # -- Rollback of a failed handler ---------------------------------------------------------------
 
 
+@FLAVOURS
 async def test_handler_raising_after_its_work_rolls_back_everything_and_schedules_a_retry(
-    pool: AsyncConnectionPool[Any], points: AsyncConnection[Any]
+    pool: AsyncConnectionPool[Any], points: AsyncConnection[Any], flavour: str
 ) -> None:
     async def award(payload: pointsapp.Award, job: JobMeta, tx: AsyncConnection[Any]) -> None:
         await pointsapp.apply_award(payload, job, tx)
@@ -814,7 +834,7 @@ async def test_handler_raising_after_its_work_rolls_back_everything_and_schedule
 
     clock = FakeClock(datetime.now(UTC).replace(microsecond=0))
     queue = PgQueue(pool, clock=clock, poll_interval_seconds=0.05)
-    app = make_app(award)
+    app = make_app(award, flavour=flavour)
     await queue.publish(app.message("award_points", {"account_id": 9, "points": 23}, job_id="rb-1"))
     metrics = PrometheusMetrics()
     try:
@@ -895,8 +915,9 @@ async def test_a_commit_that_fails_while_the_next_job_waits_fails_that_job_alone
     assert metrics.count("succeeded") == 9
 
 
+@FLAVOURS
 async def test_a_handler_that_swallows_a_database_error_fails_instead_of_looking_done(
-    pool: AsyncConnectionPool[Any], points: AsyncConnection[Any]
+    pool: AsyncConnectionPool[Any], points: AsyncConnection[Any], flavour: str
 ) -> None:
     # PostgreSQL answers COMMIT on an aborted transaction with a silent ROLLBACK: without the
     # check, the job would be acked as succeeded with nothing written.
@@ -906,7 +927,7 @@ async def test_a_handler_that_swallows_a_database_error_fails_instead_of_looking
             with contextlib.suppress(psycopg.errors.UndefinedTable):
                 await tx.execute("UPDATE public.missing SET x = 1")
 
-    app = make_app(award)
+    app = make_app(award, flavour=flavour)
     for i in range(3):
         await app.enqueue(points, "award_points", {"account_id": 2, "points": 5}, job_id=f"s-{i}")
     metrics = PrometheusMetrics()

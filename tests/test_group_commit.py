@@ -57,11 +57,16 @@ def crashing() -> Iterator[list[WorkerProcess]]:
 
 
 def grouped_app(
-    group: int, seen: list[tuple[str, int]] | None = None, *, other: str | None = None
+    group: int,
+    seen: list[tuple[str, int]] | None = None,
+    *,
+    other: str | None = None,
+    flavour: str = "async",
 ) -> App:
     """pointsapp's award consumer with ``jobs_per_transaction=group``; ``seen`` collects
     (job_id, transaction id) of every handler call; ``other`` adds a second consumer on the same
-    queue, one job per transaction, recorded alike."""
+    queue, one job per transaction, recorded alike. ``flavour`` ``sync``: the same handlers as
+    plain def handlers (pointsapp.as_sync), a group committing in one sync transaction."""
     app = App()
 
     async def award(payload: pointsapp.Award, job: JobMeta, tx: AsyncConnection[Any]) -> None:
@@ -72,11 +77,12 @@ def grouped_app(
             seen.append((job.job_id, int(row[0])))
         await pointsapp.apply_award(payload, job, tx)
 
+    handler = pointsapp.flavoured(award, flavour)
     app.consumer(
         CONSUMER, queue=pointsapp.QUEUE, schema=pointsapp.Award, jobs_per_transaction=group
-    )(award)
+    )(handler)
     if other is not None:
-        app.consumer(other, queue=pointsapp.QUEUE, schema=pointsapp.Award)(award)
+        app.consumer(other, queue=pointsapp.QUEUE, schema=pointsapp.Award)(handler)
     return app
 
 
@@ -101,8 +107,12 @@ async def enqueue(conn: AsyncConnection[Any], app: App, *job_ids: str, **award: 
         await app.enqueue(conn, CONSUMER, payload, job_id=job_id)
 
 
+@pytest.mark.parametrize("flavour", ["async", "sync"])
 async def test_group_commit_runs_waiting_jobs_of_a_consumer_in_one_transaction(
-    pool: AsyncConnectionPool[Any], points: AsyncConnection[Any], caplog: pytest.LogCaptureFixture
+    pool: AsyncConnectionPool[Any],
+    points: AsyncConnection[Any],
+    flavour: str,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """30 waiting jobs, ``jobs_per_transaction=10``, one processor: three transactions of ten,
     every effect once. The same run with the default commits 30 transactions."""
@@ -110,7 +120,7 @@ async def test_group_commit_runs_waiting_jobs_of_a_consumer_in_one_transaction(
     for group, expected in ((10, [job_ids[0:10], job_ids[10:20], job_ids[20:30]]), (1, None)):
         await points.execute("TRUNCATE public.awards, core.processed_jobs")
         seen: list[tuple[str, int]] = []
-        app = grouped_app(group, seen)
+        app = grouped_app(group, seen, flavour=flavour)
         await enqueue(points, app, *job_ids)
         metrics = PrometheusMetrics()
         caplog.clear()
@@ -134,15 +144,18 @@ async def test_group_commit_runs_waiting_jobs_of_a_consumer_in_one_transaction(
         assert await queued(points) == 0
 
 
+@pytest.mark.parametrize("flavour", ["async", "sync"])
 async def test_group_commit_a_failing_job_rolls_the_group_back_and_each_job_runs_alone(
-    pool: AsyncConnectionPool[Any], points: AsyncConnection[Any]
+    pool: AsyncConnectionPool[Any],
+    points: AsyncConnection[Any],
+    flavour: str,
 ) -> None:
     """A hard failure and a transient one inside a group of 10: the group rolls back, then each
     job runs in its own transaction under its own policy. The 8 good jobs apply once; the hard
     one is a dead letter after 1 attempt, the transient one is scheduled for attempt 2; neither
     has a fence."""
     seen: list[tuple[str, int]] = []
-    app = grouped_app(10, seen)
+    app = grouped_app(10, seen, flavour=flavour)
     ok = [f"ok-{i}" for i in range(8)]
     await enqueue(points, app, *ok[:4])
     await enqueue(points, app, "hard-1", mode="hard")
@@ -180,13 +193,16 @@ async def test_group_commit_a_failing_job_rolls_the_group_back_and_each_job_runs
     assert job_groups(metrics, "committed") == 0
 
 
+@pytest.mark.parametrize("flavour", ["async", "sync"])
 async def test_group_commit_duplicates_in_the_group_and_already_fenced_jobs_run_nothing(
-    pool: AsyncConnectionPool[Any], points: AsyncConnection[Any]
+    pool: AsyncConnectionPool[Any],
+    points: AsyncConnection[Any],
+    flavour: str,
 ) -> None:
     """One group holds a job_id twice and a job whose fence already exists: the handler runs
     once for the first, never for the second, and both count as duplicates."""
     seen: list[tuple[str, int]] = []
-    app = grouped_app(10, seen)
+    app = grouped_app(10, seen, flavour=flavour)
     await points.execute(
         "INSERT INTO core.processed_jobs (job_id, consumer, expires_at)"
         " VALUES ('fenced-1', %s, now() + interval '7 days')",
@@ -204,12 +220,15 @@ async def test_group_commit_duplicates_in_the_group_and_already_fenced_jobs_run_
     assert metrics.count("duplicate") == 2
 
 
+@pytest.mark.parametrize("flavour", ["async", "sync"])
 async def test_group_commit_poison_in_a_group_is_dead_lettered_without_retry(
-    pool: AsyncConnectionPool[Any], points: AsyncConnection[Any]
+    pool: AsyncConnectionPool[Any],
+    points: AsyncConnection[Any],
+    flavour: str,
 ) -> None:
     """A payload that is not JSON among four good jobs: poison, dead-lettered at attempt 1 with
     its bytes; the four good ones apply once."""
-    app = grouped_app(10)
+    app = grouped_app(10, flavour=flavour)
     await enqueue(points, app, "p-1", "p-2")
     await publish_on(
         points,
@@ -229,13 +248,16 @@ async def test_group_commit_poison_in_a_group_is_dead_lettered_without_retry(
     assert await queued(points) == 0
 
 
+@pytest.mark.parametrize("flavour", ["async", "sync"])
 async def test_group_commit_keeps_other_consumers_jobs_in_their_own_transactions(
-    pool: AsyncConnectionPool[Any], points: AsyncConnection[Any]
+    pool: AsyncConnectionPool[Any],
+    points: AsyncConnection[Any],
+    flavour: str,
 ) -> None:
     """A queue shared with a consumer that commits one job per transaction: a group ends at
     the other consumer's job, which runs alone, and the next group starts after it."""
     seen: list[tuple[str, int]] = []
-    app = grouped_app(10, seen, other="audit")
+    app = grouped_app(10, seen, other="audit", flavour=flavour)
     await enqueue(points, app, "m-1", "m-2", "m-3")
     await app.enqueue(points, "audit", {"account_id": 2, "points": 5}, job_id="single-1")
     await enqueue(points, app, "m-4", "m-5")
@@ -312,23 +334,25 @@ async def test_group_commit_same_job_ids_in_concurrent_groups_have_exactly_one_e
     assert await balance(points, 1) == 2 * ids_n * rounds
 
 
-async def test_group_commit_crash_mid_group_leaves_no_work_and_no_fence(
+@pytest.mark.parametrize("flavour", ["async", "sync"])
+async def test_group_commit_crash_mid_group_leaves_no_work_and_no_fence(  # noqa: PLR0917
     database_url: str,
     pool: AsyncConnectionPool[Any],
     points: AsyncConnection[Any],
     tmp_path: Path,
     crashing: list[WorkerProcess],
+    flavour: str,
 ) -> None:
     """Acceptance 2 for groups: a worker process SIGKILLed while the fifth job of a group runs,
     after the four before it ran their work in the same transaction. Nothing of the five is
     visible, before or after the kill; after the 1 s lease all five are delivered again and
-    each applies once."""
+    each applies once. With an async handler, and with a sync one (one sync transaction)."""
     app = pointsapp.build_app()
     job_ids = [f"crash-{i}" for i in range(4)] + ["crash-4-block"]
     for job_id in job_ids:
         await app.enqueue(points, CONSUMER, {"account_id": 3, "points": 4}, job_id=job_id)
 
-    proc = WorkerProcess("group", database_url, tmp_path)
+    proc = WorkerProcess("group", database_url, tmp_path, flavour)
     crashing.append(proc)
     _, job_id, attempt = await proc.wait_in_handler()
     assert (job_id, attempt) == ("crash-4-block", 1)

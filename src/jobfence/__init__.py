@@ -28,6 +28,7 @@ from jobfence.errors import (
     JobRefused,
     PoisonMessage,
     TransactionAborted,
+    TransactionMisuse,
 )
 from jobfence.harness import Outcome
 from jobfence.model import Delivery, JobMeta, Message
@@ -74,6 +75,7 @@ __all__ = [
     "ReplayResult",
     "RetryPolicy",
     "TransactionAborted",
+    "TransactionMisuse",
     "Worker",
     "WorkerStats",
     "cleanup_expired",

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, overload
 
+import psycopg
 from psycopg import AsyncConnection
 from pydantic import BaseModel
 
@@ -21,7 +23,33 @@ if TYPE_CHECKING:
 
 P = TypeVar("P", bound=BaseModel)
 
-Handler = Callable[[P, JobMeta, AsyncConnection[Any]], Awaitable[None]]
+AsyncHandler = Callable[[P, JobMeta, AsyncConnection[Any]], Awaitable[None]]
+# A plain ``def`` handler: it runs in a worker thread and gets a sync psycopg Connection that
+# holds the work transaction, the fence already inserted (docs/sync.md).
+SyncHandler = Callable[[P, JobMeta, psycopg.Connection[Any]], None]
+Handler = AsyncHandler[P] | SyncHandler[P]
+
+
+class _Register(Protocol[P]):
+    """What ``App.consumer(...)`` returns: a decorator for an async or a sync handler."""
+
+    @overload
+    def __call__(
+        self, handler: Callable[[P, JobMeta, AsyncConnection[Any]], Awaitable[None]]
+    ) -> Callable[[P, JobMeta, AsyncConnection[Any]], Awaitable[None]]: ...
+
+    @overload
+    def __call__(
+        self, handler: Callable[[P, JobMeta, psycopg.Connection[Any]], None]
+    ) -> Callable[[P, JobMeta, psycopg.Connection[Any]], None]: ...
+
+
+def is_async_handler(handler: object) -> bool:
+    """Whether ``handler`` is a coroutine function (or an object whose ``__call__`` is one)."""
+    return inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(
+        getattr(handler, "__call__", None)  # noqa: B004 - a callable object's async __call__
+    )
+
 
 DEFAULT_FENCE_TTL = timedelta(days=7)
 # A group holds every one of its jobs' locks until its commit: keep groups short.
@@ -35,7 +63,10 @@ class Consumer(Generic[P]):
     ``jobs_per_transaction`` above 1 lets a worker commit up to that many of this consumer's
     waiting jobs in one transaction (group commit, ``docs/concepts.md``): each job still gets its
     fence in the transaction that holds its work; a failing job rolls the group back and its
-    jobs run again one transaction each."""
+    jobs run again one transaction each.
+
+    ``sync`` (derived from the handler, not given): the handler is a plain ``def``, run in a
+    worker thread on a sync connection (docs/sync.md)."""
 
     name: str
     queue: str
@@ -44,6 +75,10 @@ class Consumer(Generic[P]):
     retry: RetryPolicy = DEFAULT_RETRY_POLICY
     fence_ttl: timedelta = DEFAULT_FENCE_TTL
     jobs_per_transaction: int = 1
+    sync: bool = field(init=False, default=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sync", not is_async_handler(self.handler))
 
     @property
     def minimum_fence_ttl(self) -> timedelta:
@@ -83,10 +118,12 @@ class App:
         retry: RetryPolicy = DEFAULT_RETRY_POLICY,
         fence_ttl: timedelta = DEFAULT_FENCE_TTL,
         jobs_per_transaction: int = 1,
-    ) -> Callable[[Handler[P]], Handler[P]]:
-        """Register the decorated async function as consumer ``name`` of ``queue``."""
+    ) -> _Register[P]:
+        """Register the decorated function as consumer ``name`` of ``queue``: an ``async def``
+        gets the work transaction's ``AsyncConnection``; a plain ``def`` runs in a worker thread
+        and gets a sync ``psycopg.Connection`` holding the work transaction (docs/sync.md)."""
 
-        def register(handler: Handler[P]) -> Handler[P]:
+        def register(handler: Any) -> Any:
             self.add(
                 Consumer(
                     name=name,
@@ -100,7 +137,7 @@ class App:
             )
             return handler
 
-        return register
+        return register  # one function serves both overloads
 
     def add(self, consumer: Consumer[Any]) -> None:
         for label, value in (("consumer name", consumer.name), ("queue name", consumer.queue)):
@@ -108,6 +145,8 @@ class App:
                 raise ConfigError(problem)
         if consumer.name in self._consumers:
             raise ConfigError(f"consumer {consumer.name!r} is registered twice")
+        if not callable(consumer.handler):
+            raise ConfigError(f"consumer {consumer.name!r}: the handler must be a function")
         if not (isinstance(consumer.schema, type) and issubclass(consumer.schema, BaseModel)):
             raise ConfigError(f"consumer {consumer.name!r}: schema must be a pydantic model class")
         if consumer.fence_ttl <= timedelta(0):

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from jobfence.adapters.betterstack import HeartbeatOnSuccess
     from jobfence.observability import MetricsServer
     from jobfence.ports import CleanupMetricsSink
+    from jobfence.sync import SyncTransactionRunner
     from jobfence.worker import Worker
 
 
@@ -143,6 +144,7 @@ async def _cmd_worker(args: argparse.Namespace) -> int:
                 metrics=metrics,
                 outbox_relay=args.outbox_relay,
                 outbox_metrics=PrometheusOutboxMetrics(metrics.registry),
+                sync_runner=getattr(args, "sync_runner", None),
             )
             loop = asyncio.get_running_loop()
             stopped_by: list[signal.Signals] = []
@@ -553,9 +555,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(
+    argv: Sequence[str] | None = None, *, sync_runner: SyncTransactionRunner | None = None
+) -> int:
+    """Run one ``jobfence`` command. ``sync_runner``: what ``worker`` runs the transactions of
+    sync handlers on, instead of its own psycopg pool (``manage.py jobfence_worker`` gives
+    Django's, see docs/django.md)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.sync_runner = sync_runner
     from jobfence.config import ENV_QUEUE_URL, log_format_from_env
     from jobfence.observability import configure_logging
     from jobfence.queues import parse_queue_url, queue_url_from_env

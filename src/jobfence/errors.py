@@ -50,6 +50,16 @@ class TransactionAborted(JobfenceError):
     the job would look done with nothing written. It fails as a transient error instead."""
 
 
+class TransactionMisuse(JobfenceError, HardFailure):
+    """A sync handler (or its SQLAlchemy session) tried to end the work transaction itself:
+    ``commit()``, ``rollback()`` or ``close()`` on the connection jobfence lent it, or a
+    ``COMMIT`` it sent. The fence transaction is committed by jobfence, with the handler's work
+    and its fence together. The call is refused before anything is sent, the transaction rolls
+    back, and the job is dead-lettered at once: a handler that does this does it every time."""
+
+    __module__ = "jobfence"
+
+
 class PoisonMessage(JobfenceError):
     """A payload that can never be processed: not UTF-8 JSON, or rejected by the schema (D6)."""
 

@@ -9,12 +9,17 @@ r"""One delivery, from bytes to exactly one effect or one dead letter.
 The fence row is inserted first (``ON CONFLICT DO NOTHING``): a concurrent duplicate blocks on
 the uncommitted key and, once the first commits, finds it and skips. There is no "in progress"
 state that could get stuck: a crash rolls the whole transaction back, fence included.
+
+A consumer with a plain ``def`` handler (``Consumer.sync``) differs in one step only: its
+"transaction(fence insert, handler) -> commit" runs in a worker thread, through the
+:class:`~jobfence.sync.SyncExecutor` given as ``sync``; everything else here is shared.
 """
 
 from __future__ import annotations
 
 import contextlib
 import enum
+import inspect
 import logging
 import os
 import random
@@ -49,6 +54,7 @@ from jobfence.model import Delivery, JobMeta
 from jobfence.pgtx import NextBeginFailed, Tx
 from jobfence.ports import MetricsSink, QueuePort
 from jobfence.retry import RetryPolicy
+from jobfence.sync import SyncExecutor
 
 log = logging.getLogger("jobfence.harness")
 
@@ -283,6 +289,28 @@ def _fence_params(job: Job) -> dict[str, Any]:
     }
 
 
+def _group_params(jobs: Sequence[Job]) -> dict[str, Any]:
+    metas = [job.meta for job in jobs]
+    return {
+        "job_ids": [meta.job_id for meta in metas],
+        "consumers": [meta.consumer for meta in metas],
+        "tenant_ids": [meta.tenant_id for meta in metas],
+        "ttls": [job.consumer.fence_ttl for job in jobs],
+    }
+
+
+def _group_fresh(jobs: Sequence[Job], rows: Sequence[Sequence[object]]) -> list[bool]:
+    """Which jobs of a group ``fence_insert_group`` inserted (its rows); the others, and the
+    same key listed again in the group, are duplicates."""
+    inserted = {(job_id, consumer) for job_id, consumer in rows}
+    fresh: list[bool] = []
+    for job in jobs:
+        key = (job.meta.job_id, job.meta.consumer)
+        fresh.append(key in inserted)
+        inserted.discard(key)
+    return fresh
+
+
 class Harness:
     """Runs deliveries through the fence, the handler and the failure policy."""
 
@@ -295,15 +323,18 @@ class Harness:
         metrics: MetricsSink,
         rng: random.Random | None = None,
         acks: AckBatcher | None = None,
+        sync: SyncExecutor | None = None,
     ) -> None:
         """``acks`` batches the acknowledgements of finished jobs; without it each is acked
-        right after its commit."""
+        right after its commit. ``sync`` runs the transactions of sync consumers (a worker
+        sets it when its queues have any)."""
         self._app = app
         self._pool = pool
         self._queue = queue
         self._metrics = metrics
         self._rng = rng if rng is not None else random.Random()
         self._acks = acks
+        self.sync = sync
         self._transactional = queue.capabilities.transactional
         self._internal_log = _Throttle(INTERNAL_LOG_PER_MINUTE)
 
@@ -388,7 +419,10 @@ class Harness:
             jobs.append(prepared)
         first = jobs[0].meta
         try:
-            fresh = await self._group_transaction(jobs, conn)
+            if jobs[0].consumer.sync:  # a group holds one consumer's jobs
+                fresh = await self._sync_transaction(jobs)
+            else:
+                fresh = await self._group_transaction(jobs, conn)
         except Exception as exc:
             if is_connection_loss(exc, conn):
                 raise InfrastructureError(str(exc)) from exc
@@ -411,25 +445,10 @@ class Harness:
 
     async def _group_transaction(self, jobs: list[Job], conn: AsyncConnection[Any]) -> list[bool]:
         """Fences, handlers, commit, for a group; which jobs ran (the others are duplicates)."""
-        metas = [job.meta for job in jobs]
-        tx, cur = await Tx.begin(
-            conn,
-            SQL["fence_insert_group"],
-            {
-                "job_ids": [meta.job_id for meta in metas],
-                "consumers": [meta.consumer for meta in metas],
-                "tenant_ids": [meta.tenant_id for meta in metas],
-                "ttls": [job.consumer.fence_ttl for job in jobs],
-            },
-        )
+        tx, cur = await Tx.begin(conn, SQL["fence_insert_group"], _group_params(jobs))
         try:
-            inserted = {(job_id, consumer) for job_id, consumer in await cur.fetchall()}
-            fresh: list[bool] = []
-            for job, meta in zip(jobs, metas, strict=True):
-                key = (meta.job_id, meta.consumer)
-                ran = key in inserted
-                inserted.discard(key)  # the same key again in this group is a duplicate
-                fresh.append(ran)
+            fresh = _group_fresh(jobs, await cur.fetchall())
+            for job, ran in zip(jobs, fresh, strict=True):
                 if ran:
                     await self._run_handler(job, conn)
         except BaseException as exc:
@@ -438,12 +457,51 @@ class Harness:
         await tx.commit()
         return fresh
 
+    async def _sync_transaction(self, jobs: list[Job]) -> list[bool]:
+        """Fence(s), sync handler(s), commit, in a worker thread through ``self.sync`` (one job,
+        or a group of one consumer's jobs); which jobs ran (the others are duplicates)."""
+        if self.sync is None:
+            raise RuntimeError(
+                f"consumer {jobs[0].consumer.name!r} has a sync handler, and this harness has no"
+                " sync executor (a Worker sets one up)"
+            )
+        if len(jobs) == 1:
+            fence_sql, params = SQL.text("fence_insert"), _fence_params(jobs[0])
+        else:
+            fence_sql, params = SQL.text("fence_insert_group"), _group_params(jobs)
+        timings: list[tuple[JobMeta, float]] = []
+
+        def work(rows: Sequence[Sequence[object]], tx: object) -> list[bool]:
+            """In the worker thread, inside the transaction, the fences inserted."""
+            fresh = [bool(rows)] if len(jobs) == 1 else _group_fresh(jobs, rows)
+            for job, ran in zip(jobs, fresh, strict=True):
+                if ran:
+                    begun = time.perf_counter()
+                    try:
+                        returned = job.consumer.handler(job.payload, job.meta, tx)  # type: ignore[arg-type]
+                    finally:
+                        timings.append((job.meta, time.perf_counter() - begun))
+                    if inspect.isawaitable(returned):
+                        if inspect.iscoroutine(returned):
+                            returned.close()
+                        raise TypeError(
+                            f"the sync handler of consumer {job.consumer.name!r} returned an"
+                            " awaitable: declare it `async def` to get an AsyncConnection"
+                        )
+            return fresh
+
+        try:
+            return await self.sync.run(fence_sql, params, work)
+        finally:
+            for meta, seconds in list(timings):
+                self._metrics.handler_duration(meta.queue, meta.consumer, seconds)
+
     async def _run_handler(self, job: Job, conn: AsyncConnection[Any]) -> None:
         """The handler, timed; a database error it caught leaves nothing to commit."""
         meta = job.meta
         begun = time.perf_counter()
         try:
-            await job.consumer.handler(job.payload, meta, conn)
+            await job.consumer.handler(job.payload, meta, conn)  # type: ignore[arg-type,misc]
         finally:
             self._metrics.handler_duration(meta.queue, meta.consumer, time.perf_counter() - begun)
         if conn.pgconn.transaction_status == TransactionStatus.INERROR:
@@ -501,7 +559,9 @@ class Harness:
     ) -> Outcome:
         conn = held
         try:
-            if conn is not None:
+            if job.consumer.sync:
+                fresh = (await self._sync_transaction([job]))[0]
+            elif conn is not None:
                 fresh = await self._transaction(job, conn, ahead, started)
             else:
                 async with self._pool.connection() as conn:
@@ -572,15 +632,20 @@ class Harness:
 
     def _next_job(self, ahead: Lookahead | None) -> Job | None:
         """The next waiting job, valid, to start with this one's commit; a poison one, or one
-        of a consumer that commits jobs in groups, is held for the caller to handle."""
+        of a consumer that commits jobs in groups or has a sync handler, is held for the caller
+        to handle."""
         if ahead is None:
             return None
         delivery = ahead.take()
         if delivery is None:
             return None
         prepared = self._prepare(delivery)
-        if isinstance(prepared, PoisonMessage) or prepared.consumer.jobs_per_transaction > 1:
-            ahead.hold(delivery)  # poison, or the first of a group: the caller's to start
+        if (
+            isinstance(prepared, PoisonMessage)
+            or prepared.consumer.jobs_per_transaction > 1
+            or prepared.consumer.sync
+        ):
+            ahead.hold(delivery)  # poison, the first of a group, or sync: the caller's to start
             return None
         return prepared
 

@@ -35,6 +35,7 @@ from jobfence.outbox import (
 )
 from jobfence.ports import MetricsSink, QueuePort
 from jobfence.schema import autovacuum_warning, ensure_migrated
+from jobfence.sync import PsycopgRunner, SyncExecutor, SyncTransactionRunner
 
 log = logging.getLogger("jobfence.worker")
 
@@ -66,6 +67,11 @@ class Worker:
     On a queue that is not transactional (a broker), the worker also runs the outbox relay
     (:mod:`jobfence.outbox`; one active per database, the others stand by) unless
     ``outbox_relay=False``; ``until`` then also waits for the outbox to be published.
+
+    Consumers with a plain ``def`` handler run their transactions in ``concurrency`` threads,
+    through ``sync_runner`` (:class:`~jobfence.sync.SyncTransactionRunner`); without one, the
+    worker opens a sync psycopg pool of ``concurrency`` connections to the database of ``pool``
+    for the length of :meth:`run`, only when its queues have such consumers (docs/sync.md).
     """
 
     def __init__(
@@ -87,6 +93,7 @@ class Worker:
         outbox_relay: bool = True,
         outbox_metrics: OutboxMetricsSink | None = None,
         outbox_settings: OutboxRelaySettings | None = None,
+        sync_runner: SyncTransactionRunner | None = None,
     ) -> None:
         if concurrency < 1:
             raise ConfigError(f"concurrency must be >= 1, got {concurrency}")
@@ -121,6 +128,10 @@ class Worker:
         self.harness = Harness(app, pool, queue, metrics=self.metrics, rng=rng, acks=self.acks)
         self.stats = WorkerStats()
         self._pool = pool
+        self._sync_runner = sync_runner
+        self.has_sync_consumers = any(
+            c.sync for c in app.consumers.values() if c.queue in self.queues
+        )
         self._stopping = asyncio.Event()
         self._stop_now = asyncio.Event()
         self._buffer: asyncio.Queue[Delivery] = asyncio.Queue()
@@ -165,12 +176,20 @@ class Worker:
         return self._busy
 
     def check(self) -> None:
-        """Start-up checks: D3 fence TTLs; the retry overrides' rationales and the consumers
-        that commit jobs in groups, in the log."""
+        """Start-up checks: D3 fence TTLs; the retry overrides' rationales, the consumers that
+        commit jobs in groups and those with a sync handler, in the log."""
         self.app.check_fence_ttls()
         for consumer in self.app.consumers.values():
             if consumer.queue not in self.queues:
                 continue
+            if consumer.sync:
+                log.info(
+                    "consumer %s on queue %s has a sync handler: its transactions run in %d"
+                    " threads on a sync connection pool",
+                    consumer.name,
+                    consumer.queue,
+                    self.concurrency,
+                )
             if consumer.jobs_per_transaction > 1:
                 log.info(
                     "consumer %s on queue %s commits up to %d waiting jobs per transaction"
@@ -193,26 +212,30 @@ class Worker:
             await ensure_migrated(conn)
             if (warning := await autovacuum_warning(conn)) is not None:
                 log.warning(warning)
-        processors = [
-            asyncio.create_task(self._process_loop(), name=f"jobfence-processor-{i}")
-            for i in range(self.concurrency)
-        ]
-        if self.outbox_relay is not None:
-            self._relay_task = asyncio.create_task(
-                self.outbox_relay.run(), name="jobfence-outbox-relay"
-            )
+        own_runner = await self._open_sync()
         psycopg_logs = [logging.getLogger(name) for name in PSYCOPG_LOGGERS]
         for logger in psycopg_logs:  # their per-connection warnings: see OutageLog
             logger.addFilter(self._outage_log)
         try:
-            await self._fetch_loop(until)
-        finally:
+            processors = [
+                asyncio.create_task(self._process_loop(), name=f"jobfence-processor-{i}")
+                for i in range(self.concurrency)
+            ]
+            if self.outbox_relay is not None:
+                self._relay_task = asyncio.create_task(
+                    self.outbox_relay.run(), name="jobfence-outbox-relay"
+                )
             try:
-                await self._shutdown(processors)
-                await self._stop_relay()
+                await self._fetch_loop(until)
             finally:
-                for logger in psycopg_logs:
-                    logger.removeFilter(self._outage_log)
+                try:
+                    await self._shutdown(processors)
+                finally:
+                    await self._stop_relay()
+        finally:
+            for logger in psycopg_logs:
+                logger.removeFilter(self._outage_log)
+            await self._close_sync(own_runner)
         return self.stats
 
     async def _stop_relay(self) -> None:
@@ -233,6 +256,34 @@ class Worker:
         async with self._pool.connection() as conn:
             counts = await outbox_counts(conn)
         return (counts.waiting if until == "empty" else counts.due) > 0
+
+    async def _open_sync(self) -> PsycopgRunner | None:
+        """The sync executor for consumers with a ``def`` handler, when the queues have any;
+        the runner the worker opened itself for it, to close after the run."""
+        if not self.has_sync_consumers:
+            return None
+        runner = self._sync_runner
+        own: PsycopgRunner | None = None
+        if runner is None:
+            conninfo, kwargs = self._pool.conninfo, self._pool.kwargs
+            if not isinstance(conninfo, str) or not isinstance(kwargs, dict | None):
+                raise ConfigError(
+                    "consumers with a sync handler need a pool opened with a connection string"
+                    " and fixed kwargs, or a sync_runner given to the Worker"
+                )
+            kwargs = {k: v for k, v in (kwargs or {}).items() if k != "autocommit"}
+            own = PsycopgRunner(conninfo, size=self.concurrency, kwargs=kwargs)
+            await asyncio.to_thread(own.open)
+            runner = own
+        self.harness.sync = SyncExecutor(runner, threads=self.concurrency)
+        return own
+
+    async def _close_sync(self, own: PsycopgRunner | None) -> None:
+        if self.harness.sync is not None:
+            self.harness.sync.shutdown()
+            self.harness.sync = None
+        if own is not None:
+            await asyncio.to_thread(own.close)
 
     async def _fetch_loop(self, until: RunUntil) -> None:
         # Waiting is bounded by the poll interval, so stop() is noticed within it.

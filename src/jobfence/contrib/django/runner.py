@@ -1,0 +1,133 @@
+"""The work transaction of a sync handler inside ``transaction.atomic()`` on Django's own
+connection: a :class:`~jobfence.sync.SyncTransactionRunner` for ``manage.py jobfence_worker``.
+
+The fence is inserted as the atomic block's first statement, then the handler runs: its ORM
+writes, raw SQL and ``transaction.on_commit`` callbacks all belong to the same transaction,
+which commits with the fence when the block exits, or not at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any, NoReturn, TypeVar
+
+import psycopg
+from django.db import DEFAULT_DB_ALIAS, connections, transaction
+from django.db import Error as DjangoDatabaseError
+from django.db.backends.base.base import BaseDatabaseWrapper
+
+from jobfence.errors import ConfigError, TransactionAborted, TransactionMisuse
+from jobfence.sync import ENDED_BY_HANDLER, Work, check_still_open
+
+T = TypeVar("T")
+
+
+class DjangoRunner:
+    """Runs each work transaction in ``transaction.atomic(using=...)`` on the calling thread's
+    Django connection (Django keeps one per thread, so each of the worker's threads has its
+    own). The handler gets that connection's ``psycopg.Connection``; the ORM uses the same one.
+
+    Before each job a connection that had an error and no longer works, or that outlived a
+    non-zero ``CONN_MAX_AGE``, is closed and a new one opened, as Django does between
+    requests; with ``CONN_MAX_AGE = 0`` (Django's default) a worker thread keeps its connection,
+    as any long-running management command does.
+
+    Database errors reach the worker as psycopg's (the cause Django wraps), so it tells a lost
+    database, a serialization failure or a deadlock from a failure of the job.
+    """
+
+    def __init__(self, using: str = DEFAULT_DB_ALIAS) -> None:
+        self.using = using
+
+    def run(self, fence_sql: str, params: Mapping[str, Any], work: Work[T]) -> T:
+        wrapper = connections[self.using]
+        _refresh(wrapper)
+        raw: psycopg.Connection[Any] | None = None
+        try:
+            with transaction.atomic(using=self.using):
+                raw = _psycopg_connection(wrapper)
+                with psycopg.Cursor(raw) as cur:  # server-side binding, as jobfence's own
+                    cur.execute(fence_sql, params)
+                    rows = cur.fetchall()
+                with _lent(raw):
+                    result = work(rows, raw)
+                _check_still_open(wrapper, raw)
+        except DjangoDatabaseError as exc:
+            _drop_abandoned(wrapper, raw)
+            cause = exc.__cause__
+            if isinstance(cause, psycopg.Error):
+                raise cause from None  # classified by its class (lost, conflict, failure)
+            raise
+        except BaseException:
+            _drop_abandoned(wrapper, raw)
+            raise
+        return result
+
+
+_ENDERS = ("commit", "rollback", "close")
+
+
+@contextmanager
+def _lent(raw: psycopg.Connection[Any]) -> Iterator[None]:
+    """While the handler runs: ``commit()``, ``rollback()`` and ``close()`` on the psycopg
+    connection raise :class:`~jobfence.TransactionMisuse` before anything is sent (Django's
+    own ``connection.close()`` reaches it too)."""
+    for name in _ENDERS:
+        setattr(raw, name, _refuse(name))
+    try:
+        yield
+    finally:
+        for name in _ENDERS:
+            raw.__dict__.pop(name, None)
+
+
+def _refuse(what: str) -> Callable[..., NoReturn]:
+    def refuse(*args: object, **kwargs: object) -> NoReturn:
+        raise TransactionMisuse(ENDED_BY_HANDLER.format(what=what))
+
+    return refuse
+
+
+def _drop_abandoned(wrapper: BaseDatabaseWrapper, raw: psycopg.Connection[Any] | None) -> None:
+    """After a failed job: a connection Django let go of (closed in the atomic block) is
+    closed, rolling back on the server; a broken one is replaced at the next job."""
+    if raw is not None and wrapper.connection is not raw and not raw.closed:
+        raw.close()
+    if wrapper.connection is not None and getattr(wrapper.connection, "broken", False):
+        wrapper.close()
+
+
+def _refresh(wrapper: BaseDatabaseWrapper) -> None:
+    if wrapper.connection is None:
+        return
+    if wrapper.settings_dict.get("CONN_MAX_AGE") == 0:
+        if wrapper.errors_occurred and not wrapper.is_usable():
+            wrapper.close()
+        return
+    wrapper.close_if_unusable_or_obsolete()
+
+
+def _psycopg_connection(wrapper: BaseDatabaseWrapper) -> psycopg.Connection[Any]:
+    raw = wrapper.connection
+    if not isinstance(raw, psycopg.Connection):
+        raise ConfigError(
+            f"the database {wrapper.alias!r} is not on psycopg 3 (found"
+            f" {type(raw).__module__}.{type(raw).__name__}): jobfence's Django worker needs"
+            " `pip install 'psycopg[binary]'`, which Django's postgresql backend then uses"
+        )
+    return raw
+
+
+def _check_still_open(wrapper: BaseDatabaseWrapper, raw: psycopg.Connection[Any]) -> None:
+    """Inside the atomic block, after the handler: raise (so that the block rolls back) when
+    the handler ended, broke or doomed the transaction."""
+    if wrapper.closed_in_transaction or wrapper.connection is not raw:
+        raise TransactionMisuse(ENDED_BY_HANDLER.format(what="close"))
+    check_still_open(raw.info.transaction_status, raw.closed)
+    if wrapper.needs_rollback:
+        raise TransactionAborted(
+            "the handler returned with the atomic block marked for rollback (a database error"
+            " caught inside it, or transaction.set_rollback(True)): nothing of this job can"
+            " commit; raise an exception to fail a job"
+        )

@@ -1,0 +1,106 @@
+"""jobfence's settings in a Django project: the ``JOBFENCE`` dict of ``settings.py`` and the
+database of ``DATABASES``, read in this one place."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
+from django.db import connections
+from psycopg.conninfo import make_conninfo
+
+SETTING = "JOBFENCE"
+KEYS = ("DATABASE_ALIAS", "APP", "WORKER")
+# WORKER key -> (``jobfence worker`` flag, the type its value must have)
+WORKER_FLAGS: dict[str, tuple[str, type | tuple[type, ...]]] = {
+    "QUEUES": ("--queue", (list, tuple)),
+    "CONCURRENCY": ("--concurrency", int),
+    "BATCH_SIZE": ("--batch-size", int),
+    "LEASE_SECONDS": ("--lease-seconds", (int, float)),
+    "GRACE_SECONDS": ("--grace-seconds", (int, float)),
+}
+# What Django's postgresql backend adds for its own connections, none of it libpq's.
+_NOT_LIBPQ = ("cursor_factory", "context", "prepare_threshold")
+
+
+@dataclass(frozen=True, slots=True)
+class JobfenceSettings:
+    """``settings.JOBFENCE``, checked. ``database_alias`` ("default"): the ``DATABASES`` entry
+    holding jobfence's schema and queue; ``app``: the ``jobfence.App`` as
+    ``"MODULE:ATTRIBUTE"``; ``worker``: ``manage.py jobfence_worker``'s defaults."""
+
+    database_alias: str = "default"
+    app: str | None = None
+    worker: Mapping[str, Any] = field(default_factory=dict)
+
+    def worker_argv(self, *, with_queues: bool = True) -> list[str]:
+        """``worker`` as ``jobfence worker`` flags (a flag on the command line wins)."""
+        argv: list[str] = []
+        for key, value in self.worker.items():
+            flag = WORKER_FLAGS[key][0]
+            if key == "QUEUES":
+                if not with_queues:
+                    continue
+                for queue in value:
+                    argv += [flag, str(queue)]
+            else:
+                argv += [flag, str(value)]
+        return argv
+
+
+def _problem(text: str) -> ImproperlyConfigured:
+    return ImproperlyConfigured(f"settings.{SETTING}: {text} (docs/django.md)")
+
+
+def jobfence_settings() -> JobfenceSettings:
+    """``settings.JOBFENCE`` (optional: every key has a default), refused clearly when wrong."""
+    raw = getattr(settings, SETTING, {})
+    if not isinstance(raw, Mapping):
+        raise _problem(f"must be a dict, got {type(raw).__name__}")
+    unknown = sorted(str(k) for k in raw if k not in KEYS)
+    if unknown:
+        raise _problem(f"unknown key(s) {', '.join(unknown)}; the keys are {', '.join(KEYS)}")
+    alias = raw.get("DATABASE_ALIAS", "default")
+    if not isinstance(alias, str) or alias not in settings.DATABASES:
+        have = ", ".join(sorted(settings.DATABASES)) or "none"
+        raise _problem(f"DATABASE_ALIAS {alias!r} is not in settings.DATABASES (it has {have})")
+    engine = settings.DATABASES[alias].get("ENGINE", "")
+    if connections[alias].vendor != "postgresql":
+        raise _problem(
+            f"DATABASES[{alias!r}] uses {engine!r}: jobfence needs PostgreSQL"
+            " (django.db.backends.postgresql)"
+        )
+    app = raw.get("APP")
+    if app is not None and (not isinstance(app, str) or ":" not in app):
+        raise _problem(f"APP must be 'MODULE:ATTRIBUTE' (e.g. 'myproject.jobs:app'), got {app!r}")
+    worker = raw.get("WORKER", {})
+    if not isinstance(worker, Mapping):
+        raise _problem(f"WORKER must be a dict, got {type(worker).__name__}")
+    for key, value in worker.items():
+        if key not in WORKER_FLAGS:
+            raise _problem(f"unknown WORKER key {key!r}; the keys are {', '.join(WORKER_FLAGS)}")
+        kind = WORKER_FLAGS[key][1]
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise _problem(f"WORKER[{key!r}] has the wrong type: {value!r}")
+    return JobfenceSettings(database_alias=alias, app=app, worker=dict(worker))
+
+
+def require_app(config: JobfenceSettings) -> str:
+    """The ``APP`` setting, which the worker needs."""
+    if config.app is None:
+        raise _problem("APP is not set: name your jobfence.App as 'MODULE:ATTRIBUTE'")
+    return config.app
+
+
+def database_url(alias: str | None = None) -> str:
+    """The libpq connection string of ``DATABASES[alias]`` (default: ``DATABASE_ALIAS``), as
+    Django's own connections use it; it holds the password: never print it (``jobfence.db.
+    redact``)."""
+    alias = jobfence_settings().database_alias if alias is None else alias
+    params = connections[alias].get_connection_params()
+    for key in _NOT_LIBPQ:
+        params.pop(key, None)
+    return make_conninfo("", **{k: v for k, v in params.items() if v is not None})

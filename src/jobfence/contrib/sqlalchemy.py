@@ -1,0 +1,244 @@
+"""SQLAlchemy ORM inside a sync handler's fence transaction (the ``sqlalchemy`` extra).
+
+::
+
+    from jobfence.contrib.sqlalchemy import session_for
+
+    @app.consumer("award_points", queue="loyalty", schema=Award)
+    def award_points(payload: Award, job: JobMeta, tx: psycopg.Connection) -> None:
+        with session_for(tx) as session:
+            session.add(AwardRow(job_id=job.job_id, points=payload.points))
+
+The session runs on the very connection and transaction jobfence lent the handler, the fence
+already inserted in it: its changes are flushed when the ``with`` block ends and commit with the
+fence, or not at all. SQLAlchemy never owns that transaction:
+
+- the engine behind these sessions (one per process, created on first use) gets its DBAPI
+  connection from the handler (``creator``), never pools, resets or closes it, and its dialect
+  (psycopg's, subclassed) never commits or rolls back on it: only jobfence ends the transaction;
+- ``session.commit()`` and ``session.rollback()``, and ``commit()`` on the session's
+  ``Connection``, raise :class:`jobfence.TransactionMisuse` (the job is dead-lettered at once:
+  a handler that does this does it every time). To give up the job, raise: jobfence rolls the
+  whole transaction back, fence included, and applies the consumer's retry policy;
+- a database error during a flush aborts the transaction; the handler's exception (or, if it
+  catches it, :class:`jobfence.TransactionAborted`) fails the job and nothing of it commits.
+
+``app.enqueue_sync(session, ...)`` inside the block enqueues a follow-up job in the same
+transaction.
+
+An ``async def`` handler gets the same with :func:`async_session_for` (an ``AsyncSession`` on
+its ``AsyncConnection``; ``await app.enqueue(session, ...)`` for a follow-up job)::
+
+    async with async_session_for(tx) as session:
+        session.add(AwardRow(job_id=job.job_id, points=payload.points))
+"""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from typing import Any
+
+import psycopg
+from sqlalchemy import create_engine
+from sqlalchemy.dialects import registry
+from sqlalchemy.dialects.postgresql.psycopg import PGDialect_psycopg, PGDialectAsync_psycopg
+from sqlalchemy.engine import Engine
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
+from sqlalchemy.orm import Session
+from sqlalchemy.pool import NullPool
+
+from jobfence.errors import TransactionMisuse
+from jobfence.sync import ENDED_BY_HANDLER
+
+__all__ = ["FenceAsyncSession", "FenceSession", "async_session_for", "session_for"]
+
+_DIALECT_NAME = "jobfence_fence"
+_lent = threading.local()
+_lent_async: contextvars.ContextVar[psycopg.AsyncConnection[Any] | None] = contextvars.ContextVar(
+    "jobfence_lent_async", default=None
+)
+_engine_lock = threading.Lock()
+_engine: Engine | None = None
+_async_engine: AsyncEngine | None = None
+
+
+class FenceDialect(PGDialect_psycopg):
+    """psycopg's dialect, on a connection whose transaction jobfence owns: no commit, no
+    rollback, no close, no per-connection set-up (the connection is reused job after job)."""
+
+    supports_statement_cache = True
+
+    def do_commit(self, dbapi_connection: Any) -> None:
+        raise TransactionMisuse(ENDED_BY_HANDLER.format(what="commit"))
+
+    def do_rollback(self, dbapi_connection: Any) -> None:
+        """SQLAlchemy ends its own view of the transaction; the transaction itself stays for
+        jobfence to commit or roll back (aborted by an error, it cannot commit)."""
+
+    def do_close(self, dbapi_connection: Any) -> None:
+        """The connection is jobfence's, returned to its pool after the job."""
+
+    def do_terminate(self, dbapi_connection: Any) -> None:
+        """As :meth:`do_close`: a broken connection is jobfence's to discard."""
+
+    def on_connect(self) -> None:
+        return None
+
+    @classmethod
+    def get_async_dialect_cls(cls, url: Any) -> type[FenceAsyncDialect]:
+        return FenceAsyncDialect
+
+
+class FenceAsyncDialect(PGDialectAsync_psycopg):
+    """:class:`FenceDialect` for SQLAlchemy's asyncio extension (an ``AsyncConnection``)."""
+
+    supports_statement_cache = True
+
+    def do_commit(self, dbapi_connection: Any) -> None:
+        raise TransactionMisuse(ENDED_BY_HANDLER.format(what="commit"))
+
+    def do_rollback(self, dbapi_connection: Any) -> None:
+        """As :meth:`FenceDialect.do_rollback`."""
+
+    def do_close(self, dbapi_connection: Any) -> None:
+        """As :meth:`FenceDialect.do_close`."""
+
+    def do_terminate(self, dbapi_connection: Any) -> None:
+        """As :meth:`FenceDialect.do_terminate`."""
+
+    def on_connect(self) -> None:
+        return None
+
+
+registry.register(f"postgresql.{_DIALECT_NAME}", __name__, "FenceDialect")
+
+
+class FenceSession(Session):
+    """A ``Session`` that refuses to end the fence transaction: ``commit()`` and
+    ``rollback()`` raise :class:`jobfence.TransactionMisuse`."""
+
+    def commit(self) -> None:
+        raise TransactionMisuse(ENDED_BY_HANDLER.format(what="commit"))
+
+    def rollback(self) -> None:
+        raise TransactionMisuse(
+            ENDED_BY_HANDLER.format(what="rollback")
+            + "; raise an exception to roll the job back, fence included"
+        )
+
+
+class FenceAsyncSession(AsyncSession):
+    """An ``AsyncSession`` that refuses to end the fence transaction, like
+    :class:`FenceSession` (which it runs on)."""
+
+    sync_session_class = FenceSession
+
+    async def commit(self) -> None:
+        raise TransactionMisuse(ENDED_BY_HANDLER.format(what="commit"))
+
+    async def rollback(self) -> None:
+        raise TransactionMisuse(
+            ENDED_BY_HANDLER.format(what="rollback")
+            + "; raise an exception to roll the job back, fence included"
+        )
+
+
+async def _lent_async_connection() -> psycopg.AsyncConnection[Any]:
+    conn = _lent_async.get()
+    if conn is None:  # pragma: no cover - only async_session_for connects this engine
+        raise RuntimeError("the jobfence SQLAlchemy engine connects only in async_session_for()")
+    return conn
+
+
+def fence_async_engine() -> AsyncEngine:
+    """The process's engine for :func:`async_session_for` (created on first use)."""
+    global _async_engine  # noqa: PLW0603 - one engine per process, created lazily
+    with _engine_lock:
+        if _async_engine is None:
+            _async_engine = create_async_engine(
+                f"postgresql+{_DIALECT_NAME}://",
+                async_creator=_lent_async_connection,
+                poolclass=NullPool,
+                pool_reset_on_return=None,
+            )
+        return _async_engine
+
+
+@asynccontextmanager
+async def async_session_for(
+    tx: psycopg.AsyncConnection[Any], **session_kwargs: Any
+) -> AsyncIterator[AsyncSession]:
+    """:func:`session_for` for an ``async def`` handler: a :class:`FenceAsyncSession` on ``tx``,
+    its ``AsyncConnection``, inside its fence transaction; flushed when the block ends."""
+    if not isinstance(tx, psycopg.AsyncConnection):
+        raise TypeError(
+            "async_session_for needs the psycopg.AsyncConnection an async handler is given (its"
+            f" third argument), got {type(tx).__module__}.{type(tx).__qualname__}"
+        )
+    engine = fence_async_engine()
+    token = _lent_async.set(tx)
+    try:
+        sa_conn = await engine.connect()
+    finally:
+        _lent_async.reset(token)
+    try:
+        session = FenceAsyncSession(bind=sa_conn, **session_kwargs)
+        try:
+            yield session
+            await session.flush()
+        finally:
+            await session.close()
+    finally:
+        await sa_conn.close()
+
+
+def _lent_connection() -> psycopg.Connection[Any]:
+    conn: psycopg.Connection[Any] | None = getattr(_lent, "conn", None)
+    if conn is None:  # pragma: no cover - only session_for connects this engine
+        raise RuntimeError("the jobfence SQLAlchemy engine connects only inside session_for()")
+    return conn
+
+
+def fence_engine() -> Engine:
+    """The process's engine for :func:`session_for` (created on first use)."""
+    global _engine  # noqa: PLW0603 - one engine per process, created lazily
+    with _engine_lock:
+        if _engine is None:
+            _engine = create_engine(
+                f"postgresql+{_DIALECT_NAME}://",
+                creator=_lent_connection,
+                poolclass=NullPool,
+                pool_reset_on_return=None,
+            )
+        return _engine
+
+
+@contextmanager
+def session_for(tx: psycopg.Connection[Any], **session_kwargs: Any) -> Iterator[Session]:
+    """A :class:`FenceSession` on ``tx``, the connection a sync handler is given, inside its
+    fence transaction. Leaving the block normally flushes the session (its changes then commit
+    with the fence, when the handler returns); an exception leaves them unflushed and the job
+    fails. ``session_kwargs`` go to the ``Session`` (``info``, ``autoflush``...)."""
+    if not isinstance(tx, psycopg.Connection):
+        raise TypeError(
+            "session_for needs the psycopg.Connection a sync handler is given (its third"
+            f" argument), got {type(tx).__module__}.{type(tx).__qualname__}"
+        )
+    engine = fence_engine()
+    _lent.conn = tx
+    try:
+        sa_conn = engine.connect()
+    finally:
+        _lent.conn = None
+    try:
+        session = FenceSession(bind=sa_conn, **session_kwargs)
+        try:
+            yield session
+            session.flush()
+        finally:
+            session.close()
+    finally:
+        sa_conn.close()

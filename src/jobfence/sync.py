@@ -1,0 +1,197 @@
+"""Sync handlers: the work transaction of a plain ``def`` handler, run in a worker thread.
+
+The harness stays the one core: it decodes, applies the failure policy (retry, dead letter,
+poison, the internal-failure rule) and acks, on the event loop, for async and sync consumers
+alike. For a sync consumer only one step moves to a thread: "transaction(fence insert,
+handler) -> commit". That step is a :class:`SyncTransactionRunner`, a small port:
+
+- :class:`PsycopgRunner` (this module) runs it on a sync psycopg connection pool, which the
+  worker opens only when its queues have sync consumers, sized by its concurrency;
+- a framework can plug in its own runner (Django's ``transaction.atomic()`` on Django's own
+  connection, say) and give it to :class:`jobfence.Worker` as ``sync_runner``.
+
+:class:`SyncExecutor` is the bridge: it runs a runner's ``run`` in a thread pool of
+``concurrency`` threads and awaits it from the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol, TypeVar
+
+import psycopg
+from psycopg.pq import TransactionStatus
+from psycopg.rows import TupleRow
+from psycopg_pool import ConnectionPool
+
+from jobfence.errors import TransactionAborted, TransactionMisuse
+
+T = TypeVar("T")
+
+# What the work of a transaction gets: the fence statement's rows and the object the handlers
+# receive as their third argument (``tx``); what it returns, run() returns.
+Work = Callable[[Sequence[Sequence[object]], object], T]
+
+ENDED_BY_HANDLER = (
+    "the fence transaction is committed by jobfence, with the handler's work and its fence"
+    " together; do not call {what}() on the connection (or session) a handler is given"
+)
+
+
+class SyncTransactionRunner(Protocol):
+    """Runs one work transaction for sync handlers. The port a framework implements.
+
+    ``run(fence_sql, params, work)`` is called in a worker thread, by up to ``concurrency``
+    threads at once; each call must use a connection no other call uses meanwhile. It must:
+
+    1. begin a transaction on its connection;
+    2. execute ``fence_sql`` with ``params`` (a mapping for its ``%(name)s`` placeholders) as
+       the transaction's first statement, and fetch all its rows;
+    3. call ``work(rows, tx)`` once, where ``tx`` is what the handlers get as their third
+       argument (:class:`PsycopgRunner` passes its ``psycopg.Connection``; a Django runner
+       would pass ``django.db.connection``, its ORM using the same transaction), and keep what
+       ``work`` returns;
+    4. check that the transaction is still open and usable: raise
+       :class:`~jobfence.TransactionMisuse` when the handler ended it (committed, rolled back,
+       closed the connection) and :class:`~jobfence.TransactionAborted` when a database error
+       the handler caught aborted it;
+    5. commit, and return ``work``'s result.
+
+    On any exception in steps 2 to 5 it rolls back (when the connection still can) and
+    re-raises the exception unchanged: the harness classifies it, by class, into a lost
+    database (``psycopg.OperationalError``, ``psycopg_pool.PoolTimeout``), a conflict retried at
+    once (``SerializationFailure``, ``DeadlockDetected``), a permanent or a transient failure.
+    It never commits a transaction in which ``work`` raised, and never commits anything before
+    step 5: the fence and the handler's work commit together or not at all.
+    """
+
+    def run(self, fence_sql: str, params: Mapping[str, Any], work: Work[T]) -> T: ...
+
+
+class FenceConnection(psycopg.Connection[TupleRow]):
+    """The sync connections a :class:`PsycopgRunner` lends: while one holds a work transaction,
+    ``commit()``, ``rollback()`` and ``close()`` raise :class:`~jobfence.TransactionMisuse`
+    before anything is sent, so no part of the job can commit on its own."""
+
+    _jobfence_lent = False
+
+    def commit(self) -> None:
+        if self._jobfence_lent:
+            raise TransactionMisuse(ENDED_BY_HANDLER.format(what="commit"))
+        super().commit()
+
+    def rollback(self) -> None:
+        if self._jobfence_lent:
+            raise TransactionMisuse(ENDED_BY_HANDLER.format(what="rollback"))
+        super().rollback()
+
+    def close(self) -> None:
+        if self._jobfence_lent:
+            raise TransactionMisuse(ENDED_BY_HANDLER.format(what="close"))
+        super().close()
+
+
+def check_still_open(status: TransactionStatus, closed: bool) -> None:
+    """Step 4 of :class:`SyncTransactionRunner` for a psycopg connection."""
+    if closed:
+        raise TransactionMisuse(ENDED_BY_HANDLER.format(what="close"))
+    if status == TransactionStatus.INERROR:
+        raise TransactionAborted(
+            "the handler returned after a database error aborted its transaction"
+            " (caught, not raised): nothing of this job can commit"
+        )
+    if status != TransactionStatus.INTRANS:
+        raise TransactionMisuse(
+            "the handler ended the fence transaction itself (a COMMIT or ROLLBACK statement):"
+            " what it did up to there committed or rolled back with the fence, and anything after"
+            " ran outside it; the fence transaction is committed by jobfence, never by a handler"
+        )
+
+
+class PsycopgRunner:
+    """:class:`SyncTransactionRunner` on a sync psycopg pool of :class:`FenceConnection`.
+
+    Each ``run`` borrows a connection (autocommit, so the transaction is explicit), sends
+    BEGIN and the fence statement in one round trip (pipeline mode), hands the connection to
+    the work, checks it, and commits. :meth:`open` and :meth:`close` bracket its use; a worker
+    calls them around its run."""
+
+    def __init__(
+        self, conninfo: str, *, size: int, kwargs: Mapping[str, Any] | None = None
+    ) -> None:
+        self._conninfo = conninfo
+        self._size = size
+        self._kwargs = {**(kwargs or {}), "autocommit": True}
+        self._pool: ConnectionPool[FenceConnection] | None = None
+
+    def open(self, *, timeout: float = 30.0) -> None:
+        pool: ConnectionPool[FenceConnection] = ConnectionPool(
+            self._conninfo,
+            connection_class=FenceConnection,
+            min_size=1,
+            max_size=self._size,
+            kwargs=dict(self._kwargs),
+            open=False,
+            name="jobfence-sync",
+            timeout=30.0,
+        )
+        pool.open(wait=True, timeout=timeout)
+        self._pool = pool
+
+    def close(self, *, timeout: float = 5.0) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close(timeout=timeout)
+
+    def run(self, fence_sql: str, params: Mapping[str, Any], work: Work[T]) -> T:
+        pool = self._pool
+        if pool is None:
+            raise RuntimeError("PsycopgRunner.run() before open()")
+        with pool.connection() as conn:
+            return _run_on(conn, fence_sql, params, work)
+
+
+def _run_on(conn: FenceConnection, fence_sql: str, params: Mapping[str, Any], work: Work[T]) -> T:
+    tx = psycopg.Transaction(conn)
+    entered = False
+    try:
+        # Entered directly, not with conn.transaction(): that inside a pipeline would open
+        # nested pipelines that outlive this one (see jobfence.pgtx).
+        with conn.pipeline():
+            tx.__enter__()  # queues BEGIN
+            entered = True
+            cur = conn.execute(fence_sql, params)
+        rows = cur.fetchall()
+        conn._jobfence_lent = True
+        try:
+            result = work(rows, conn)
+        finally:
+            conn._jobfence_lent = False
+        check_still_open(conn.info.transaction_status, conn.closed)
+    except BaseException as exc:
+        if entered and not conn.closed:
+            # Rolls back; a psycopg.Rollback is not swallowed here: the job did not commit.
+            tx.__exit__(type(exc), exc, exc.__traceback__)
+        raise
+    tx.__exit__(None, None, None)
+    return result
+
+
+class SyncExecutor:
+    """Runs a :class:`SyncTransactionRunner` in a pool of ``threads`` threads, awaited from the
+    event loop. The harness's only door to sync handlers."""
+
+    def __init__(self, runner: SyncTransactionRunner, *, threads: int) -> None:
+        self.runner = runner
+        self._threads = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="jobfence-sync")
+
+    async def run(self, fence_sql: str, params: Mapping[str, Any], work: Work[T]) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._threads, self.runner.run, fence_sql, params, work)
+
+    def shutdown(self) -> None:
+        """Stop taking work; a transaction still running in a thread finishes there (cut off
+        by shutdown, its delivery is released and comes back as a duplicate if it committed)."""
+        self._threads.shutdown(wait=False, cancel_futures=True)
