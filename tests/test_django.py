@@ -514,7 +514,7 @@ async def test_a_database_blip_pauses_the_django_worker_and_every_job_runs_once(
             proxy.down()
 
             async def noticed() -> bool:
-                return b"unreachable" in log.read_bytes()
+                return b"database went away" in log.read_bytes()
 
             await wait_until(noticed, timeout=30, message=f"the outage noticed:\n{log.read_text()}")
             proxy.up()
