@@ -1,5 +1,6 @@
 """Bulk replay through the Ops API, over real HTTP: the fixed snapshot, dry run, max_items,
-per-item results and progress, failed publishes, and a run killed mid-way then resumed.
+per-item results and progress, replays through the outbox, and a run killed mid-way then
+resumed.
 
 To hold a run in the middle deterministically, a test takes ``LOCK TABLE
 jobfence_queue.messages IN SHARE MODE``: the run's next publish (an INSERT in its chunk
@@ -21,7 +22,6 @@ from psycopg_pool import AsyncConnectionPool
 
 from jobfence import MemoryQueue, ops
 from jobfence.api import ApiSettings
-from jobfence.model import Message
 from support import scalar, wait_until
 from test_api_support import (
     PREFIX,
@@ -313,54 +313,59 @@ async def test_bulk_replay_reports_each_items_result_with_paging_and_a_result_fi
     assert (await dead_letter_row(conn, ids["b"]))["status"] == "replayed"
 
 
-class FailingQueue(MemoryQueue):
-    """An external broker (not transactional) that refuses some jobs."""
-
-    def __init__(self, refuse: set[str]) -> None:
-        super().__init__()
-        self.refuse = refuse
-        self.published: list[str] = []
-
-    async def publish(
-        self,
-        message: Message,
-        *,
-        delay_seconds: float = 0.0,
-        tx: AsyncConnection[Any] | None = None,
-    ) -> None:
-        if message.job_id in self.refuse:
-            raise ConnectionError("broker unreachable")
-        await super().publish(message, delay_seconds=delay_seconds, tx=tx)
-        self.published.append(message.job_id)
+# The database refuses the outbox insert of one job: a real failure inside the transaction.
+REFUSE_OUTBOX = """
+CREATE FUNCTION refuse_f1() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN RAISE EXCEPTION 'outbox refuses %', NEW.job_id; END $$;
+CREATE TRIGGER refuse_f1 BEFORE INSERT ON jobfence.outbox
+FOR EACH ROW WHEN (NEW.job_id = 'f-1') EXECUTE FUNCTION refuse_f1();
+"""
 
 
-async def test_bulk_replay_publish_failure_is_reported_and_leaves_the_row_pending(
+async def _outbox_job_ids(conn: AsyncConnection[Any]) -> list[str]:
+    cur = await conn.execute("SELECT job_id FROM jobfence.outbox ORDER BY job_id")
+    return [row[0] for row in await cur.fetchall()]
+
+
+async def test_replay_on_an_external_broker_writes_the_outbox_with_the_status_change(
     pool: AsyncConnectionPool[Any], conn: AsyncConnection[Any]
 ) -> None:
+    """With a broker (not transactional) replays write outbox rows in the transaction that
+    marks them replayed; an outbox insert the database refuses rolls its replay back (single:
+    a 5xx problem; bulk: the whole chunk, resumable), so no row is replayed without its
+    message."""
     ids = [await insert_dead_letter(conn, job_id=f"f-{i}", queue="fail") for i in range(5)]
-    broker = FailingQueue(refuse={"f-1", "f-3"})
+    await conn.execute(REFUSE_OUTBOX)
+    broker = MemoryQueue()
     async with running_api(pool, queue=broker) as api:
-        started = await api.client.post(BULK, json={"queue": "fail"}, headers=auth())
-        assert started.status_code == 202
-        done = await wait_bulk_finished(api, started.json()["id"])
-        assert done["counts"]["replayed"] == 3
-        assert done["counts"]["failed"] == 2
-        failed = (
-            await api.client.get(
-                f"{BULK}/{done['id']}/items", params={"result": "failed"}, headers=auth()
-            )
-        ).json()["items"]
-        assert [item["dead_letter_id"] for item in failed] == [ids[1], ids[3]]
-        assert all("ConnectionError: broker unreachable" in item["detail"] for item in failed)
-
-        # A single replay whose publish fails is a 5xx problem, and the row stays pending.
         single = await api.client.post(f"{PREFIX}/{ids[1]}/replay", headers=auth())
         assert_problem(single, 500, type="urn:jobfence:problem:internal")
-        assert "broker" not in single.text
+        assert "outbox" not in single.text
+        ok = await api.client.post(f"{PREFIX}/{ids[0]}/replay", headers=auth())
+        assert ok.status_code == 200, ok.text
 
-    assert sorted(broker.published) == ["f-0", "f-2", "f-4"]
+        started = await api.client.post(BULK, json={"queue": "fail"}, headers=auth())
+        assert started.status_code == 202
+        run_id = started.json()["id"]
+
+        async def stopped() -> bool:
+            return not api.app.state.jobfence.bulk.active(run_id)
+
+        await wait_until(stopped, message="the bulk run to stop on the refused insert")
+        statuses = [(await dead_letter_row(conn, i))["status"] for i in ids]
+        assert statuses == ["replayed"] + ["pending_review"] * 4
+        assert await _outbox_job_ids(conn) == ["f-0"]
+
+        await conn.execute("DROP TRIGGER refuse_f1 ON jobfence.outbox")
+        resumed = await api.client.post(f"{BULK}/{run_id}/resume", headers=auth())
+        assert resumed.status_code == 202, resumed.text
+        done = await wait_bulk_finished(api, run_id)
+        assert done["counts"]["replayed"] == 4
+
+    assert await _outbox_job_ids(conn) == ["f-0", "f-1", "f-2", "f-3", "f-4"]
+    assert (await broker.size(["fail"])).total == 0  # the relay publishes, not the API
     statuses = [(await dead_letter_row(conn, i))["status"] for i in ids]
-    assert statuses == ["replayed", "pending_review", "replayed", "pending_review", "replayed"]
+    assert statuses == ["replayed"] * 5
 
 
 async def test_unknown_bulk_replay_is_404_and_resuming_a_finished_one_is_409(

@@ -23,6 +23,7 @@ import pytest
 from psycopg.rows import dict_row
 
 from jobfence import MemoryQueue, Message, cli_dead_letters, db, ops
+from jobfence.codec import message_payload
 from jobfence.ops import BulkReplay, DeadLetterFilter
 
 BASE = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
@@ -635,26 +636,14 @@ def test_replay_bulk_json_prints_one_final_document(
     assert len(queued(db_conn)) == 2
 
 
-class _RefusingBroker(MemoryQueue):
-    async def publish(
-        self,
-        message: Message,
-        *,
-        delay_seconds: float = 0.0,
-        tx: psycopg.AsyncConnection[Any] | None = None,
-    ) -> None:
-        if message.job_id == "order-1":
-            raise ConnectionError("broker refused order-1")
-        await super().publish(message, delay_seconds=delay_seconds, tx=tx)
-
-
 class _Interrupted(Exception):
     pass
 
 
 async def _interrupted_run(database_url: str) -> int:
-    """A bulk run whose first chunk (order-0 replayed, order-1 failed) is done and whose
-    second chunk never started: the operator's process died."""
+    """A bulk run on an external broker whose first chunk (order-0 replayed into the outbox,
+    order-1 failed: not replayable) is done and whose second chunk never started: the
+    operator's process died."""
     pool = await db.open_pool(database_url, max_size=2)
     try:
         run = await ops.start_bulk_replay(
@@ -667,7 +656,7 @@ async def _interrupted_run(database_url: str) -> int:
 
         with pytest.raises(_Interrupted):
             await ops.run_bulk_replay(
-                pool, _RefusingBroker(), run.id, actor="eve", chunk_size=2, on_progress=die
+                pool, MemoryQueue(), run.id, actor="eve", chunk_size=2, on_progress=die
             )
         return run.id
     finally:
@@ -677,7 +666,17 @@ async def _interrupted_run(database_url: str) -> int:
 def test_replay_bulk_resume_finishes_a_run_and_fails_when_an_item_failed(
     database_url: str, db_conn: psycopg.Connection[Any]
 ) -> None:
-    ids = [seed(db_conn, f"order-{n}", minutes=n) for n in range(4)]
+    # order-1 kept its whole message, whose job_id breaks the 1,024-byte limit: it can never
+    # be replayed, so its item fails.
+    kept, encoding = message_payload(
+        Message(queue="loyalty", consumer="award_points", job_id="x" * 1100, body=b"{}"), "test"
+    )
+    ids = [
+        seed(db_conn, "order-0", minutes=0),
+        seed(db_conn, "order-1", minutes=1, payload=json.loads(kept), payload_encoding=encoding),
+        seed(db_conn, "order-2", minutes=2),
+        seed(db_conn, "order-3", minutes=3),
+    ]
     run_id = asyncio.run(_interrupted_run(database_url))
 
     done = dl("replay-bulk", "--resume", str(run_id), url=database_url)
@@ -687,13 +686,18 @@ def test_replay_bulk_resume_finishes_a_run_and_fails_when_an_item_failed(
     assert done.stderr.splitlines()[0].startswith(
         f"bulk replay {run_id} resuming: 4 dead letters in its snapshot, 2 to process"
     )
-    assert done.stdout.splitlines() == [
+    finished, failed = done.stdout.splitlines()
+    assert finished == (
         f"bulk replay {run_id} finished: 4/4 processed (replayed 3, already processed 0, "
-        "not pending 0, failed 1)",
-        f"  failed: dead letter {ids[1]}: publish failed: ConnectionError: broker refused order-1",
-    ]
-    # order-0 went to the external broker; the resumed chunk to the PostgreSQL queue.
+        "not pending 0, failed 1)"
+    )
+    assert failed.startswith(
+        f"  failed: dead letter {ids[1]}: dead letter {ids[1]} cannot be replayed"
+    )
+    # order-0 went to the external broker's outbox; the resumed chunk to the PostgreSQL queue.
     assert [j for j, *_ in queued(db_conn)] == ["order-2", "order-3"]
+    outbox = db_conn.execute("SELECT job_id FROM jobfence.outbox").fetchall()
+    assert outbox == [("order-0",)]
     assert [row(db_conn, i)["status"] for i in ids] == [
         "replayed",
         "pending_review",

@@ -29,6 +29,7 @@ COMMANDS = {
     "api": ["api", "--port", "0"],
     "cleanup": ["cleanup"],
     "alert-relay": ["alert-relay"],
+    "outbox-relay": ["outbox-relay", "--queue-url", "memory://"],
     "dead-letters list": ["dead-letters", "list"],
     "dead-letters show": ["dead-letters", "show", "1"],
     "dead-letters replay": ["dead-letters", "replay", "1", "--actor", "ops"],

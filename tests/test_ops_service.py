@@ -21,6 +21,7 @@ from psycopg_pool import AsyncConnectionPool
 from jobfence import MemoryQueue, Message, PgQueue, ops
 from jobfence.errors import DeadLetterNotFound
 from jobfence.ops import BulkReplay, BulkTooLarge, DeadLetterFilter, InvalidRequest
+from jobfence.outbox import OutboxRelay
 from support import scalar
 
 BASE = datetime(2026, 1, 1, tzinfo=UTC)
@@ -949,9 +950,11 @@ class FlakyBroker(MemoryQueue):
         await super().publish(message, delay_seconds=delay_seconds, tx=tx)
 
 
-async def test_bulk_publish_failure_with_an_external_broker_is_failed_and_stays_pending(
-    pool: AsyncConnectionPool[Any], conn: psycopg.AsyncConnection[Any]
+async def test_bulk_replay_on_an_external_broker_goes_through_the_outbox_and_loses_nothing(
+    pool: AsyncConnectionPool[Any], conn: psycopg.AsyncConnection[Any], database_url: str
 ) -> None:
+    """The replay writes one outbox row per dead letter with its transition and never calls
+    the broker; the relay publishes them, and what the broker refuses stays in the outbox."""
     ids = await seed_pending(conn, 5)
     run = await start(pool, DeadLetterFilter(), select_all=True)
     broker = FlakyBroker(refuse={"b-1", "b-3"})
@@ -960,30 +963,27 @@ async def test_bulk_publish_failure_with_an_external_broker_is_failed_and_stays_
 
     assert final.status == "finished"
     assert final.counts == {
-        "replayed": 3,
+        "replayed": 5,
         "already_processed": 0,
         "not_pending": 0,
-        "failed": 2,
+        "failed": 0,
         "pending": 0,
     }
     now = await statuses(conn)
-    assert [now[i] for i in ids] == [
-        "replayed",
-        "pending_review",
-        "replayed",
-        "pending_review",
-        "replayed",
-    ]
-    failed = await ops.list_bulk_items(conn, run.id, result="failed")
-    assert [i.dead_letter_id for i in failed] == [ids[1], ids[3]]
-    assert failed[0].detail == "publish failed: ConnectionError: broker refused b-1"
-    deliveries = await broker.receive(["loyalty"], max_messages=10, lease_seconds=60)
-    assert sorted(d.message.job_id for d in deliveries) == ["b-0", "b-2", "b-4"]
-    assert {d.message.job_id: json.loads(d.message.body) for d in deliveries}["b-2"] == {
-        "account_id": 3,
-        "points": 12,
-    }
+    assert [now[i] for i in ids] == ["replayed"] * 5
+    assert (await broker.size(["loyalty"])).total == 0
     assert await queued(conn) == []  # nothing went to the PostgreSQL queue
+
+    relay = OutboxRelay(database_url, broker)
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as c:
+        for _ in range(3):  # the refused ones wait out their backoff: not published here
+            await relay.run_round(c)
+    deliveries = await broker.receive(["loyalty"], max_messages=10, lease_seconds=60)
+    published = {d.message.job_id: json.loads(d.message.body) for d in deliveries}
+    assert sorted(published) == ["b-0", "b-2", "b-4"]
+    assert published["b-2"] == {"account_id": 3, "points": 12}
+    cur = await conn.execute("SELECT job_id, attempts FROM jobfence.outbox ORDER BY job_id")
+    assert await cur.fetchall() == [("b-1", 1), ("b-3", 1)]
     await broker.close()
 
 

@@ -23,6 +23,7 @@ QUERY_FILES = [
     ("jobfence.sql", "core.sql"),
     ("jobfence.sql", "ops.sql"),
     ("jobfence.sql", "alerts.sql"),
+    ("jobfence.sql", "outbox.sql"),
     ("jobfence.adapters", "pg_queue.sql"),
 ]
 PLACEHOLDER = re.compile(r"%\((\w+)\)s")

@@ -207,7 +207,9 @@ class App:
         correlation_id: str | None = None,
         delay_seconds: float = 0.0,
     ) -> None:
-        """Publish to the PostgreSQL queue on the caller's connection, never committing it.
+        """Publish on the caller's connection, never committing it: to the PostgreSQL queue, or,
+        when this database's queue is a broker, to the outbox (:mod:`jobfence.outbox`), which
+        the relay publishes after the commit.
 
         Inside the caller's transaction the job exists exactly when that transaction commits.
         ``conn`` is a psycopg ``AsyncConnection``, or a SQLAlchemy ``AsyncSession`` or

@@ -17,6 +17,7 @@ import psycopg
 from jobfence import cli_dead_letters, db, runtime, schema
 from jobfence.app import App
 from jobfence.errors import JobfenceError
+from jobfence.queues import add_queue_url_option
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -69,15 +70,22 @@ async def _cmd_migrate(args: argparse.Namespace) -> int:
     if args.print_sql:
         sys.stdout.write(schema.render_sql())
         return 0
+    from jobfence.queues import adopt_queue, parse_queue_url
+
+    # A bad queue URL is refused before anything is applied.
+    target = parse_queue_url(args.queue_url) if args.queue_url is not None else None
     url = db.resolve_database_url()
     await db.check_connection(url)
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
         applied = await schema.migrate(conn)
-    if applied:
-        for m in applied:
-            print(f"applied {m.version:04d}_{m.name}")
-    else:
-        print(f"already up to date (version {schema.latest_version():04d})")
+        if applied:
+            for m in applied:
+                print(f"applied {m.version:04d}_{m.name}")
+        else:
+            print(f"already up to date (version {schema.latest_version():04d})")
+        if target is not None:
+            await adopt_queue(conn, target, switch=True)
+            print(f"jobs go to {target.describe()}")
     return 0
 
 
@@ -108,42 +116,47 @@ def _add_metrics_options(p: argparse.ArgumentParser) -> None:
 
 
 async def _cmd_worker(args: argparse.Namespace) -> int:
-    from jobfence.adapters.pg_queue import PgQueue
-    from jobfence.adapters.prometheus import PrometheusMetrics
+    from jobfence.adapters.prometheus import PrometheusMetrics, PrometheusOutboxMetrics
+    from jobfence.queues import queue_from_env
     from jobfence.worker import Worker
 
     app = _load_app(args.app)
     app.check_fence_ttls()
     url = db.resolve_database_url()
+    # One more connection for the outbox relay's own, on a broker.
     pool = await db.open_pool(url, max_size=args.concurrency + 2, name="jobfence-worker")
     server: MetricsServer | None = None
     try:
         async with pool.connection() as conn:
             await schema.ensure_migrated(conn)
-        queue = PgQueue(pool)
-        metrics = PrometheusMetrics()
-        server = _start_metrics_server(args, metrics.registry, database=url, app=app)
-        worker = Worker(
-            app,
-            pool,
-            queue,
-            queues=args.queue or None,
-            concurrency=args.concurrency,
-            batch_size=args.batch_size,
-            lease_seconds=args.lease_seconds,
-            shutdown_grace_seconds=args.grace_seconds,
-            metrics=metrics,
-            sync_runner=getattr(args, "sync_runner", None),
-        )
-        loop = asyncio.get_running_loop()
-        stopped_by: list[signal.Signals] = []
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, _stop_worker, worker, sig, stopped_by)
-        logging.getLogger("jobfence").info(
-            "worker started: queues %s, concurrency %d", ", ".join(worker.queues), args.concurrency
-        )
-        stats = await worker.run(until=args.until)
-        await queue.close()
+        async with queue_from_env(pool) as queue:
+            metrics = PrometheusMetrics()
+            server = _start_metrics_server(args, metrics.registry, database=url, app=app)
+            worker = Worker(
+                app,
+                pool,
+                queue,
+                queues=args.queue or None,
+                concurrency=args.concurrency,
+                batch_size=args.batch_size,
+                lease_seconds=args.lease_seconds,
+                shutdown_grace_seconds=args.grace_seconds,
+                metrics=metrics,
+                outbox_relay=args.outbox_relay,
+                outbox_metrics=PrometheusOutboxMetrics(metrics.registry),
+                sync_runner=getattr(args, "sync_runner", None),
+            )
+            loop = asyncio.get_running_loop()
+            stopped_by: list[signal.Signals] = []
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, _stop_worker, worker, sig, stopped_by)
+            logging.getLogger("jobfence").info(
+                "worker started: queues %s, concurrency %d%s",
+                ", ".join(worker.queues),
+                args.concurrency,
+                ", with the outbox relay" if worker.outbox_relay is not None else "",
+            )
+            stats = await worker.run(until=args.until)
         counts = [f"{k} {v}" for k, v in sorted(stats.outcomes.items())]
         print("worker stopped: " + ", ".join([*counts, f"released {stats.released}"]))
         if len(stopped_by) > 1:
@@ -184,6 +197,44 @@ def _stop_worker(worker: Worker, sig: signal.Signals, stopped_by: list[signal.Si
             worker.running,
         )
         worker.stop(now=True)
+
+
+async def _cmd_outbox_relay(args: argparse.Namespace) -> int:
+    from jobfence.adapters.prometheus import PrometheusOutboxMetrics
+    from jobfence.config import ENV_QUEUE_URL
+    from jobfence.outbox import OutboxRelay, OutboxRelaySettings
+    from jobfence.queues import parse_queue_url, queue_from_env, queue_url_from_env
+
+    if not parse_queue_url(queue_url_from_env()).external:
+        raise JobfenceError(
+            f"outbox-relay publishes to a broker: set {ENV_QUEUE_URL} or --queue-url to its URL"
+            " (with the PostgreSQL queue, producers write the queue itself and there is no"
+            " outbox to relay)"
+        )
+    url = db.resolve_database_url()
+    await db.check_connection(url)
+    pool = await db.open_pool(url, max_size=2, name="jobfence-outbox-relay")
+    server: MetricsServer | None = None
+    try:
+        async with pool.connection() as conn:
+            await schema.ensure_migrated(conn)
+        async with queue_from_env(pool) as queue:
+            metrics = PrometheusOutboxMetrics()
+            server = _start_metrics_server(args, metrics.registry, database=None, app=None)
+            settings = OutboxRelaySettings(
+                batch_size=args.batch_size, poll_seconds=args.poll_seconds
+            )
+            relay = OutboxRelay(url, queue, settings=settings, metrics=metrics)
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, relay.stop)
+            stats = await relay.run()
+    finally:
+        if server is not None:
+            server.close()
+        await pool.close()
+    print(f"outbox relay stopped: {stats.summary()}")
+    return 0
 
 
 async def _cmd_cleanup(args: argparse.Namespace) -> int:
@@ -264,6 +315,7 @@ async def _cmd_alert_relay(args: argparse.Namespace) -> int:
 
 async def _cmd_api(args: argparse.Namespace) -> int:
     from jobfence.api.serve import ServeOptions, serve, serve_workers
+    from jobfence.queues import queue_url_from_env
 
     options = ServeOptions(
         host=args.host,
@@ -273,6 +325,7 @@ async def _cmd_api(args: argparse.Namespace) -> int:
         item_cache_mb=args.item_cache_mb,
         workers=args.workers,
         access_log=args.access_log,
+        queue_url=queue_url_from_env(),
     )
     if options.workers == 1:
         return await serve(options)
@@ -308,8 +361,11 @@ def _port(text: str) -> int:
 
 async def _cmd_demo(args: argparse.Namespace) -> int:
     from jobfence.demo import run_demo
+    from jobfence.queues import queue_url_from_env
 
-    return await run_demo(jobs=args.jobs, duplicates=args.duplicates)
+    return await run_demo(
+        jobs=args.jobs, duplicates=args.duplicates, queue_url=queue_url_from_env()
+    )
 
 
 def _positive_float(text: str) -> float:
@@ -334,6 +390,22 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+def _add_outbox_relay_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "outbox-relay",
+        help="publish the outbox to the broker (needs JOBFENCE_QUEUE_URL or --queue-url)",
+    )
+    add_queue_url_option(p)
+    p.add_argument(
+        "--poll-seconds", type=_positive_float, default=1.0, help="idle wait between rounds (1)"
+    )
+    p.add_argument(
+        "--batch-size", type=_positive_int, default=100, help="rows per transaction (100)"
+    )
+    _add_metrics_options(p)
+    p.set_defaults(func=_cmd_outbox_relay)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -362,6 +434,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print the migrations as one SQL script instead of applying them",
     )
+    p.add_argument(
+        "--queue-url",
+        default=None,
+        metavar="URL",
+        help="also record where this database's jobs go: a broker's URL (producers then write"
+        " the outbox), or postgresql for the PostgreSQL queue; refused while the queue left"
+        " behind still holds messages",
+    )
     p.set_defaults(func=_cmd_migrate)
 
     p = sub.add_parser("worker", help="run the consumers of MODULE:APP")
@@ -385,6 +465,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="stopped",
         help="stop when nothing is due (idle), when the queues are empty, or on SIGTERM",
     )
+    add_queue_url_option(p)
+    p.add_argument(
+        "--no-outbox-relay",
+        dest="outbox_relay",
+        action="store_false",
+        help="on a broker, do not run the outbox relay in this worker (run jobfence"
+        " outbox-relay instead)",
+    )
     _add_metrics_options(p)
     p.set_defaults(func=_cmd_worker)
 
@@ -405,6 +493,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--duplicates", type=_non_negative_int, default=50, help="duplicate deliveries (50)"
     )
+    add_queue_url_option(p)
     p.set_defaults(func=_cmd_demo)
 
     p = sub.add_parser(
@@ -443,6 +532,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="no uvicorn.access line per request (a proxy in front logs them already)",
     )
+    add_queue_url_option(p)
     p.set_defaults(func=_cmd_api)
 
     p = sub.add_parser(
@@ -460,6 +550,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_metrics_options(p)
     p.set_defaults(func=_cmd_alert_relay)
 
+    _add_outbox_relay_parser(sub)
     cli_dead_letters.add_parser(sub)  # jobfence dead-letters ...: its commands set func
     return parser
 
@@ -473,10 +564,17 @@ def main(
     parser = build_parser()
     args = parser.parse_args(argv)
     args.sync_runner = sync_runner
-    from jobfence.config import log_format_from_env
+    from jobfence.config import ENV_QUEUE_URL, log_format_from_env
     from jobfence.observability import configure_logging
+    from jobfence.queues import parse_queue_url, queue_url_from_env
 
     try:
+        if getattr(args, "queue_url", None) is not None:
+            # The flag overrides the variable; from here on both say the same (and the
+            # log redaction knows its password).
+            os.environ[ENV_QUEUE_URL] = args.queue_url
+        if args.command != "migrate" and hasattr(args, "queue_url"):
+            parse_queue_url(queue_url_from_env())  # a bad URL is refused before any work
         log_format = args.log_format or log_format_from_env()
         # Before any other work: a command that needs the database refuses at once when
         # JOBFENCE_DATABASE_URL is unset, blank or unusable; only the demo defaults to embedded.

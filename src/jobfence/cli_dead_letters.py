@@ -27,6 +27,7 @@ from jobfence import db, ops, schema
 from jobfence.codec import PAYLOAD_BASE64, original_body
 from jobfence.errors import DeadLetterConflict, DeadLetterNotFound
 from jobfence.ops import BulkReplay, BulkTooLarge, DeadLetterFilter, InvalidCursor, InvalidRequest
+from jobfence.queues import add_queue_url_option
 
 ENV_ACTOR = "JOBFENCE_ACTOR"
 EXIT_REFUSED = 1  # not found, not pending, failed or unfinished bulk items
@@ -159,7 +160,8 @@ def add_parser(sub: Any) -> None:
         "dead-letters",
         help="list, show, replay (one or in bulk) and discard dead letters",
         description="Review dead letters: list, show, replay (one or in bulk) and discard. "
-        "Replays publish to the PostgreSQL queue. See docs/runbooks/dead-letter-replay.md.",
+        "Replays publish to the queue (JOBFENCE_QUEUE_URL or --queue-url; a broker's through the "
+        "outbox). See docs/runbooks/dead-letter-replay.md.",
     )
     commands = group.add_subparsers(
         dest="dead_letters_command",
@@ -211,6 +213,7 @@ def add_parser(sub: Any) -> None:
     p = commands.add_parser("replay", help="republish one pending dead letter (same job_id)")
     p.add_argument("id", type=_dead_letter_id, metavar="ID")
     _add_actor(p)
+    add_queue_url_option(p)
     p.add_argument("--json", action="store_true", help="one JSON document")
     p.set_defaults(func=_guarded(_cmd_replay))
 
@@ -239,6 +242,7 @@ def add_parser(sub: Any) -> None:
         "--resume", type=_run_id, metavar="RUN_ID", help="finish an interrupted run (no filters)"
     )
     _add_actor(p)
+    add_queue_url_option(p)
     p.add_argument("--json", action="store_true", help="one JSON document with the final result")
     p.set_defaults(func=_guarded(_cmd_replay_bulk))
 
@@ -541,17 +545,14 @@ def _request_error(exc: ValueError) -> InvalidRequest:
 
 
 async def _cmd_replay(args: argparse.Namespace) -> int:
-    from jobfence.adapters.pg_queue import PgQueue
+    from jobfence.queues import queue_from_env
 
     actor = _actor(args)
-    async with _pool() as pool:
-        queue = PgQueue(pool)
+    async with _pool() as pool, queue_from_env(pool) as queue:
         try:
             result = await ops.replay(pool, queue, args.id, actor=actor)
         except ValueError as exc:  # a blank actor
             raise _request_error(exc) from None
-        finally:
-            await queue.close()
     m = result.message
     if args.json:
         _print_json(
@@ -621,7 +622,7 @@ async def _failed_items(pool: AsyncConnectionPool[Any], run_id: int) -> list[ops
 
 
 async def _cmd_replay_bulk(args: argparse.Namespace) -> int:
-    from jobfence.adapters.pg_queue import PgQueue
+    from jobfence.queues import queue_from_env
 
     flt = _filter(args)
     if args.resume is not None:
@@ -643,7 +644,9 @@ async def _cmd_replay_bulk(args: argparse.Namespace) -> int:
         ops.check_bulk_selection(flt, select_all=args.select_all)
     max_items = ops.DEFAULT_BULK_MAX if args.max_items is None else args.max_items
     actor = _actor(args)
-    async with _pool() as pool:
+    async with _pool() as pool, contextlib.AsyncExitStack() as stack:
+        if not args.dry_run:  # a bad or unreachable queue is refused before a run starts
+            queue = await stack.enter_async_context(queue_from_env(pool))
         if args.dry_run:
             matching = await ops.start_bulk_replay(
                 pool,
@@ -679,13 +682,9 @@ async def _cmd_replay_bulk(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
-        queue = PgQueue(pool)
-        try:
-            final = await ops.run_bulk_replay(
-                pool, queue, run.id, actor=actor, on_progress=_print_progress
-            )
-        finally:
-            await queue.close()
+        final = await ops.run_bulk_replay(
+            pool, queue, run.id, actor=actor, on_progress=_print_progress
+        )
         failed = await _failed_items(pool, run.id)
     unfinished = final.counts["pending"] > 0
     if args.json:

@@ -19,6 +19,10 @@ EMBEDDED = "embedded"
 EXAMPLE_DATABASE_URL = "postgresql://user@127.0.0.1:5432/dbname"
 
 
+# The queue (``jobfence.queues``): unset for the PostgreSQL queue, else a broker's URL.
+ENV_QUEUE_URL = "JOBFENCE_QUEUE_URL"
+
+
 def database_url_from_env(environ: Mapping[str, str] | None = None) -> str | None:
     """The value of JOBFENCE_DATABASE_URL (a libpq URL, or ``embedded``), or None when it is
     unset or blank."""
@@ -163,7 +167,8 @@ def secrets_from_env(environ: Mapping[str, str] | None = None) -> list[str]:
     """Values that must never appear in a log line: every ``JOBFENCE_*`` variable whose name
     says TOKEN, SECRET or PASSWORD (``JOBFENCE_BETTERSTACK_TOKEN``, ``JOBFENCE_JWT_SECRET``...),
     the ``JOBFENCE_*_HEARTBEAT_URL`` values (the URL carries the heartbeat's token),
-    ``PGPASSWORD``, and the password in ``JOBFENCE_DATABASE_URL`` as written and decoded."""
+    ``PGPASSWORD``, and the passwords in ``JOBFENCE_DATABASE_URL`` and ``JOBFENCE_QUEUE_URL``
+    as written and decoded."""
     from jobfence.db import url_passwords  # db imports this module
 
     env = os.environ if environ is None else environ
@@ -183,6 +188,11 @@ def secrets_from_env(environ: Mapping[str, str] | None = None) -> list[str]:
     url = database_url_from_env(env)
     if url is not None:
         found.extend(url_passwords(url))
+    queue_url = env.get(ENV_QUEUE_URL, "").strip()
+    if queue_url:
+        from jobfence.queues import _passwords  # queues imports this module's callers
+
+        found.extend(_passwords(queue_url))
     return found
 
 

@@ -11,6 +11,7 @@ from psycopg import AsyncConnection, AsyncCursor
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
+from jobfence import outbox
 from jobfence.codec import PAYLOAD_MESSAGE, original_body, original_message
 from jobfence.errors import DeadLetterConflict, DeadLetterNotFound, DeadLetterNotReplayable
 from jobfence.harness import SQL
@@ -127,15 +128,15 @@ async def replay_dead_letter(
     moved to replayed without republishing: the fence would skip the job anyway.
 
     With a transactional queue (the PostgreSQL one) the publish and the transition commit
-    together. With an external broker the publish happens inside the transaction that makes
-    the transition, before its COMMIT: a publish that fails leaves the row ``pending_review``;
-    a crash after the publish and before the COMMIT may publish twice, which the fence
-    absorbs.
+    together. With an external broker the message is written to the outbox
+    (:mod:`jobfence.outbox`) in the transaction that makes the transition: both commit or
+    neither does, so a dead letter is never ``replayed`` without its message on its way; the
+    outbox relay publishes it after the commit (at least once; the fence absorbs a repeat).
     """
     _check_actor(resolved_by)
     params = {"id": dead_letter_id, "resolved_by": resolved_by}
-    # The status changes first and commits with the publish: three round trips (BEGIN with the
-    # UPDATE, the publish, COMMIT). A publish that fails rolls the change back.
+    # The status changes first and commits with the publish (or the outbox row): three round
+    # trips (BEGIN with the UPDATE, the publish, COMMIT). A publish that fails rolls it back.
     async with (
         pool.connection() as conn,
         begin_with(conn, SQL["dead_letter_claim_replay"], params) as cur,
@@ -148,8 +149,17 @@ async def replay_dead_letter(
         message = replay_message(record)
         published = not record["fenced"]
         if published:
-            await queue.publish(message, tx=conn if queue.capabilities.transactional else None)
+            await publish_with(conn, queue, message)
     return ReplayResult(dead_letter_id=dead_letter_id, message=message, published=published)
+
+
+async def publish_with(conn: AsyncConnection[Any], queue: QueuePort, message: Message) -> None:
+    """A replay's publish inside the transaction on ``conn`` that marks its dead letter
+    ``replayed``: on the queue itself when it is transactional, else as an outbox row."""
+    if queue.capabilities.transactional:
+        await queue.publish(message, tx=conn)
+    else:
+        await outbox.write(conn, message)
 
 
 async def discard_dead_letter(

@@ -16,13 +16,18 @@ import uuid
 from typing import Any
 
 from psycopg import AsyncConnection
+from psycopg_pool import AsyncConnectionPool
 from pydantic import BaseModel, Field
 
 from jobfence import db
-from jobfence.adapters.pg_queue import PgQueue, publish_on
+from jobfence.adapters.pg_queue import PgQueue
 from jobfence.adapters.prometheus import PrometheusMetrics
 from jobfence.app import App
 from jobfence.model import JobMeta, Message
+from jobfence.outbox import OutboxRelaySettings
+from jobfence.ports import QueuePort
+from jobfence.producer import publish_async
+from jobfence.queues import QueueTarget, adopt_queue, open_queue, parse_queue_url
 from jobfence.retry import RetryPolicy
 from jobfence.schema import migrate
 from jobfence.worker import Worker
@@ -130,7 +135,7 @@ async def _enqueue(
             correlation_id=f"{run}:doomed",
         )
         # A poison payload: points is not a number. Published raw, as a buggy producer would.
-        await publish_on(
+        await publish_async(
             conn,
             Message(
                 queue=QUEUE,
@@ -148,8 +153,35 @@ async def _enqueue(
     }
 
 
-async def run_demo(*, jobs: int = 200, duplicates: int = 50, out: Any = None) -> int:
+async def _open_queue(
+    target: QueueTarget, pool: AsyncConnectionPool[Any], conn: AsyncConnection[Any], out: Any
+) -> QueuePort:
+    """The demo's queue, emptied of an earlier run's jobs: the PostgreSQL one polled often (the
+    retries are seconds apart), or the broker, checked against the database's setting."""
+    await conn.execute("DELETE FROM jobfence_queue.messages WHERE queue = %s", (QUEUE,))
+    await conn.execute("DELETE FROM jobfence.outbox WHERE queue = %s", (QUEUE,))
+    await conn.commit()
+    print(f"queue: {target.describe()}", file=out)
+    queue = (
+        await open_queue(target, pool)
+        if target.external
+        else PgQueue(pool, poll_interval_seconds=0.1)
+    )
+    try:
+        await adopt_queue(conn, target)
+    except BaseException:
+        await queue.close()
+        raise
+    return queue
+
+
+async def run_demo(
+    *, jobs: int = 200, duplicates: int = 50, out: Any = None, queue_url: str | None = None
+) -> int:
+    """Run the demo on the PostgreSQL queue, or on the broker ``queue_url`` names (then the
+    jobs go through the outbox, published by the worker's relay)."""
     out = out or sys.stdout
+    target = parse_queue_url(queue_url)
     # The demo alone uses the embedded PostgreSQL when JOBFENCE_DATABASE_URL is unset (and
     # logs where, before the level below hides jobfence's INFO lines).
     url = db.resolve_database_url(embedded_when_unset=True)
@@ -160,12 +192,13 @@ async def run_demo(*, jobs: int = 200, duplicates: int = 50, out: Any = None) ->
     run = f"demo-{uuid.uuid4().hex[:8]}"
     app = build_app()
     metrics = PrometheusMetrics()
+    opened: list[QueuePort] = []
     try:
         async with pool.connection() as conn:
             applied = await migrate(conn)
             print(f"migrations applied: {len(applied)}", file=out)
             await conn.execute(DEMO_SCHEMA)
-            await conn.execute("DELETE FROM jobfence_queue.messages WHERE queue = %s", (QUEUE,))
+            opened.append(queue := await _open_queue(target, pool, conn, out))
             await conn.execute(
                 "INSERT INTO jobfence_demo.accounts (id) SELECT generate_series(1, %s)"
                 " ON CONFLICT DO NOTHING",
@@ -181,8 +214,15 @@ async def run_demo(*, jobs: int = 200, duplicates: int = 50, out: Any = None) ->
             file=out,
         )
 
-        queue = PgQueue(pool, poll_interval_seconds=0.1)
-        worker = Worker(app, pool, queue, concurrency=4, poll_seconds=0.1, metrics=metrics)
+        worker = Worker(
+            app,
+            pool,
+            queue,
+            concurrency=4,
+            poll_seconds=0.1,
+            metrics=metrics,
+            outbox_settings=OutboxRelaySettings(poll_seconds=0.1),
+        )
         started = time.perf_counter()
         task = asyncio.create_task(worker.run(until="empty"))
         while not task.done():
@@ -197,7 +237,6 @@ async def run_demo(*, jobs: int = 200, duplicates: int = 50, out: Any = None) ->
                 file=out,
             )
         await task
-        await queue.close()
         elapsed = time.perf_counter() - started
 
         async with pool.connection() as conn:
@@ -219,6 +258,8 @@ async def run_demo(*, jobs: int = 200, duplicates: int = 50, out: Any = None) ->
             )
             dead = await cur.fetchall()
     finally:
+        for each in opened:
+            await each.close()
         await pool.close()
 
     s = worker.stats.outcomes

@@ -2,10 +2,12 @@
 
 Every producer path is two steps. First the message is built, in one place per path:
 :meth:`jobfence.App.message` when the payload's schema is known, :func:`build_message` when only
-the consumer's name is. Then the one named query ``publish`` of ``adapters/pg_queue.sql`` runs
-on the caller's connection, never committing it: :func:`jobfence.adapters.pg_queue.publish_on`
-for a psycopg ``AsyncConnection`` (:func:`publish_async` also takes SQLAlchemy's asyncio
-sessions), :func:`publish_sync` for a sync one. There is no second, sync core: a sync producer
+the consumer's name is. Then the one named query ``produce`` of ``sql/outbox.sql`` runs on
+the caller's connection, never committing it: :func:`publish_async` for a psycopg
+``AsyncConnection`` or SQLAlchemy's asyncio sessions, :func:`publish_sync` for a sync one. That
+query is where the queue is chosen: it writes the PostgreSQL queue's row, or, when this
+database's queue is an external broker (``jobfence.settings``), the outbox row the relay
+publishes after the commit (:mod:`jobfence.outbox`). There is no second, sync core: a sync producer
 differs only in how it hands the same statement to its driver.
 
 Sync connections accepted: ``psycopg.Connection``; a psycopg2 connection (``jobfence[psycopg2]``);
@@ -27,11 +29,12 @@ from psycopg import AsyncConnection
 from pydantic import BaseModel
 from pydantic_core import PydanticSerializationError
 
-from jobfence.adapters.pg_queue import SQL, publish_on, publish_params, require_async_connection
+from jobfence.adapters.pg_queue import publish_params, require_async_connection
 from jobfence.codec import encode_payload, payload_problem
 from jobfence.errors import ConfigError, JobRefused
 from jobfence.limits import identifiers_problem
 from jobfence.model import Message
+from jobfence.outbox import SQL
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncConnection as SAAsyncConnection
@@ -102,11 +105,12 @@ def require_async_target(conn: object) -> None:
 
 
 async def publish_async(conn: AsyncTarget, message: Message, *, delay_seconds: float = 0.0) -> None:
-    """Insert ``message`` on an async connection without committing it (the ``publish`` query):
-    a psycopg ``AsyncConnection``, or a SQLAlchemy ``AsyncSession`` or ``AsyncConnection`` on
-    the psycopg driver. Anything else raises ``TypeError`` before a statement runs."""
+    """Insert ``message`` on an async connection without committing it (the ``produce`` query:
+    the queue row, or the outbox row when the queue is external): a psycopg
+    ``AsyncConnection``, or a SQLAlchemy ``AsyncSession`` or ``AsyncConnection`` on the psycopg
+    driver. Anything else raises ``TypeError`` before a statement runs."""
     if isinstance(conn, AsyncConnection):
-        await publish_on(conn, message, delay_seconds=delay_seconds)
+        await conn.execute(SQL["produce"], publish_params(message, delay_seconds))
         return
     require_async_target(conn)
     sa_conn: Any = conn
@@ -114,22 +118,22 @@ async def publish_async(conn: AsyncTarget, message: Message, *, delay_seconds: f
         sa_conn = await sa_conn.connection()  # the AsyncConnection of the session's transaction
     _require_sqlalchemy_driver(sa_conn, "enqueue")
     # Through SQLAlchemy, so that its transaction begins and covers the job (see publish_sync).
-    await sa_conn.exec_driver_sql(SQL.text("publish"), publish_params(message, delay_seconds))
+    await sa_conn.exec_driver_sql(SQL.text("produce"), publish_params(message, delay_seconds))
 
 
 def publish_sync(conn: object, message: Message, *, delay_seconds: float = 0.0) -> None:
-    """Insert ``message`` on a sync connection without committing it (the ``publish`` query).
+    """Insert ``message`` on a sync connection without committing it (the ``produce`` query).
 
     The job exists exactly when the caller's transaction commits. A connection of any other
     kind is refused with a ``TypeError`` before a statement runs.
     """
     params = publish_params(message, delay_seconds)
     if isinstance(conn, psycopg.Connection):
-        conn.execute(SQL["publish"], params)
+        conn.execute(SQL["produce"], params)
         return
     if _is_psycopg2(conn):
         with conn.cursor() as cur:  # type: ignore[attr-defined]
-            cur.execute(SQL.text("publish"), params)
+            cur.execute(SQL.text("produce"), params)
         return
     sa_conn = _sqlalchemy_connection(conn)
     if sa_conn is not None:
@@ -137,7 +141,7 @@ def publish_sync(conn: object, message: Message, *, delay_seconds: float = 0.0) 
         # Through SQLAlchemy, so that its own transaction begins (autobegin) and its commit or
         # rollback covers the job; a statement run behind its back on the DBAPI connection
         # would be rolled back when the connection returns to the pool.
-        sa_conn.exec_driver_sql(SQL.text("publish"), params)
+        sa_conn.exec_driver_sql(SQL.text("produce"), params)
         return
     if isinstance(conn, AsyncConnection):
         raise TypeError(

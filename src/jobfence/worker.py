@@ -26,6 +26,13 @@ from jobfence.harness import (
 )
 from jobfence.model import Delivery
 from jobfence.outage_log import PSYCOPG_LOGGERS, OutageLog, reason
+from jobfence.outbox import (
+    OutboxMetricsSink,
+    OutboxRelay,
+    OutboxRelaySettings,
+    OutboxRelayStats,
+    outbox_counts,
+)
 from jobfence.ports import MetricsSink, QueuePort
 from jobfence.schema import autovacuum_warning, ensure_migrated
 from jobfence.sync import PsycopgRunner, SyncExecutor, SyncTransactionRunner
@@ -57,6 +64,9 @@ class Worker:
     most ``ack_delay_seconds`` late (see :mod:`jobfence.acks`).
     ``run(until="idle")`` returns when nothing is due, ``until="empty"`` when the queues hold
     nothing at all (scheduled retries included), and the default runs until :meth:`stop`.
+    On a queue that is not transactional (a broker), the worker also runs the outbox relay
+    (:mod:`jobfence.outbox`; one active per database, the others stand by) unless
+    ``outbox_relay=False``; ``until`` then also waits for the outbox to be published.
 
     Consumers with a plain ``def`` handler run their transactions in ``concurrency`` threads,
     through ``sync_runner`` (:class:`~jobfence.sync.SyncTransactionRunner`); without one, the
@@ -80,6 +90,9 @@ class Worker:
         ack_delay_seconds: float = 0.1,
         metrics: MetricsSink | None = None,
         rng: random.Random | None = None,
+        outbox_relay: bool = True,
+        outbox_metrics: OutboxMetricsSink | None = None,
+        outbox_settings: OutboxRelaySettings | None = None,
         sync_runner: SyncTransactionRunner | None = None,
     ) -> None:
         if concurrency < 1:
@@ -129,6 +142,19 @@ class Worker:
         self._outage = asyncio.Event()
         self._outage_log = OutageLog(log)
         self._fetch_failures = 0
+        # On a queue outside the database, producers write the outbox: the worker runs its
+        # relay too (one active per database, the others stand by).
+        self.outbox_relay: OutboxRelay | None = None
+        if outbox_relay and not queue.capabilities.transactional:
+            if not isinstance(pool.conninfo, str):
+                raise ConfigError(
+                    "the outbox relay needs a pool whose conninfo is a string; pass"
+                    " outbox_relay=False and run jobfence outbox-relay instead"
+                )
+            self.outbox_relay = OutboxRelay(
+                pool.conninfo, queue, settings=outbox_settings, metrics=outbox_metrics
+            )
+        self._relay_task: asyncio.Task[OutboxRelayStats] | None = None
 
     def stop(self, *, now: bool = False) -> None:
         """Ask the worker to finish in-flight jobs (for up to ``shutdown_grace_seconds``), give
@@ -195,15 +221,41 @@ class Worker:
                 asyncio.create_task(self._process_loop(), name=f"jobfence-processor-{i}")
                 for i in range(self.concurrency)
             ]
+            if self.outbox_relay is not None:
+                self._relay_task = asyncio.create_task(
+                    self.outbox_relay.run(), name="jobfence-outbox-relay"
+                )
             try:
                 await self._fetch_loop(until)
             finally:
-                await self._shutdown(processors)
+                try:
+                    await self._shutdown(processors)
+                finally:
+                    await self._stop_relay()
         finally:
             for logger in psycopg_logs:
                 logger.removeFilter(self._outage_log)
             await self._close_sync(own_runner)
         return self.stats
+
+    async def _stop_relay(self) -> None:
+        if self.outbox_relay is None or self._relay_task is None:
+            return
+        self.outbox_relay.stop()
+        try:
+            await self._relay_task
+        except Exception:
+            log.exception("the outbox relay stopped with an error")
+        self._relay_task = None
+
+    async def _outbox_holds(self, until: RunUntil) -> bool:
+        """Whether this worker's outbox relay still has rows to publish (any for ``empty``,
+        due ones for ``idle``): a worker on an external queue is not done before them."""
+        if self.outbox_relay is None:
+            return False
+        async with self._pool.connection() as conn:
+            counts = await outbox_counts(conn)
+        return (counts.waiting if until == "empty" else counts.due) > 0
 
     async def _open_sync(self) -> PsycopgRunner | None:
         """The sync executor for consumers with a ``def`` handler, when the queues have any;
@@ -279,7 +331,15 @@ class Worker:
         self._fetch_failures = 0
         if self._busy or self._buffer.qsize():
             return False
-        return size.due == 0 if until == "idle" else size.total == 0
+        if not (size.due == 0 if until == "idle" else size.total == 0):
+            return False
+        if self._relay_task is not None and self._relay_task.done():
+            self._relay_task.result()  # the relay stopped for good (an unmigrated database)
+        try:
+            return not await self._outbox_holds(until)
+        except Exception as exc:
+            await self._queue_failed("count the outbox", exc)
+            return False
 
     async def _queue_failed(self, doing: str, exc: Exception) -> None:
         """Back off on every queue failure, so a lasting error (a permission revoked, a table

@@ -403,3 +403,31 @@ class NatsQueue:
         if self._nc is not None:
             with contextlib.suppress(Exception):
                 await self._nc.close()
+
+
+async def open_queue(url: str) -> NatsQueue:
+    """The factory ``JOBFENCE_QUEUE_URL=nats://...`` uses (``jobfence.queues``): the adapter,
+    connected to JetStream with its stream, so a bad or unreachable URL fails here.
+
+    A first connection without reconnects checks that a server answers: the client would
+    otherwise keep retrying (and logging each failure) for minutes."""
+
+    async def quiet(exc: Exception) -> None:
+        return None
+
+    probe = await nats.connect(
+        url.split(","),
+        name="jobfence",
+        allow_reconnect=False,
+        connect_timeout=5,
+        max_reconnect_attempts=0,
+        error_cb=quiet,
+    )
+    await probe.close()
+    queue = NatsQueue(url)
+    try:
+        await queue._jetstream()
+    except BaseException:
+        await queue.close()
+        raise
+    return queue

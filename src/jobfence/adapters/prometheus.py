@@ -228,3 +228,47 @@ class PrometheusAlertMetrics:
 
     def alerts_pending(self, count: int) -> None:
         self.pending.set(count)
+
+
+class PrometheusOutboxMetrics:
+    """The outbox relay's metrics (a :class:`~jobfence.outbox.OutboxMetricsSink`).
+
+    ``jobfence_outbox_published_total`` counts messages the broker confirmed;
+    ``jobfence_outbox_failed_total`` counts failed publishes (each is retried: the row stays);
+    ``jobfence_outbox_waiting`` is how many rows wait in the outbox (scheduled ones included)
+    and ``jobfence_outbox_oldest_age_seconds`` the age of the oldest (0 when empty), as the
+    active relay last saw them.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.published = Counter(
+            "jobfence_outbox_published",
+            "Outbox messages published to the queue and confirmed by it.",
+            registry=self.registry,
+        )
+        self.failed = Counter(
+            "jobfence_outbox_failed",
+            "Failed publishes of outbox messages (each stays in the outbox and is retried).",
+            registry=self.registry,
+        )
+        self.waiting = Gauge(
+            "jobfence_outbox_waiting",
+            "Messages waiting in the outbox, scheduled ones included.",
+            registry=self.registry,
+        )
+        self.oldest_age = Gauge(
+            "jobfence_outbox_oldest_age_seconds",
+            "Age of the oldest message waiting in the outbox, in seconds (0 when empty).",
+            registry=self.registry,
+        )
+
+    def outbox_published(self, count: int) -> None:
+        self.published.inc(count)
+
+    def outbox_failed(self) -> None:
+        self.failed.inc()
+
+    def outbox_waiting(self, count: int, oldest_age_seconds: float) -> None:
+        self.waiting.set(count)
+        self.oldest_age.set(oldest_age_seconds)

@@ -409,3 +409,15 @@ class RabbitMQQueue:
         if self._conn is not None:
             with contextlib.suppress(Exception):
                 await self._conn.close()
+
+
+async def open_queue(url: str) -> RabbitMQQueue:
+    """The factory ``JOBFENCE_QUEUE_URL=amqp://...`` uses (``jobfence.queues``): the adapter,
+    connected (with its confirming channel), so a bad or unreachable URL fails here."""
+    queue = RabbitMQQueue(url)
+    try:
+        await queue._open_channel()
+    except BaseException:
+        await queue.close()
+        raise
+    return queue

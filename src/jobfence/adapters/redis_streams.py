@@ -467,3 +467,15 @@ class RedisStreamsQueue:
 def _pairs(raw: Sequence[Any]) -> dict[bytes, bytes]:
     """A flat [field, value, ...] list from Lua as a dict."""
     return {bytes(raw[i]): bytes(raw[i + 1]) for i in range(0, len(raw), 2)}
+
+
+async def open_queue(url: str) -> RedisStreamsQueue:
+    """The factory ``JOBFENCE_QUEUE_URL=redis://...`` uses (``jobfence.queues``): the adapter,
+    with the server answering a PING, so a bad or unreachable URL fails here."""
+    queue = RedisStreamsQueue(url)
+    try:
+        await queue._redis.ping()
+    except BaseException:
+        await queue.close()
+        raise
+    return queue

@@ -19,7 +19,7 @@ import signal
 import socket
 import sys
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.synchronize import Event
 
 from jobfence import db, runtime, schema
@@ -43,6 +43,9 @@ class ServeOptions:
     item_cache_mb: int = 64
     workers: int = 1
     access_log: bool = True
+    # Where replays publish (jobfence.queues): None for the PostgreSQL queue. May hold a
+    # password: never in repr.
+    queue_url: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not 1 <= self.workers <= MAX_WORKERS:
@@ -64,8 +67,8 @@ async def serve(
     else on ``options.host``/``options.port``. ``ready`` is set once it accepts requests."""
     import uvicorn
 
-    from jobfence.adapters.pg_queue import PgQueue
     from jobfence.api import ApiSettings, create_app
+    from jobfence.queues import open_queue, parse_queue_url
 
     # The verifying key first: without one the API refuses to start, before any database work.
     settings = ApiSettings.from_env(
@@ -82,11 +85,16 @@ async def serve(
         large_reads=True,
         lend_checked=True,
     )
-    queue = PgQueue(pool)
+    try:
+        queue = await open_queue(parse_queue_url(options.queue_url), pool)
+    except BaseException:
+        await pool.close()
+        raise
     try:
         if sock is None:
             async with pool.connection() as conn:
                 await schema.ensure_migrated(conn)
+                await _adopt(conn, options)
         app = create_app(pool=pool, queue=queue, settings=settings)
         # log_config=None: uvicorn's lines go through the handlers configured in main().
         port = options.port if sock is None else sock.getsockname()[1]
@@ -118,6 +126,16 @@ async def serve(
         await queue.close()
         await pool.close()
     return 0
+
+
+async def _adopt(conn: object, options: ServeOptions) -> None:
+    """Replays publish where this database's jobs go (see jobfence.queues.adopt_queue)."""
+    from psycopg import AsyncConnection
+
+    from jobfence.queues import adopt_queue, parse_queue_url
+
+    assert isinstance(conn, AsyncConnection)
+    await adopt_queue(conn, parse_queue_url(options.queue_url))
 
 
 def _address(host: str, port: int) -> tuple[socket.AddressFamily, tuple[str, int]]:
@@ -171,14 +189,18 @@ async def serve_workers(
     """Run ``options.workers`` worker processes on one port until SIGTERM or SIGINT (then
     stop them gracefully, status 0) or until one of them exits (stop the others, status 1)."""
     from jobfence.api import ApiSettings
+    from jobfence.queues import open_queue, parse_queue_url
 
     ApiSettings.from_env(bulk_chunk_size=options.bulk_chunk_size)  # refuse a bad key now
     url = db.resolve_database_url()
     await db.check_connection(url)
     pool = await db.open_pool(url, max_size=1, name="jobfence-api-start")
     try:
+        # A bad or unreachable queue is refused here, before any worker starts.
+        await (await open_queue(parse_queue_url(options.queue_url), pool)).close()
         async with pool.connection() as conn:
             await schema.ensure_migrated(conn)
+            await _adopt(conn, options)
     finally:
         await pool.close()
     # Bound, never listening: it holds the port (the one chosen, for port 0) while the

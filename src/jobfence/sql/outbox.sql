@@ -1,0 +1,90 @@
+-- Named queries of the transactional outbox (jobfence.outbox): what producers write when the
+-- queue is external, what the relay takes, publishes and deletes, and the queue setting.
+-- %(now)s is a clock for tests, NULL for the database's own (the PgQueue convention).
+
+-- name: produce
+-- What every producer runs (App.enqueue, enqueue_sync, Producer), on the caller's connection,
+-- never committing it: the queue row (with the NOTIFY that wakes workers at commit) when this
+-- database's queue is PostgreSQL, the outbox row (waking the relay) when it is external. One
+-- statement, so that it waits for jobfence.set_queue's lock before reading the setting.
+WITH target AS (
+    SELECT s.queue_kind <> 'postgresql' AS external FROM jobfence.settings s
+), queued AS (
+    INSERT INTO jobfence_queue.messages (
+        queue, consumer, job_id, body, tenant_id, correlation_id, run_at
+    )
+    SELECT %(queue)s::text, %(consumer)s::text, %(job_id)s::text, %(body)s::bytea,
+           %(tenant_id)s::text, %(correlation_id)s::text,
+           coalesce(%(now)s::timestamptz, now()) + %(delay)s::interval
+    FROM target WHERE NOT target.external
+    RETURNING id, pg_notify('jobfence_queue', queue)
+), outboxed AS (
+    INSERT INTO jobfence.outbox (
+        queue, consumer, job_id, body, tenant_id, correlation_id, due_at
+    )
+    SELECT %(queue)s::text, %(consumer)s::text, %(job_id)s::text, %(body)s::bytea,
+           %(tenant_id)s::text, %(correlation_id)s::text,
+           coalesce(%(now)s::timestamptz, now()) + %(delay)s::interval
+    FROM target WHERE target.external
+    RETURNING id, pg_notify('jobfence_outbox', '')
+)
+SELECT id FROM queued UNION ALL SELECT id FROM outboxed;
+
+-- name: outbox_insert
+-- An outbox row whatever the setting: a replay's republish when the queue is external, or a
+-- message an adapter schedules (a delayed retry on a broker without native delay).
+INSERT INTO jobfence.outbox (queue, consumer, job_id, body, tenant_id, correlation_id, due_at)
+VALUES (
+    %(queue)s, %(consumer)s, %(job_id)s, %(body)s, %(tenant_id)s, %(correlation_id)s,
+    coalesce(%(now)s::timestamptz, now()) + %(delay)s::interval
+)
+RETURNING id, pg_notify('jobfence_outbox', '');
+
+-- name: outbox_take
+-- The relay's next due rows, oldest first, locked until its transaction ends (a relay that
+-- dies releases them; the next one publishes them again).
+SELECT id, queue, consumer, job_id, body, tenant_id, correlation_id, attempts
+FROM jobfence.outbox
+WHERE due_at <= coalesce(%(now)s::timestamptz, now())
+ORDER BY due_at, id
+LIMIT %(limit)s
+FOR UPDATE SKIP LOCKED;
+
+-- name: outbox_delete_sent
+-- Rows the broker confirmed: gone, so the table never grows with history.
+DELETE FROM jobfence.outbox WHERE id = ANY(%(ids)s::bigint[]);
+
+-- name: outbox_mark_failed
+-- A publish that failed: the row stays, due again after the relay's backoff.
+UPDATE jobfence.outbox
+SET attempts = attempts + 1, last_error = %(error)s,
+    due_at = coalesce(%(now)s::timestamptz, now())
+             + make_interval(secs => %(delay_seconds)s::double precision)
+WHERE id = %(id)s;
+
+-- name: outbox_counts
+-- For metrics: rows waiting (due or not) and the age of the oldest, by the database clock.
+SELECT count(*) AS waiting,
+       coalesce(extract(epoch FROM (coalesce(%(now)s::timestamptz, now()) - min(created_at))),
+                0)::double precision AS oldest_age_seconds,
+       count(*) FILTER (WHERE due_at <= coalesce(%(now)s::timestamptz, now())) AS due
+FROM jobfence.outbox;
+
+-- name: outbox_next_due
+-- Seconds until the next row falls due (NULL: the outbox is empty).
+SELECT extract(epoch FROM (min(due_at) - coalesce(%(now)s::timestamptz, now())))::double precision
+FROM jobfence.outbox;
+
+-- name: outbox_try_lock
+-- One relay publishes at a time per database (a session lock on its own connection).
+SELECT pg_try_advisory_lock(%(key)s::bigint);
+
+-- name: outbox_unlock
+SELECT pg_advisory_unlock(%(key)s::bigint);
+
+-- name: queue_setting
+SELECT queue_kind, queue_location FROM jobfence.settings;
+
+-- name: queue_set
+-- Switches where jobs go (see jobfence.set_queue in migration 0013); returns the kind before.
+SELECT jobfence.set_queue(%(kind)s::text, %(location)s::text);
