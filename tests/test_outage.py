@@ -10,9 +10,11 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg_pool import AsyncConnectionPool
+from pydantic import BaseModel
 
 import pointsapp
-from jobfence import PgQueue, PrometheusMetrics, Worker
+from jobfence import App, JobMeta, PgQueue, PrometheusMetrics, Worker
+from jobfence.model import Delivery
 from support import job_groups, scalar, wait_until
 
 JOBS = 40
@@ -62,6 +64,79 @@ async def test_database_connections_killed_mid_run_lose_no_job_and_burn_no_retry
     assert metrics.count("retried") == 0
     assert metrics.count("dead_lettered") == 0
     assert job_groups(metrics, "committed") >= (1 if jobs_per_transaction > 1 else 0)
+
+
+class Step(BaseModel):
+    pass
+
+
+async def test_a_job_lost_while_recovery_gives_back_the_others_is_given_back_too(
+    pool: AsyncConnectionPool[Any],
+    conn: psycopg.AsyncConnection[Any],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Two running jobs lose their connections, the second only once recovery has begun giving
+    back the first (a processor that finds out late its connection was cut). The second is
+    given back too, at once: it does not wait out its lease, nor burn a delivery."""
+    await conn.execute(pointsapp.SCHEMA_SQL)
+    caplog.set_level(logging.INFO, logger="jobfence.worker")
+    second_running = asyncio.Event()
+    giving_back = asyncio.Event()
+    cut: set[str] = set()
+    runs: list[tuple[str, int]] = []
+    app = App()
+
+    @app.consumer("step", queue="steps", schema=Step)
+    async def step(payload: Step, job: JobMeta, tx: psycopg.AsyncConnection[Any]) -> None:
+        if job.job_id not in cut:
+            cut.add(job.job_id)
+            if job.job_id == "first":
+                await second_running.wait()
+            else:
+                second_running.set()
+                await giving_back.wait()  # lost only once recovery gives "first" back
+            await tx.execute("SELECT pg_terminate_backend(pg_backend_pid())")
+        runs.append((job.job_id, job.attempt))
+        await tx.execute(
+            "INSERT INTO public.awards (job_id, account_id, points) VALUES (%s, 1, 1)",
+            (job.job_id,),
+        )
+
+    class GivingBackSlowly(PgQueue):
+        async def release(self, delivery: Delivery) -> None:
+            if not giving_back.is_set():
+                giving_back.set()
+
+                async def second_lost() -> bool:
+                    return worker.running == 0
+
+                await wait_until(second_lost, message="the second job to be lost")
+            await super().release(delivery)
+
+    async with conn.transaction():
+        for job_id in ("first", "second"):
+            await app.enqueue(conn, "step", {}, job_id=job_id)
+    metrics = PrometheusMetrics()
+    queue = GivingBackSlowly(pool, poll_interval_seconds=0.1)
+    worker = Worker(app, pool, queue, concurrency=2, poll_seconds=0.1, metrics=metrics)
+    run = asyncio.create_task(worker.run(until="empty"))
+    done, _ = await asyncio.wait({run}, timeout=20)
+    if not done:
+        worker.stop(now=True)
+        await asyncio.wait_for(run, timeout=10)
+        await queue.close()
+        pytest.fail("the worker never finished: the job lost during recovery stayed leased")
+    stats = run.result()
+    await queue.close()
+
+    assert sorted(runs) == [("first", 1), ("second", 1)]  # no delivery burnt
+    assert await scalar(conn, "SELECT count(*) FROM awards") == 2
+    assert await scalar(conn, "SELECT count(*) FROM core.processed_jobs") == 2
+    assert await scalar(conn, "SELECT count(*) FROM jobfence_queue.messages") == 0
+    assert stats.released == 2
+    assert metrics.count("retried") == 0
+    backs = [r.getMessage() for r in caplog.records if "database back" in r.getMessage()]
+    assert len(backs) == 1 and "2 job(s) released" in backs[0], backs
 
 
 async def test_a_lasting_fetch_error_backs_off_instead_of_spinning_and_recovers(

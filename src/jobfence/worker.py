@@ -526,8 +526,14 @@ class Worker:
         self._room.set()
 
     async def _recover(self) -> None:
-        """D7: the database is unreachable. Pause, probe, then give back what we held."""
+        """D7: the database is unreachable. Pause, probe, then give back what we held.
+
+        A processor may still lose its job while the held ones are given back (its connection
+        was cut with the others, and it finds out only now): that job is held again and the
+        outage flag set again, so recovery goes round once more and gives it back too, instead
+        of leaving it leased until its lease runs out."""
         backoff = 0.5
+        released = self.stats.released
         while not self._stopping.is_set():
             self._drain_buffer_to_unreleased()
             try:
@@ -538,13 +544,13 @@ class Worker:
                 await self._wait_or_stop(asyncio.sleep(backoff), None)
                 backoff = min(backoff * 2, 30.0)
                 continue
-            break
-        if self._stopping.is_set():
-            return  # shutdown releases what is held, as far as the database lets it
-        released = self.stats.released
-        await self._release_held()
-        self._outage.clear()
-        self._outage_log.back(self.stats.released - released)
+            # Cleared before giving back, not after: a job lost from now on sets it again.
+            self._outage.clear()
+            await self._release_held()
+            if not self._outage.is_set():
+                self._outage_log.back(self.stats.released - released)
+                return
+        self._outage.set()  # stopping: shutdown releases what is held, as far as it can
 
     def _drain_buffer_to_unreleased(self) -> None:
         while True:
