@@ -99,10 +99,11 @@ async def test_a_retry_whose_copy_cannot_be_published_gives_the_original_back(
 
 async def test_acks_sent_just_before_close_are_applied_and_none_come_back(amqp_url: str) -> None:
     """A quorum queue can drop acks that arrive just before the connection closes; close()
-    makes sure the broker applied them, so no acked message is delivered again."""
-    prefix = f"jftest.{uuid.uuid4().hex[:12]}"
-    try:
-        for _ in range(5):
+    makes sure the broker applied them, so no acked message is delivered again. Five rounds,
+    each on a new queue (the loss comes and goes with the queue)."""
+    for _ in range(5):
+        prefix = f"jftest.{uuid.uuid4().hex[:12]}"
+        try:
             queue = RabbitMQQueue(amqp_url, prefix=prefix)
             for i in range(50):
                 await queue.publish(message(f"acked-{i}"))
@@ -123,8 +124,8 @@ async def test_acks_sent_just_before_close_are_applied_and_none_come_back(amqp_u
                 assert job_ids(back) == []
             finally:
                 await fresh.close()
-    finally:
-        await delete_queues(amqp_url, prefix)
+        finally:
+            await delete_queues(amqp_url, prefix)
 
 
 async def test_messages_buffered_but_never_received_go_back_uncounted_at_close(
