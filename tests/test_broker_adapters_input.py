@@ -97,3 +97,12 @@ async def test_rabbitmq_refuses_a_queue_name_it_cannot_declare(amqp_url: str) ->
     finally:
         await queue.close()
         await delete_everything("rabbitmq", amqp_url, name, ["ok"])
+
+
+def test_rabbitmq_refuses_a_prefetch_out_of_range(amqp_url: str) -> None:
+    from jobfence.adapters.rabbitmq import RabbitMQQueue
+
+    for bad in (0, -5, 65536):
+        with pytest.raises(ConfigError, match=rf"prefetch must be from 1 to 65535 .*got {bad}"):
+            RabbitMQQueue(amqp_url, prefetch=bad)
+    assert RabbitMQQueue(amqp_url, prefetch=65535) is not None

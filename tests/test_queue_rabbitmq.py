@@ -11,8 +11,10 @@ import pytest
 
 from jobfence import QueueCapabilities
 from jobfence.adapters.rabbitmq import RabbitMQQueue, wait_bucket_ms
-from queue_conformance import QUEUE, BrokerConformance, QueueEnv, message
-from support import TcpProxy
+from jobfence.model import Delivery
+from jobfence.ports import QueueSize
+from queue_conformance import QUEUE, BrokerConformance, QueueEnv, job_ids, message
+from support import TcpProxy, wait_until
 
 
 class TestRabbitMQConformance(BrokerConformance):
@@ -92,4 +94,110 @@ async def test_a_retry_whose_copy_cannot_be_published_gives_the_original_back(
         assert await queue.ack(again[0]) is True
     finally:
         await queue.close()
+        await delete_queues(amqp_url, prefix)
+
+
+async def test_acks_sent_just_before_close_are_applied_and_none_come_back(amqp_url: str) -> None:
+    """A quorum queue can drop acks that arrive just before the connection closes; close()
+    makes sure the broker applied them, so no acked message is delivered again. Five rounds,
+    each on a new queue (the loss comes and goes with the queue)."""
+    for _ in range(5):
+        prefix = f"jftest.{uuid.uuid4().hex[:12]}"
+        try:
+            queue = RabbitMQQueue(amqp_url, prefix=prefix)
+            for i in range(50):
+                await queue.publish(message(f"acked-{i}"))
+            got: list[Delivery] = []
+            while len(got) < 50:
+                got += await queue.receive(
+                    [QUEUE], max_messages=50 - len(got), lease_seconds=60, wait_seconds=5
+                )
+            for delivery in got:
+                assert await queue.ack(delivery) is True
+            await queue.close()
+
+            fresh = RabbitMQQueue(amqp_url, prefix=prefix)
+            try:
+                back = await fresh.receive(
+                    [QUEUE], max_messages=50, lease_seconds=60, wait_seconds=1
+                )
+                assert job_ids(back) == []
+            finally:
+                await fresh.close()
+        finally:
+            await delete_queues(amqp_url, prefix)
+
+
+async def test_messages_buffered_but_never_received_go_back_uncounted_at_close(
+    amqp_url: str,
+) -> None:
+    """The consumer prefetched 5, the worker received 1: at close the 4 others go back with
+    their attempt unchanged; the one received (and not settled) comes back counted."""
+    prefix = f"jftest.{uuid.uuid4().hex[:12]}"
+    queue = RabbitMQQueue(amqp_url, prefix=prefix, prefetch=5)
+    fresh = RabbitMQQueue(amqp_url, prefix=prefix)
+    try:
+        for i in range(5):
+            await queue.publish(message(f"buffered-{i}"))
+        (held,) = await queue.receive([QUEUE], max_messages=1, lease_seconds=60, wait_seconds=5)
+
+        async def all_buffered() -> bool:
+            return await queue.size([QUEUE]) == QueueSize(due=4, total=5)
+
+        await wait_until(all_buffered, timeout=10.0, message="4 messages buffered")
+        await queue.close()
+
+        back: list[Delivery] = []
+
+        async def all_back() -> bool:
+            back.extend(
+                await fresh.receive([QUEUE], max_messages=10, lease_seconds=60, wait_seconds=0.2)
+            )
+            return len(back) == 5
+
+        await wait_until(all_back, timeout=10.0, message="5 messages back")
+        attempts = {d.message.job_id: d.attempt for d in back}
+        assert attempts == {
+            f"buffered-{i}": 2 if f"buffered-{i}" == held.message.job_id else 1 for i in range(5)
+        }
+        for delivery in back:
+            assert await fresh.ack(delivery) is True
+    finally:
+        await queue.close()
+        await fresh.close()
+        await delete_queues(amqp_url, prefix)
+
+
+async def test_messages_buffered_behind_a_busy_receiver_go_back_to_the_queue_uncounted(
+    amqp_url: str,
+) -> None:
+    """The consumer prefetched 5 and its worker took 1 and stays busy: within a few seconds the
+    4 others go back to the queue, where another client receives them at attempt 1."""
+    prefix = f"jftest.{uuid.uuid4().hex[:12]}"
+    busy = RabbitMQQueue(amqp_url, prefix=prefix, prefetch=5)
+    other = RabbitMQQueue(amqp_url, prefix=prefix)
+    try:
+        for i in range(5):
+            await busy.publish(message(f"waiting-{i}"))
+        (held,) = await busy.receive([QUEUE], max_messages=1, lease_seconds=60, wait_seconds=5)
+
+        taken: list[Delivery] = []
+
+        async def all_taken() -> bool:
+            taken.extend(
+                await other.receive([QUEUE], max_messages=10, lease_seconds=60, wait_seconds=0.2)
+            )
+            return len(taken) == 4
+
+        await wait_until(all_taken, timeout=15.0, message="4 buffered messages back")
+        assert {d.message.job_id for d in taken} | {held.message.job_id} == {
+            f"waiting-{i}" for i in range(5)
+        }
+        assert [d.attempt for d in taken] == [1, 1, 1, 1]
+        assert await busy.ack(held) is True
+        for delivery in taken:
+            assert await other.ack(delivery) is True
+    finally:
+        await busy.close()
+        await other.close()
         await delete_queues(amqp_url, prefix)

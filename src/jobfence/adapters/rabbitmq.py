@@ -3,15 +3,28 @@
 Each jobfence queue is a durable quorum queue ``<prefix>.<queue>`` on the default exchange.
 Every publish waits for the broker's publisher confirm; messages are persistent.
 
-- **Lease**: an unacked delivery (``basic.get``) on this adapter's channel. The adapter holds
-  it for ``lease_seconds`` by its own timer and then gives it back (``basic.reject`` with
-  requeue), so a hung async handler loses its message after its lease. If the process dies or
+- **Receiving**: one push consumer (``basic.consume``) per queue, started by the first
+  ``receive`` naming it, with a prefetch (``basic.qos``, per consumer) of that call's
+  ``max_messages`` plus 100 (room for the worker's batched acks: a finished job stays unacked
+  until its ack batch goes), or ``prefetch=`` if given. The adapter buffers what the broker
+  pushes and ``receive`` hands it out; when the buffer is empty, a ``receive`` makes one round
+  trip and then takes what is ready with ``basic.get`` (a consumer whose prefetch is all
+  leased). A buffered message not handed out within 5 s (or the latest ``receive``'s lease,
+  if shorter) means the receiver is busy: the consumer pauses (``basic.cancel``; the next
+  ``receive`` starts it again) and its buffer goes back to the queue as uncounted copies (as
+  ``release`` does), for other workers to take. ``close`` returns the buffer the same way.
+- **Lease**: an unacked delivery handed out by ``receive``. The adapter holds it for
+  ``lease_seconds`` by its own timer and then gives it back (``basic.reject`` with requeue),
+  so a hung async handler loses its message after its lease. If the process dies or
   its connection drops, the broker requeues every unacked delivery at once; if the event loop
   itself is blocked, the broker closes the connection when heartbeats stop (60 s by default),
   and its ``consumer_timeout`` (30 min by default) is the last backstop.
 - **Attempt**: the quorum queue's ``x-delivery-count`` header (raised by the broker on every
   return: reject, nack, channel or connection loss) + 1, plus the deliveries of earlier copies
-  of the same job (the ``x-jobfence-prior`` header of a republished message).
+  of the same job (the ``x-jobfence-prior`` header of a republished message). A message
+  buffered but never handed out is returned as a copy that keeps its count, so it does not
+  count; if the connection drops (or the process dies) the broker returns it counted, so an
+  attempt can then be one higher than the handler runs.
 - **Stale receipts**: a delivery whose lease timer fired, or whose channel closed, refuses
   ack, retry and release (``capabilities.exact_stale_ack`` is False: after its lease a
   delivery is refused even if nobody took the message over yet; the broker has it again).
@@ -25,10 +38,13 @@ Every publish waits for the broker's publisher confirm; messages are persistent.
   second for the broker's TTL check and the receiver's poll), and a queue has at most about 220
   wait queues, each existing only while in use.
 - **Size**: AMQP shows a queue's ready messages only. ``size`` adds what this adapter instance
-  holds (leases) and scheduled (counted until 5 s after each falls due, to cover its way back
-  from the wait queue); leases and delayed messages of other instances are not seen
-  (``capabilities.exact_size`` is False).
-- A waiting ``receive`` polls with ``basic.get`` every 50 ms.
+  buffered (due), holds (leases) and scheduled (counted until 5 s after each falls due, to
+  cover its way back from the wait queue); the buffers, leases and delayed messages of other
+  instances are not seen (``capabilities.exact_size`` is False).
+- A waiting ``receive`` wakes when the consumer delivers.
+- **Close** cancels the consumers, returns the buffered messages, and makes one more round trip
+  (``basic.qos``) on the channel before closing the connection: a quorum queue can otherwise
+  drop acks sent just before the connection closes (those messages would come back).
 
 Not transactional: ``publish`` and ``ack`` refuse a database transaction.
 """
@@ -39,6 +55,7 @@ import asyncio
 import contextlib
 import math
 import re
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,7 +87,13 @@ _H_CORRELATION = "x-jobfence-correlation-id"
 _SHORTSTR_BYTES = 255  # AMQP's message-id and correlation-id properties hold no more
 _H_PRIOR = "x-jobfence-prior"
 _NAME = re.compile(r"^[A-Za-z0-9_.\-:]+$")
-_POLL_SECONDS = 0.05
+# A consumer's prefetch is what the first receive asked for plus this: a finished job stays
+# unacked until the worker's ack batch goes (up to 100 acks or 0.1 s by default).
+_ACK_ROOM = 100
+# A message buffered this long (or a lease, if shorter) without a receive taking it: the
+# receiver is busy, so its consumer pauses and the buffer goes back to the queue.
+_BUFFER_SECONDS = 5.0
+_WAKE_SECONDS = 0.5  # a waiting receive re-checks its consumers (a dropped channel) this often
 _WAIT_STEP = 1.05
 _WAIT_BASE_MS = 100
 _WAIT_EXPIRES_EXTRA_MS = 60_000
@@ -102,6 +125,22 @@ class RabbitReceipt:
     timer: asyncio.TimerHandle | None = field(default=None, repr=False)
 
 
+@dataclass(slots=True, eq=False)
+class _Buffered:
+    """A message the broker pushed to a consumer, not yet handed out by ``receive``."""
+
+    incoming: AbstractIncomingMessage
+    channel: AbstractChannel
+    timer: asyncio.TimerHandle | None = None
+
+
+@dataclass(slots=True, eq=False)
+class _Consumer:
+    queue: AbstractQueue
+    channel: AbstractChannel
+    tag: str
+
+
 def _receipt(delivery: Delivery) -> RabbitReceipt:
     receipt = delivery.receipt
     if not isinstance(receipt, RabbitReceipt):
@@ -126,10 +165,17 @@ class RabbitMQQueue:
     )
 
     def __init__(
-        self, url: str = "amqp://guest:guest@127.0.0.1:5672/", *, prefix: str = "jobfence"
+        self,
+        url: str = "amqp://guest:guest@127.0.0.1:5672/",
+        *,
+        prefix: str = "jobfence",
+        prefetch: int | None = None,
     ) -> None:
         if not _NAME.match(prefix):
             raise ConfigError(f"prefix must be letters, digits, _ . - or :, got {prefix!r}")
+        if prefetch is not None and not 1 <= prefetch <= 65535:
+            raise ConfigError(f"prefetch must be from 1 to 65535 (or None), got {prefetch!r}")
+        self._prefetch = prefetch
         self._url = url
         self._prefix = prefix
         self._conn: AbstractConnection | None = None
@@ -140,6 +186,12 @@ class RabbitMQQueue:
         # queue -> when each message this instance scheduled falls due (loop time)
         self._scheduled: dict[str, list[float]] = {}
         self._background: set[asyncio.Task[None]] = set()
+        self._consumers: dict[str, _Consumer] = {}
+        self._buffers: dict[str, deque[_Buffered]] = {}
+        self._arrived = asyncio.Event()
+        self._consume_lock = asyncio.Lock()
+        self._buffer_seconds = _BUFFER_SECONDS  # or the latest receive's lease, if shorter
+        self._closing = False  # receive returns nothing; close() is returning the buffer
         self._closed = False
 
     # -- connection and queues -----------------------------------------------------------
@@ -246,30 +298,177 @@ class RabbitMQQueue:
         lease_seconds: float,
         wait_seconds: float = 0.0,
     ) -> list[Delivery]:
-        if max_messages <= 0 or self._closed:
+        if max_messages <= 0 or self._closing:
             return []
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_seconds
+        self._buffer_seconds = min(lease_seconds, _BUFFER_SECONDS)
+        first = True
         try:
             while True:
-                got: list[Delivery] = []
                 for queue in queues:
-                    amqp_queue = await self._queue(queue)
-                    while len(got) < max_messages:
-                        incoming = await amqp_queue.get(no_ack=False, fail=False)
-                        if incoming is None:
-                            break
-                        got.append(self._delivery(queue, incoming, lease_seconds))
-                if got or self._closed or loop.time() >= deadline:
+                    await self._consume(queue, max_messages)
+                got = self._take_buffered(queues, max_messages, lease_seconds)
+                if not got and first:
+                    # Nothing pushed yet: a round trip lets pushes under way arrive (in order);
+                    # then take what is ready now (a consumer whose prefetch is all leased),
+                    # as a receive without wait promises.
+                    await self._round_trip(queues)
+                    got = self._take_buffered(queues, max_messages, lease_seconds)
+                    if not got:
+                        got = await self._get_ready(queues, max_messages, lease_seconds)
+                first = False
+                remaining = deadline - loop.time()
+                if got or self._closing or remaining <= 0:
                     return got
-                await asyncio.sleep(min(_POLL_SECONDS, max(deadline - loop.time(), 0)))
+                self._arrived.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(
+                        self._arrived.wait(), timeout=min(remaining, _WAKE_SECONDS)
+                    )
         except Exception:
-            if self._closed:
+            if self._closing:
                 return []
             raise
 
+    def _take_buffered(
+        self, queues: Sequence[str], max_messages: int, lease_seconds: float
+    ) -> list[Delivery]:
+        got: list[Delivery] = []
+        for queue in queues:
+            buffer = self._buffers.get(queue)
+            while buffer and len(got) < max_messages:
+                buffered = buffer.popleft()
+                if buffered.timer is not None:
+                    buffered.timer.cancel()
+                if buffered.channel.is_closed:  # the broker has it back
+                    continue
+                got.append(
+                    self._delivery(queue, buffered.incoming, buffered.channel, lease_seconds)
+                )
+        return got
+
+    async def _round_trip(self, queues: Sequence[str]) -> None:
+        channels = {c.channel for q in queues if (c := self._consumers.get(q)) is not None}
+        for channel in channels:
+            if not channel.is_closed:
+                await channel.set_qos(prefetch_count=self._prefetch or 1)
+        for _ in range(3):  # the consumer callbacks run as tasks
+            await asyncio.sleep(0)
+
+    async def _get_ready(
+        self, queues: Sequence[str], max_messages: int, lease_seconds: float
+    ) -> list[Delivery]:
+        got: list[Delivery] = []
+        for queue in queues:
+            consumer = self._consumers.get(queue)
+            if consumer is None or consumer.channel.is_closed:
+                continue
+            while len(got) < max_messages:
+                incoming = await consumer.queue.get(no_ack=False, fail=False)
+                if incoming is None:
+                    break
+                got.append(self._delivery(queue, incoming, consumer.channel, lease_seconds))
+        return got
+
+    async def _consume(self, queue: str, prefetch: int) -> None:
+        """Start the push consumer of ``queue`` on the current channel, unless it runs."""
+        async with self._consume_lock:
+            channel = await self._open_channel()
+            consumer = self._consumers.get(queue)
+            if consumer is not None and consumer.channel is channel:
+                return
+            amqp_queue = await self._queue(queue)
+            # Per consumer (quorum queues have no channel-wide prefetch); applies to the
+            # consumers started after it.
+            await channel.set_qos(prefetch_count=self._prefetch or prefetch + _ACK_ROOM)
+            buffer = self._buffers.setdefault(queue, deque())
+
+            async def arrived(incoming: AbstractIncomingMessage) -> None:
+                self._buffer(queue, buffer, _Buffered(incoming=incoming, channel=channel))
+
+            tag = await amqp_queue.consume(arrived, no_ack=False)
+            self._consumers[queue] = _Consumer(queue=amqp_queue, channel=channel, tag=tag)
+
+    def _buffer(self, queue: str, buffer: deque[_Buffered], buffered: _Buffered) -> None:
+        if self._closing or buffered.channel.is_closed:
+            return  # close() returns the buffer; a closed channel gave it back already
+        loop = asyncio.get_running_loop()
+        buffered.timer = loop.call_later(
+            self._buffer_seconds, self._unclaimed, queue, buffer, buffered
+        )
+        buffer.append(buffered)
+        self._arrived.set()
+
+    def _unclaimed(self, queue: str, buffer: deque[_Buffered], buffered: _Buffered) -> None:
+        """Nobody received ``buffered`` in time: the receiver is busy. Pause the consumer (the
+        next ``receive`` starts it again) and give its buffer back to the queue, uncounted."""
+        if buffered not in buffer:
+            return
+        channel = buffered.channel
+        consumer = self._consumers.get(queue)
+        if consumer is not None and consumer.channel is channel:
+            del self._consumers[queue]
+        else:
+            consumer = None
+        unclaimed = [b for b in buffer if b.channel is channel]
+        for b in unclaimed:
+            buffer.remove(b)
+            if b.timer is not None:
+                b.timer.cancel()
+        self._in_background(self._give_back_buffer(queue, consumer, unclaimed))
+
+    async def _give_back_buffer(
+        self, queue: str, consumer: _Consumer | None, unclaimed: list[_Buffered]
+    ) -> None:
+        if consumer is not None and not consumer.channel.is_closed:
+            with contextlib.suppress(Exception):
+                await consumer.queue.cancel(consumer.tag)
+        for buffered in unclaimed:
+            await self._return_unseen(queue, buffered)
+
+    def _in_background(self, coroutine: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _return_unseen(self, queue: str, buffered: _Buffered) -> None:
+        """Return a buffered message that was never handed out without counting a delivery:
+        a copy keeping its count so far (confirmed), then ack the original. If the copy
+        cannot be published, the original goes back (counted)."""
+        if buffered.channel.is_closed:
+            return
+        incoming = buffered.incoming
+        headers = incoming.headers or {}
+        prior = int(str(headers.get(_H_PRIOR, 0)))
+        count = int(str(headers.get("x-delivery-count", 0)))
+        copy = {k: v for k, v in headers.items() if k.startswith("x-jobfence-")}
+        copy[_H_PRIOR] = prior + count
+        try:
+            await buffered.channel.default_exchange.publish(
+                aio_pika.Message(
+                    bytes(incoming.body),
+                    headers=copy,
+                    message_id=incoming.message_id,
+                    correlation_id=incoming.correlation_id,
+                    delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+                ),
+                routing_key=self._name(queue),
+                mandatory=True,
+            )
+        except Exception:
+            with contextlib.suppress(Exception):
+                await incoming.reject(requeue=True)
+            return
+        with contextlib.suppress(Exception):
+            await incoming.ack()
+
     def _delivery(
-        self, queue: str, incoming: AbstractIncomingMessage, lease_seconds: float
+        self,
+        queue: str,
+        incoming: AbstractIncomingMessage,
+        channel: AbstractChannel,
+        lease_seconds: float,
     ) -> Delivery:
         headers = incoming.headers or {}
         prior = int(str(headers.get(_H_PRIOR, 0)))
@@ -283,9 +482,6 @@ class RabbitMQQueue:
             tenant_id=None if tenant is None else str(tenant),
             correlation_id=None if correlation is None else str(correlation),
         )
-        assert incoming.channel is not None  # a basic.get delivery always has its channel
-        channel = self._channel
-        assert channel is not None
         receipt = RabbitReceipt(
             incoming=incoming,
             channel=channel,
@@ -304,9 +500,7 @@ class RabbitMQQueue:
         receipt.lost = True
         self._held.discard(receipt)
         if not receipt.channel.is_closed:
-            task = asyncio.get_running_loop().create_task(self._give_back(receipt))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            self._in_background(self._give_back(receipt))
 
     @staticmethod
     async def _give_back(receipt: RabbitReceipt) -> None:
@@ -366,19 +560,21 @@ class RabbitMQQueue:
         await receipt.incoming.ack()
 
     async def size(self, queues: Sequence[str]) -> QueueSize:
-        """Ready messages (due), plus this instance's leases and scheduled messages (total)."""
+        """Ready and buffered messages (due), plus this instance's leases and scheduled messages
+        (total)."""
         due = total = 0
         now = asyncio.get_running_loop().time()
         for queue in queues:
             name = self._name(queue)
             ready = await self._ready(name)
             held = sum(1 for r in self._held if r.queue_name == name)
+            buffered = sum(1 for b in self._buffers.get(queue, ()) if not b.channel.is_closed)
             # Counted until a while after they fall due: once expired from its wait queue, a
             # message is on its way back (dead-lettering) and counted by neither queue.
             pending = [t for t in self._scheduled.get(queue, []) if t + _ARRIVAL_GRACE > now]
             self._scheduled[queue] = pending
-            due += ready
-            total += ready + held + len(pending)
+            due += ready + buffered
+            total += ready + buffered + held + len(pending)
         return QueueSize(due=due, total=total)
 
     async def _ready(self, name: str) -> int:
@@ -397,18 +593,45 @@ class RabbitMQQueue:
         return int(declared.declaration_result.message_count or 0)
 
     async def close(self) -> None:
-        """Close the connection (the broker requeues what this instance held); a waiting
-        receiver returns an empty list."""
-        if self._closed:
+        """Stop the consumers, return the buffered messages uncounted, make sure the broker
+        applied every ack, and close the connection (the broker requeues what this instance
+        still held, counted); a waiting receiver returns an empty list."""
+        if self._closing:
             return
-        self._closed = True
+        self._closing = True
+        self._arrived.set()
         for receipt in self._held:
             if receipt.timer is not None:
                 receipt.timer.cancel()
         self._held.clear()
+        channel = self._channel
+        if channel is not None and not channel.is_closed:
+            with contextlib.suppress(Exception):
+                await self._settle_before_close(channel)
+        self._closed = True
         if self._conn is not None:
             with contextlib.suppress(Exception):
                 await self._conn.close()
+
+    async def _settle_before_close(self, channel: AbstractChannel) -> None:
+        # No more deliveries after basic.cancel-ok; on a quorum queue the cancel also goes
+        # through the queue's log after the settlements this channel sent before it.
+        for consumer in self._consumers.values():
+            if consumer.channel is channel:
+                await consumer.queue.cancel(consumer.tag)
+        self._consumers.clear()
+        unseen = [(q, b) for q, buffer in self._buffers.items() for b in buffer]
+        for buffer in self._buffers.values():
+            buffer.clear()
+        for queue, buffered in unseen:
+            if buffered.timer is not None:
+                buffered.timer.cancel()
+            await self._return_unseen(queue, buffered)
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+        # A synchronous round trip after the last acks: the broker answers it only after it
+        # processed them, so closing the connection next cannot drop them.
+        await channel.set_qos(prefetch_count=self._prefetch or 1)
 
 
 async def open_queue(url: str) -> RabbitMQQueue:
