@@ -141,8 +141,10 @@ def _direct_queue(kind: str, url: str, name: str) -> QueuePort:
     return make_queue(kind, url, name)
 
 
-async def _count(conn: psycopg.AsyncConnection[Any], query: str, params: Any = None) -> int:
-    return int(await scalar(conn, query, params))
+async def _outage(proxy: TcpProxy) -> None:
+    proxy.down()
+    await asyncio.sleep(OUTAGE_SECONDS)  # the outage's length, not a synchronisation
+    proxy.up()
 
 
 def _summary(output: str) -> Counter[str]:
@@ -155,6 +157,250 @@ def _summary(output: str) -> Counter[str]:
     return counts
 
 
+class Workload:
+    """300 distinct jobs (ok, transient, hard, poison) and which of them are delivered twice."""
+
+    def __init__(self) -> None:
+        rng = random.Random(17)
+        kinds = KINDS[:]
+        rng.shuffle(kinds)
+        self.kinds = {f"j{n:03d}": k for n, k in enumerate(kinds)}
+        self.valid = sorted(j for j, k in self.kinds.items() if k in ("ok", "transient"))
+        self.hard = sorted(j for j, k in self.kinds.items() if k == "hard")
+        self.poison = sorted(j for j, k in self.kinds.items() if k == "poison")
+        self.poison_on_broker = set(self.poison[:POISON_ON_BROKER])
+        self.through_outbox = sorted(set(self.kinds) - self.poison_on_broker)
+        self.twice = rng.sample(self.through_outbox[:200], ENQUEUED_TWICE)
+        self.republished = rng.sample(self.through_outbox[200:], REPUBLISHED)
+
+    def payload(self, job_id: str) -> dict[str, Any]:
+        number = int(job_id[1:])
+        return {"account_id": number % 10 + 1, "points": number + 1, "mode": self.kinds[job_id]}
+
+    def message(self, job_id: str) -> Message:
+        if job_id in self.poison_on_broker:  # not even JSON
+            return Message(
+                queue=chaosapp.QUEUE, consumer=chaosapp.CONSUMER, job_id=job_id, body=b'{"a":'
+            )
+        if self.kinds[job_id] == "poison":  # valid JSON, rejected by the schema
+            body = b'{"account_id": 0, "points": "many"}'
+            return Message(
+                queue=chaosapp.QUEUE, consumer=chaosapp.CONSUMER, job_id=job_id, body=body
+            )
+        return chaosapp.app.message(chaosapp.CONSUMER, self.payload(job_id), job_id=job_id)
+
+    def balances(self, job_ids: list[str]) -> dict[int, int]:
+        expected: Counter[int] = Counter()
+        for job_id in job_ids:
+            expected[self.payload(job_id)["account_id"]] += self.payload(job_id)["points"]
+        return dict(expected)
+
+
+class Run:
+    """One end-to-end run: the processes, the proxy, and the checks."""
+
+    def __init__(
+        self,
+        *,
+        work: Workload,
+        conn: psycopg.AsyncConnection[Any],
+        database_url: str,
+        env: dict[str, str],
+        logdir: Path,
+        procs: list[Proc],
+    ) -> None:
+        self.work = work
+        self.conn = conn
+        self.database_url = database_url
+        self.env = env
+        self.logdir = logdir
+        self.procs = procs
+        self.workers: list[Proc] = []
+        self.relay: Proc | None = None
+
+    async def count(self, query: str, params: Any = None) -> int:
+        return int(await scalar(self.conn, query, params))
+
+    async def enqueue(self, job_ids: list[str], per_transaction: int = 10) -> None:
+        """Each slice of ``job_ids`` in one producer transaction: through the outbox."""
+        for i in range(0, len(job_ids), per_transaction):
+            async with await psycopg.AsyncConnection.connect(self.database_url) as tx:
+                for job_id in job_ids[i : i + per_transaction]:
+                    await publish_async(tx, self.work.message(job_id))
+                await tx.commit()
+
+    async def start(self, label: str, args: list[str], ready: str, **extra: str) -> Proc:
+        """Start a process and wait until it says ``ready`` (connected to the broker)."""
+        proc = Proc(label, args, {**self.env, **extra}, self.logdir)
+        self.procs.append(proc)
+
+        async def up() -> bool:
+            assert proc.alive(), f"{label} exited:\n{proc.output()}"
+            return ready in proc.output()
+
+        await wait_until(up, timeout=30, message=f"{label} to start")
+        return proc
+
+    def check_alive(self) -> None:
+        for proc in (self.relay, *self.workers):
+            assert proc is not None
+            assert proc.alive(), f"{proc.name} died:\n{proc.output()}"
+
+    async def applied(self) -> int:
+        self.check_alive()
+        return await self.count("SELECT count(DISTINCT job_id) FROM public.awards")
+
+    async def wait_applied(self, at_least: int) -> None:
+        async def enough() -> bool:
+            return await self.applied() >= at_least
+
+        await wait_until(enough, timeout=SETTLE_TIMEOUT, message=f"{at_least} jobs applied")
+
+    async def kill_relay_inside_a_batch(self, job_ids: list[str], relay_app: str) -> int:
+        """Enqueue ``job_ids`` 50 at a time until the relay is caught inside a batch: frozen
+        (SIGSTOP) while its transaction is open, once a job it published in that batch has been
+        handled while the job's outbox row is still there (published, not marked sent). Then
+        SIGKILL it; returns the rows it left waiting."""
+        relay = self.relay
+        assert relay is not None
+
+        async def in_batch() -> bool:
+            return bool(
+                await self.count(
+                    "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s"
+                    " AND state = 'idle in transaction'",
+                    (relay_app,),
+                )
+            )
+
+        async def published_not_marked() -> bool:
+            return bool(
+                await self.count(
+                    "SELECT count(*) FROM jobfence.outbox o WHERE EXISTS (SELECT FROM"
+                    " core.processed_jobs p WHERE p.job_id = o.job_id) OR EXISTS (SELECT FROM"
+                    " core.dead_letters d WHERE d.job_id = o.job_id)",
+                )
+            )
+
+        remaining = job_ids[:]
+        while remaining:
+            chunk, remaining = remaining[:50], remaining[50:]
+            await self.enqueue(chunk, per_transaction=50)
+            with contextlib.suppress(AssertionError):
+                await wait_until(in_batch, timeout=5, interval=0.002, message="a batch")
+                os.kill(relay.pid, signal.SIGSTOP)
+                caught = False
+                try:
+                    await wait_until(published_not_marked, timeout=3, message="a handled job")
+                    caught = True
+                finally:
+                    if not caught:
+                        os.kill(relay.pid, signal.SIGCONT)
+                waiting = await self.count("SELECT count(*) FROM jobfence.outbox")
+                assert waiting > 0
+                await relay.kill()
+                await self.enqueue(remaining)
+                return waiting
+        raise AssertionError("the relay was never caught inside a batch")
+
+    async def wait_settled(self, direct: QueuePort, applied: int, pending: int) -> None:
+        """Until ``applied`` distinct jobs have their effect, ``pending`` dead letters wait for
+        review, and neither the outbox nor the broker holds anything."""
+        last: list[int] = []
+        want = [applied, pending, 0, 0]
+
+        async def settled() -> bool:
+            last[:] = [
+                await self.applied(),
+                await self.count(
+                    "SELECT count(*) FROM core.dead_letters WHERE status = 'pending_review'"
+                ),
+                await self.count("SELECT count(*) FROM jobfence.outbox"),
+                (await direct.size([chaosapp.QUEUE])).total,
+            ]
+            return last == want
+
+        try:
+            await wait_until(settled, timeout=SETTLE_TIMEOUT, interval=0.2, message="settling")
+        except AssertionError as exc:
+            if "timed out" not in str(exc):
+                raise
+            raise AssertionError(
+                f"not settled: [applied, pending dead letters, outbox, on the broker] = {last},"
+                f" expected {want}; logs in {self.logdir}"
+            ) from None
+
+    async def assert_each_applied_once(self, job_ids: list[str]) -> None:
+        cur = await self.conn.execute(
+            "SELECT job_id, count(*) FROM public.awards GROUP BY 1 HAVING count(*) > 1"
+        )
+        assert await cur.fetchall() == []  # no double effect
+        cur = await self.conn.execute("SELECT DISTINCT job_id FROM public.awards ORDER BY 1")
+        assert [r[0] for r in await cur.fetchall()] == sorted(job_ids)  # no lost job
+        cur = await self.conn.execute("SELECT id, points FROM public.accounts WHERE points > 0")
+        assert dict(await cur.fetchall()) == self.work.balances(job_ids)
+        cur = await self.conn.execute("SELECT job_id FROM core.processed_jobs ORDER BY 1")
+        assert [r[0] for r in await cur.fetchall()] == sorted(job_ids)
+
+    async def assert_one_dead_letter_per_failure(self) -> None:
+        work = self.work
+        cur = await self.conn.execute(
+            "SELECT job_id, error_class, status, count(*) FROM core.dead_letters"
+            " GROUP BY 1, 2, 3 ORDER BY 1"
+        )
+        rows = await cur.fetchall()
+        letters = {row[0]: row[1:] for row in rows}
+        assert len(letters) == len(rows)  # one per job
+        assert set(letters) == set(work.hard) | set(work.poison)
+        assert {letters[j] for j in work.hard} == {("jobfence.HardFailure", "pending_review", 1)}
+        assert {letters[j] for j in work.poison_on_broker} == {("InvalidJson", "pending_review", 1)}
+        schema_invalid = set(work.poison) - work.poison_on_broker
+        assert {letters[j] for j in schema_invalid} == {("SchemaInvalid", "pending_review", 1)}
+
+    async def assert_hard_failures_replayed(self) -> None:
+        work = self.work
+        cur = await self.conn.execute(
+            "SELECT status, error_class, count(*) FROM core.dead_letters GROUP BY 1, 2"
+            " ORDER BY 1, 2"
+        )
+        assert await cur.fetchall() == [
+            ("pending_review", "InvalidJson", len(work.poison_on_broker)),
+            ("pending_review", "SchemaInvalid", len(work.poison) - len(work.poison_on_broker)),
+            ("replayed", "jobfence.HardFailure", len(work.hard)),
+        ]
+
+    async def replay_hard_failures(self, queue_url: str) -> None:
+        await self.conn.execute("INSERT INTO public.chaos_fixed VALUES (true)")
+        done = await asyncio.to_thread(
+            subprocess.run,
+            [
+                sys.executable,
+                str(CLI),
+                *("dead-letters", "replay-bulk", "--error-class", "jobfence.HardFailure"),
+                *("--queue-url", queue_url),
+            ],
+            env=self.env,
+            cwd=TESTS,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert done.returncode == 0, done
+
+    async def stop_all(self) -> Counter[str]:
+        """SIGTERM the survivors; each exits 0. The workers' outcomes, summed."""
+        survivors = [p for p in (*self.workers, self.relay) if p is not None]
+        for proc in survivors:
+            os.kill(proc.pid, signal.SIGTERM)
+        outcomes: Counter[str] = Counter()
+        for proc in survivors:
+            assert await proc.wait_exit() == 0, proc.output()
+        for proc in self.workers:
+            outcomes += _summary(proc.output())
+        return outcomes
+
+
 async def test_jobs_apply_once_through_crashes_a_cut_connection_and_a_killed_relay(
     broker: tuple[str, str, str],
     database_url: str,
@@ -164,272 +410,86 @@ async def test_jobs_apply_once_through_crashes_a_cut_connection_and_a_killed_rel
 ) -> None:
     kind, url, name = broker
     started = time.monotonic()
-    rng = random.Random(17)
-    kinds = KINDS[:]
-    rng.shuffle(kinds)
-    jobs = {f"j{n:03d}": k for n, k in enumerate(kinds)}
-    valid = sorted(j for j, k in jobs.items() if k in ("ok", "transient"))
-    hard = sorted(j for j, k in jobs.items() if k == "hard")
-    poison = sorted(j for j, k in jobs.items() if k == "poison")
-    poison_on_broker = set(poison[:POISON_ON_BROKER])
-    first_copies = sorted(set(jobs) - poison_on_broker)
-    twice = rng.sample(first_copies[:200], ENQUEUED_TWICE)  # enqueued again later
-    republished = rng.sample(sorted(set(first_copies[200:])), REPUBLISHED)
-
-    def payload(job_id: str) -> dict[str, Any]:
-        number = int(job_id[1:])
-        return {"account_id": number % 10 + 1, "points": number + 1, "mode": jobs[job_id]}
-
-    app = chaosapp.app
-
-    def message(job_id: str) -> Message:
-        if jobs[job_id] == "poison":  # valid JSON, rejected by the schema
-            body = b'{"account_id": 0, "points": "many"}'
-            return Message(
-                queue=chaosapp.QUEUE, consumer=chaosapp.CONSUMER, job_id=job_id, body=body
-            )
-        return app.message(chaosapp.CONSUMER, payload(job_id), job_id=job_id)
-
-    async def enqueue(job_ids: list[str], per_transaction: int = 10) -> None:
-        """Each slice of ``job_ids`` in one producer transaction (the outbox)."""
-        for i in range(0, len(job_ids), per_transaction):
-            async with await psycopg.AsyncConnection.connect(database_url) as tx:
-                for job_id in job_ids[i : i + per_transaction]:
-                    await publish_async(tx, message(job_id))
-                await tx.commit()
-
+    work = Workload()
     await conn.execute(chaosapp.SCHEMA_SQL)
-    async with contextlib.AsyncExitStack() as stack:
-        host, port = urlsplit(url).hostname or "127.0.0.1", urlsplit(url).port
-        assert port is not None
-        proxy = TcpProxy(host, port)
-        await proxy.start()
-        stack.push_async_callback(proxy.close)
+    parts = urlsplit(url)
+    assert parts.port is not None
+    proxy = TcpProxy(parts.hostname or "127.0.0.1", parts.port)
+    await proxy.start()
+    direct = _direct_queue(kind, url, name)
+    try:
         proxied = _through(url, proxy.port)
         target = parse_queue_url(proxied)
         await record_queue(conn, target.kind, target.location)
-        direct = _direct_queue(kind, url, name)
-        stack.push_async_callback(direct.close)
-
-        env = {**os.environ, "JOBFENCE_DATABASE_URL": database_url}
-        env["JOBFENCE_TEST_BROKER_NAME"] = name
+        env = {
+            **os.environ,
+            "JOBFENCE_DATABASE_URL": database_url,
+            "JOBFENCE_TEST_BROKER_NAME": name,
+        }
         env.pop("JOBFENCE_QUEUE_URL", None)
-        worker_args = [
-            "worker",
-            "chaosapp:app",
-            "--queue-url",
-            proxied,
-            "--no-outbox-relay",
-            "--concurrency",
-            "4",
-            "--lease-seconds",
-            str(LEASE_SECONDS),
-        ]
+        run = Run(
+            work=work,
+            conn=conn,
+            database_url=database_url,
+            env=env,
+            logdir=tmp_path,
+            procs=procs,
+        )
+        worker_args = ["worker", "chaosapp:app", "--queue-url", proxied, "--no-outbox-relay"]
+        worker_args += ["--concurrency", "4", "--lease-seconds", str(LEASE_SECONDS)]
         relay_args = ["outbox-relay", "--queue-url", proxied, "--poll-seconds", "0.1"]
+        relay_app = f"{name}-relay"
+        phases = work.through_outbox[:100], work.through_outbox[100:200], work.through_outbox[200:]
 
-        def start(label: str, args: list[str], **extra: str) -> Proc:
-            proc = Proc(label, args, {**env, **extra}, tmp_path)
-            procs.append(proc)
-            return proc
+        # 1. A first third, then the relay and two workers.
+        await run.enqueue(phases[0])
+        run.relay = await run.start(
+            "relay-1", relay_args, "outbox relay active", PGAPPNAME=relay_app
+        )
+        for label in ("worker-1", "worker-2"):
+            run.workers.append(await run.start(label, worker_args, "worker started"))
+        await run.wait_applied(30)
 
-        order = sorted(first_copies)
-        phase1, phase2, phase3 = order[:100], order[100:200], order[200:]
+        # 2. SIGKILL a worker mid-run; a replacement takes its place.
+        await run.workers[0].kill()
+        run.workers[0] = await run.start("worker-3", worker_args, "worker started")
 
-        # 1. The first third, then the relay and two workers.
-        await enqueue(phase1)
-        relay = start("relay-1", relay_args, PGAPPNAME=f"{name}-relay")
-        workers = [start("worker-1", worker_args), start("worker-2", worker_args)]
-
-        async def applied() -> int:
-            for proc in (relay, *workers):
-                assert proc.alive(), f"{proc.name} died:\n{proc.output()}"
-            return await _count(conn, "SELECT count(DISTINCT job_id) FROM public.awards")
-
-        async def some_applied() -> bool:
-            return await applied() >= 30
-
-        await wait_until(some_applied, timeout=SETTLE_TIMEOUT, message="the first jobs")
-
-        # 2. SIGKILL a worker in the middle of the run; a replacement takes its place.
-        await workers[0].kill()
-        workers[0] = start("worker-3", worker_args)
-
-        # 3. SIGKILL the relay inside a batch: frozen (SIGSTOP) while its transaction is open,
-        #    once a job it published in that batch has been handled while the job's outbox
-        #    row is still there (published, not yet marked sent).
-        async def relay_in_batch() -> bool:
-            return bool(
-                await scalar(
-                    conn,
-                    "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s"
-                    " AND state = 'idle in transaction'",
-                    (f"{name}-relay",),
-                )
-            )
-
-        async def published_not_marked() -> bool:
-            return bool(
-                await scalar(
-                    conn,
-                    "SELECT count(*) FROM jobfence.outbox o WHERE EXISTS (SELECT FROM"
-                    " core.processed_jobs p WHERE p.job_id = o.job_id) OR EXISTS (SELECT FROM"
-                    " core.dead_letters d WHERE d.job_id = o.job_id)",
-                )
-            )
-
-        remaining = phase2[:]
-        caught = False
-        while remaining and not caught:
-            chunk, remaining = remaining[:50], remaining[50:]
-            await enqueue(chunk, per_transaction=50)
-            with contextlib.suppress(AssertionError):
-                await wait_until(relay_in_batch, timeout=5, interval=0.002, message="a batch")
-                os.kill(relay.pid, signal.SIGSTOP)
-                try:
-                    await wait_until(published_not_marked, timeout=3, message="a handled job")
-                    caught = True
-                finally:
-                    if not caught:
-                        os.kill(relay.pid, signal.SIGCONT)
-        assert caught, "the relay was never caught inside a batch"
-        waiting = await _count(conn, "SELECT count(*) FROM jobfence.outbox")
-        assert waiting > 0
-        await relay.kill()
-        assert await _count(conn, "SELECT count(*) FROM jobfence.outbox") >= waiting
-        relay = start("relay-2", relay_args)
-        await enqueue(remaining)
+        # 3. SIGKILL the relay inside a batch, rows waiting; another relay takes over.
+        waiting = await run.kill_relay_inside_a_batch(phases[1], relay_app)
+        run.relay = await run.start("relay-2", relay_args, "outbox relay active")
 
         # 4. The rest, with the duplicates: enqueued again in transactions of their own, and
-        #    published again straight to the broker, with poison the schema never sees.
-        await enqueue(phase3)
-        await enqueue(twice)
-        for job_id in republished:
-            await direct.publish(message(job_id))
-        for job_id in sorted(poison_on_broker):
-            await direct.publish(
-                Message(
-                    queue=chaosapp.QUEUE,
-                    consumer=chaosapp.CONSUMER,
-                    job_id=job_id,
-                    body=b'{"account_id":',
-                )
-            )
+        #    published again straight to the broker, with poison that is not even JSON.
+        await run.enqueue(phases[2])
+        await run.enqueue(work.twice)
+        for job_id in work.republished + sorted(work.poison_on_broker):
+            await direct.publish(work.message(job_id))
 
-        # 5. The broker connection drops (every connection, new ones refused) for a second.
-        before = await applied()
+        # 5. The proxy drops every broker connection, and refuses new ones, for a second.
+        await run.wait_applied(await run.applied() + 20)
+        await _outage(proxy)
 
-        async def flowing() -> bool:
-            return await applied() >= before + 20
-
-        await wait_until(flowing, timeout=SETTLE_TIMEOUT, message="jobs flowing again")
-        proxy.down()
-        await asyncio.sleep(OUTAGE_SECONDS)  # the outage's length, not a synchronisation
-        proxy.up()
-
-        # 6. Everything settles: each valid job applied, each failure dead-lettered once.
-        async def settled() -> bool:
-            for proc in (relay, *workers):
-                assert proc.alive(), f"{proc.name} died:\n{proc.output()}"
-            done = await _count(conn, "SELECT count(DISTINCT job_id) FROM public.awards")
-            dead = await _count(
-                conn, "SELECT count(*) FROM core.dead_letters WHERE status = 'pending_review'"
-            )
-            outbox = await _count(conn, "SELECT count(*) FROM jobfence.outbox")
-            on_broker = (await direct.size([chaosapp.QUEUE])).total
-            last[:] = [done, dead, outbox, on_broker]
-            return last == [len(valid), len(hard) + len(poison), 0, 0]
-
-        last: list[int] = []
-        try:
-            await wait_until(settled, timeout=SETTLE_TIMEOUT, interval=0.2, message="settling")
-        except AssertionError:
-            raise AssertionError(
-                f"not settled: [applied, dead letters, outbox, on the broker] = {last}, expected"
-                f" {[len(valid), len(hard) + len(poison), 0, 0]}; logs in {tmp_path}"
-            ) from None
-        settled_at = time.monotonic() - started
-
-        cur = await conn.execute(
-            "SELECT job_id, count(*) FROM public.awards GROUP BY 1 HAVING count(*) > 1"
-        )
-        assert await cur.fetchall() == []  # no double effect
-        cur = await conn.execute("SELECT DISTINCT job_id FROM public.awards ORDER BY 1")
-        assert [r[0] for r in await cur.fetchall()] == valid  # no lost job
-        expected = Counter[int]()
-        for job_id in valid:
-            expected[payload(job_id)["account_id"]] += payload(job_id)["points"]
-        cur = await conn.execute("SELECT id, points FROM public.accounts WHERE points > 0")
-        assert dict(await cur.fetchall()) == dict(expected)
-        cur = await conn.execute("SELECT job_id FROM core.processed_jobs ORDER BY 1")
-        assert [r[0] for r in await cur.fetchall()] == valid
-        cur = await conn.execute(
-            "SELECT job_id, error_class, count(*) FROM core.dead_letters GROUP BY 1, 2 ORDER BY 1"
-        )
-        dead_letters = {row[0]: (row[1], row[2]) for row in await cur.fetchall()}
-        assert set(dead_letters) == set(hard) | set(poison)
-        assert {dead_letters[j] for j in hard} == {("jobfence.HardFailure", 1)}
-        assert {dead_letters[j] for j in poison_on_broker} == {("InvalidJson", 1)}
-        assert {dead_letters[j] for j in set(poison) - poison_on_broker} == {("SchemaInvalid", 1)}
-        assert (await direct.size([chaosapp.QUEUE])).total == 0
+        # 6. Everything settles: each valid job applied once, each failure one dead letter.
+        await run.wait_settled(direct, len(work.valid), len(work.hard) + len(work.poison))
+        await run.assert_each_applied_once(work.valid)
+        await run.assert_one_dead_letter_per_failure()
 
         # 7. The fix, then a bulk replay of the hard failures: each applies exactly once.
-        await conn.execute("INSERT INTO public.chaos_fixed VALUES (true)")
-        replay = await asyncio.to_thread(
-            subprocess.run,
-            [
-                sys.executable,
-                str(CLI),
-                "dead-letters",
-                "replay-bulk",
-                "--error-class",
-                "jobfence.HardFailure",
-                "--queue-url",
-                proxied,
-            ],
-            env=env,
-            cwd=TESTS,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
-        assert replay.returncode == 0, replay
-
-        async def replayed() -> bool:
-            done = await _count(conn, "SELECT count(DISTINCT job_id) FROM public.awards")
-            outbox = await _count(conn, "SELECT count(*) FROM jobfence.outbox")
-            if (done, outbox) != (len(valid) + len(hard), 0):
-                return False
-            return (await direct.size([chaosapp.QUEUE])).total == 0
-
-        await wait_until(replayed, timeout=SETTLE_TIMEOUT, interval=0.2, message="the replay")
-        cur = await conn.execute(
-            "SELECT job_id, count(*) FROM public.awards GROUP BY 1 HAVING count(*) > 1"
-        )
-        assert await cur.fetchall() == []
-        cur = await conn.execute("SELECT DISTINCT job_id FROM public.awards ORDER BY 1")
-        assert [r[0] for r in await cur.fetchall()] == sorted(valid + hard)
-        cur = await conn.execute(
-            "SELECT status, error_class, count(*) FROM core.dead_letters GROUP BY 1, 2"
-            " ORDER BY 1, 2"
-        )
-        rows = await cur.fetchall()
-        assert ("replayed", "jobfence.HardFailure", len(hard)) in rows, rows
-        assert sum(n for status, _, n in rows if status == "pending_review") == len(poison), rows
+        await run.replay_hard_failures(proxied)
+        await run.wait_settled(direct, len(work.valid) + len(work.hard), len(work.poison))
+        await run.assert_each_applied_once(work.valid + work.hard)
+        await run.assert_hard_failures_replayed()
 
         # 8. The survivors stop cleanly; between them they retried and fenced duplicates.
-        outcomes: Counter[str] = Counter()
-        for proc in (*workers, relay):
-            os.kill(proc.pid, signal.SIGTERM)
-        for proc in (*workers, relay):
-            assert await proc.wait_exit() == 0, proc.output()
-        for proc in workers:
-            outcomes += _summary(proc.output())
+        outcomes = await run.stop_all()
         assert outcomes["retried"] > 0, outcomes
         assert outcomes["duplicate"] > 0, outcomes
         assert proxy.refused > 0  # clients came back during the outage and were turned away
         print(
-            f"\n{kind}: settled in {settled_at:.1f}s, replayed by "
-            f"{time.monotonic() - started:.1f}s; survivors' outcomes {dict(outcomes)}; "
-            f"relay killed with {waiting} row(s) waiting; outage refused {proxy.refused}"
+            f"\n{kind}: done in {time.monotonic() - started:.1f}s; the survivors' outcomes"
+            f" {dict(outcomes)}; relay killed with {waiting} row(s) waiting;"
+            f" {proxy.refused} connection(s) refused during the outage"
         )
+    finally:
+        await direct.close()
+        await proxy.close()
