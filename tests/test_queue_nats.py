@@ -77,3 +77,27 @@ async def test_a_release_whose_copy_cannot_be_published_gives_the_original_back(
         nc = await nats.connect(nats_url)
         await nc.jetstream().delete_stream(name)
         await nc.close()
+
+
+async def test_a_publisher_keeps_the_lease_the_workers_set(nats_url: str) -> None:
+    """The outbox relay (or a replay) publishes with an adapter of its own, which knows no
+    lease: it must not reset the consumer's AckWait to its default, or a dead worker's jobs
+    would come back after 30 s instead of the workers' lease (and a long handler's job would
+    go to another worker while it still runs)."""
+    name = f"JFTEST_{uuid.uuid4().hex[:12]}"
+    worker = NatsQueue(nats_url, stream=name, subject_prefix=name.lower())
+    relay = NatsQueue(nats_url, stream=name, subject_prefix=name.lower())
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    try:
+        assert await worker.receive([QUEUE], max_messages=1, lease_seconds=4) == []
+        await relay.publish(message("from-the-relay"))
+        info = await js.consumer_info(name, NatsQueue._durable(QUEUE))
+        assert info.config.ack_wait == 4.0
+        (got,) = await worker.receive([QUEUE], max_messages=1, lease_seconds=4, wait_seconds=5)
+        assert await worker.ack(got) is True
+    finally:
+        await worker.close()
+        await relay.close()
+        await js.delete_stream(name)
+        await nc.close()

@@ -201,3 +201,37 @@ async def test_messages_buffered_behind_a_busy_receiver_go_back_to_the_queue_unc
         await busy.close()
         await other.close()
         await delete_queues(amqp_url, prefix)
+
+
+async def test_the_adapter_reconnects_after_its_connection_was_dropped(amqp_url: str) -> None:
+    """The network drops the connection (aio-pika then still says it is not closed): the next
+    call fails, and a later one opens a new connection instead of failing forever. The message
+    the dropped connection held comes back, counted."""
+    from tcp_proxy import TcpProxy as OutageProxy
+
+    prefix = f"jftest.{uuid.uuid4().hex[:12]}"
+    parts = urlsplit(amqp_url)
+    proxy = OutageProxy(parts.hostname or "127.0.0.1", parts.port or 5672)
+    await proxy.start()
+    credentials = parts.netloc.rpartition("@")[0]
+    queue = RabbitMQQueue(
+        urlunsplit(parts._replace(netloc=f"{credentials}@127.0.0.1:{proxy.port}")), prefix=prefix
+    )
+    try:
+        await queue.publish(message("before"))
+        (held,) = await queue.receive([QUEUE], max_messages=1, lease_seconds=60)
+        proxy.down()
+        with pytest.raises(Exception):  # noqa: B017 - whatever the client raises
+            await queue.receive([QUEUE], max_messages=1, lease_seconds=60)
+        proxy.up()
+
+        await queue.publish(message("after"))
+        got = await queue.receive([QUEUE], max_messages=2, lease_seconds=60, wait_seconds=5)
+        assert sorted((d.message.job_id, d.attempt) for d in got) == [("after", 1), ("before", 2)]
+        for delivery in got:
+            assert await queue.ack(delivery) is True
+        assert await queue.ack(held) is False  # its connection is gone
+    finally:
+        await queue.close()
+        await proxy.close()
+        await delete_queues(amqp_url, prefix)

@@ -190,6 +190,13 @@ class NatsQueue:
         wanted = lease_seconds if lease_seconds is not None else self._ack_wait.get(queue)
         if queue in self._ack_wait and (wanted is None or wanted == self._ack_wait[queue]):
             return durable
+        if wanted is None:
+            # A publisher (the outbox relay, a replay) has no lease of its own: it keeps the
+            # AckWait the workers set, and only creates a consumer that does not exist yet.
+            with contextlib.suppress(NotFoundError):
+                info = await js.consumer_info(self._stream, durable)
+                self._ack_wait[queue] = float(info.config.ack_wait or self._default_lease)
+                return durable
         ack_wait = wanted if wanted is not None else self._default_lease
         await js.add_consumer(
             self._stream,

@@ -100,6 +100,16 @@ _WAIT_EXPIRES_EXTRA_MS = 60_000
 _ARRIVAL_GRACE = 5.0
 
 
+def _lost(conn: AbstractConnection) -> bool:
+    """True when ``conn`` is closed, or was lost: aio-pika's ``is_closed`` stays False after the
+    broker or the network drops the connection (only ``close()`` sets it), while ``connected``
+    is cleared and the transport's own connection is closed."""
+    if conn.is_closed or not conn.connected.is_set():
+        return True
+    transport = conn.transport
+    return transport is None or transport.connection.is_closed
+
+
 def _short(value: str | None) -> str | None:
     if value is None or len(value.encode()) > _SHORTSTR_BYTES:
         return None
@@ -201,7 +211,10 @@ class RabbitMQQueue:
             if self._closed:
                 raise ConfigError("this RabbitMQQueue is closed")
             if self._channel is None or self._channel.is_closed:
-                if self._conn is None or self._conn.is_closed:
+                if self._conn is None or _lost(self._conn):
+                    if self._conn is not None:
+                        with contextlib.suppress(Exception):
+                            await self._conn.close()
                     self._conn = await aio_pika.connect(self._url)
                 self._channel = await self._conn.channel(publisher_confirms=True)
                 self._declared.clear()
