@@ -199,7 +199,8 @@ def _run_on(conn: FenceConnection, fence_sql: str, params: Mapping[str, Any], wo
         check_still_open(conn.info.transaction_status, conn.closed)
     except BaseException as exc:
         if entered and not conn.closed:
-            # Rolls back; a psycopg.Rollback is not swallowed here: the job did not commit.
+            # Rolls back; a psycopg.Rollback is not swallowed: nothing of the job committed,
+            # the fence included, so it fails the job like any other exception.
             tx.__exit__(type(exc), exc, exc.__traceback__)
         raise
     tx.__exit__(None, None, None)
