@@ -16,6 +16,7 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 from jobfence.acks import AckBatcher
 from jobfence.adapters.prometheus import PrometheusMetrics
 from jobfence.app import App
+from jobfence.db import looks_broken
 from jobfence.errors import ConfigError
 from jobfence.harness import (
     Harness,
@@ -416,6 +417,7 @@ class Worker:
             self.stats.outcomes[outcome] += 1
         except InfrastructureError as exc:
             self._lost(delivery, exc)
+            await _close_if_cut(conn)
             return False
         except asyncio.CancelledError:
             self._unreleased.append(delivery)
@@ -458,6 +460,7 @@ class Worker:
             outcomes = await self.harness.handle_group(group, conn)
         except InfrastructureError as exc:
             self._give_back(group, exc)
+            await _close_if_cut(conn)
             return False
         except asyncio.CancelledError as exc:
             self._give_back(group, exc)
@@ -615,6 +618,17 @@ def _on_a_cut_connection(exc: Exception) -> bool:
     """Whether ``exc`` is a lost connection met on a connection the pool lent (not a pool
     timeout: then the pool had none to lend, and trying again only waits again)."""
     return is_connection_loss(exc, None) and not isinstance(exc, PoolTimeout)
+
+
+async def _close_if_cut(conn: Any) -> None:
+    """After the database went away during a job, close the connection the processor held if
+    it looks broken (:func:`~jobfence.db.looks_broken`, no round trip), so that the pool it
+    goes back to replaces it instead of lending it again after the recovery. A sync handler's
+    job ran on the sync pool, leaving this one idle: cut with the others, it is not yet known
+    to be broken."""
+    if not conn.closed and looks_broken(conn):
+        with contextlib.suppress(Exception):
+            await conn.close()
 
 
 async def _until_set(event: asyncio.Event, aw: Any, max_seconds: float | None) -> None:
