@@ -205,14 +205,15 @@ def looks_broken(conn: psycopg.AsyncConnection[Any] | psycopg.Connection[Any]) -
         # Something arrived while idle: a notice, a parameter change, or the end of the stream,
         # which libpq turns into an error. A server that ended the session (a restart,
         # pg_terminate_backend) sends its FATAL message and then closes: the first read takes
-        # the message, the next one finds the end of the stream.
-        for _ in range(3):
+        # the message, the next one finds the end of the stream, given a few milliseconds to
+        # arrive (waited only when something did arrive while idle).
+        for wait_ms in (0, 20, 20):
             if hasattr(select, "poll"):
                 poller = select.poll()
                 poller.register(fd, select.POLLIN)
-                waiting = bool(poller.poll(0))
+                waiting = bool(poller.poll(wait_ms))
             else:  # pragma: no cover - Windows
-                waiting = bool(select.select([fd], [], [], 0)[0])
+                waiting = bool(select.select([fd], [], [], wait_ms / 1000)[0])
             if not waiting:
                 break
             pgconn.consume_input()
