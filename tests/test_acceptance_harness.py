@@ -857,6 +857,46 @@ async def test_handler_raising_after_its_work_rolls_back_everything_and_schedule
     assert metrics.count("retried") == 1
 
 
+@FLAVOURS
+async def test_a_handler_raising_psycopg_rollback_fails_its_job_and_nothing_of_it_commits(
+    pool: AsyncConnectionPool[Any], points: AsyncConnection[Any], flavour: str
+) -> None:
+    """psycopg.Rollback, raised by the handler out of the fence transaction, rolls back the
+    fence with the work: the job is not counted as done (acked with no fence and no effect,
+    it would vanish), it fails as any exception does, and the next delivery applies it."""
+
+    async def award(payload: pointsapp.Award, job: JobMeta, tx: AsyncConnection[Any]) -> None:
+        await pointsapp.apply_award(payload, job, tx)
+        if job.attempt == 1:
+            raise psycopg.Rollback()
+
+    clock = FakeClock(datetime.now(UTC).replace(microsecond=0))
+    queue = PgQueue(pool, clock=clock, poll_interval_seconds=0.05)
+    app = make_app(award, flavour=flavour)
+    await queue.publish(app.message("award_points", {"account_id": 9, "points": 23}, job_id="rb-2"))
+    metrics = PrometheusMetrics()
+    try:
+        stats = await run_worker(app, pool, metrics, queue=queue)
+        assert stats.outcomes == {"retried": 1}
+        assert await awards(points) == 0
+        assert await fences(points, "rb-2") == 0
+        cur = await points.execute("SELECT attempts, last_error FROM jobfence_queue.messages")
+        [(attempts, last_error)] = await cur.fetchall()
+        assert attempts == 1
+        assert last_error.startswith("psycopg.Rollback")
+        assert "raise psycopg.Rollback()" in last_error  # the handler's line, in the traceback
+
+        clock.advance_to(clock.now() + timedelta(minutes=5))
+        stats = await run_worker(app, pool, metrics, queue=queue)
+    finally:
+        await queue.close()
+    assert stats.outcomes == {"succeeded": 1}
+    assert await awards(points) == 1
+    assert await balance(points, 9) == 23
+    assert await fences(points, "rb-2") == 1
+    assert await dead_letter_ids(points, "rb-2") == []
+
+
 # -- one round trip between two jobs: a COMMIT that fails while the next job waits ---------------
 
 

@@ -15,21 +15,26 @@ from pydantic import BaseModel
 import pointsapp
 from jobfence import App, JobMeta, PgQueue, PrometheusMetrics, Worker
 from jobfence.model import Delivery
+from jobfence.sync import PsycopgRunner
 from support import job_groups, scalar, wait_until
 
 JOBS = 40
 
 
+@pytest.mark.parametrize("flavour", ["async", "sync"])
 @pytest.mark.parametrize("jobs_per_transaction", [1, 5])
 async def test_database_connections_killed_mid_run_lose_no_job_and_burn_no_retry(
     database_url: str,
     pool: AsyncConnectionPool[Any],
     conn: psycopg.AsyncConnection[Any],
     jobs_per_transaction: int,
+    flavour: str,
 ) -> None:
-    """With one job per transaction, and with groups of 5 (group commit) cut mid-group."""
+    """With one job per transaction, and with groups of 5 (group commit) cut mid-group; for
+    async handlers and for sync ones (their transactions on the worker's sync pool, whose
+    connections are cut too)."""
     await conn.execute(pointsapp.SCHEMA_SQL)
-    app = pointsapp.build_app(jobs_per_transaction=jobs_per_transaction)
+    app = pointsapp.build_app(jobs_per_transaction=jobs_per_transaction, flavour=flavour)
     async with conn.transaction():
         for i in range(JOBS):
             await app.enqueue(
@@ -184,3 +189,52 @@ async def test_a_lasting_fetch_error_backs_off_instead_of_spinning_and_recovers(
         await asyncio.wait_for(run, timeout=10)
         await queue.close()
     assert await scalar(conn, "SELECT points FROM accounts WHERE id = 2") == 3
+
+
+async def test_a_sync_job_takes_a_fresh_connection_when_the_server_closed_the_idle_ones(
+    database_url: str,
+    pool: AsyncConnectionPool[Any],
+    conn: psycopg.AsyncConnection[Any],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The server closed the sync pool's idle connections (a restart, an idle timeout): the
+    next sync job does not fail on one of them, which would send the worker through an outage
+    recovery; the pool's other users never touch these connections to find out first."""
+    await conn.execute(pointsapp.SCHEMA_SQL)
+    app = pointsapp.build_app(flavour="sync")
+    runner = PsycopgRunner(database_url, size=2, kwargs={"application_name": "sync-side"})
+    await asyncio.to_thread(runner.open)
+    metrics = PrometheusMetrics()
+    queue = PgQueue(pool, poll_interval_seconds=0.05)
+    worker = Worker(
+        app, pool, queue, concurrency=2, poll_seconds=0.05, metrics=metrics, sync_runner=runner
+    )
+    caplog.set_level(logging.INFO, logger="jobfence")
+    run = asyncio.create_task(worker.run())
+    sync_side = (
+        "SELECT count(%s(pid)) FROM pg_stat_activity"
+        " WHERE datname = current_database() AND application_name = 'sync-side'"
+    )
+    try:
+        await app.enqueue(conn, "award_points", {"account_id": 1, "points": 1}, job_id="before")
+
+        async def succeeded(n: int) -> bool:
+            return metrics.count("succeeded") == n
+
+        await wait_until(lambda: succeeded(1), message="the first job")
+        assert await scalar(conn, sync_side % "pg_terminate_backend") >= 1
+
+        async def gone() -> bool:
+            return await scalar(conn, sync_side % "") == 0
+
+        await wait_until(gone, message="the sync pool's connections to close")
+        await app.enqueue(conn, "award_points", {"account_id": 1, "points": 1}, job_id="after")
+        await wait_until(lambda: succeeded(2), message="the job after")
+    finally:
+        worker.stop()
+        stats = await asyncio.wait_for(run, timeout=10)
+        await queue.close()
+        await asyncio.to_thread(runner.close)
+    assert "database went away" not in caplog.text
+    assert stats.released == 0
+    assert await scalar(conn, "SELECT points FROM accounts WHERE id = 1") == 2

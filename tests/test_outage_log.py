@@ -24,11 +24,16 @@ OUTAGE_SECONDS = 3.0
 REPR = re.compile(r"<[A-Za-z_][\w.]*[ >]|0x[0-9a-f]{6,}|\[BAD\]")
 
 
+@pytest.mark.parametrize("flavour", ["async", "sync"])
 async def test_an_outage_logs_one_line_when_the_database_goes_one_when_back_and_no_flood(
-    database_url: str, conn: psycopg.AsyncConnection[Any], caplog: pytest.LogCaptureFixture
+    database_url: str,
+    conn: psycopg.AsyncConnection[Any],
+    caplog: pytest.LogCaptureFixture,
+    flavour: str,
 ) -> None:
+    """For async handlers, and for sync ones (whose sync pool loses its connections too)."""
     await conn.execute(pointsapp.SCHEMA_SQL)
-    app = pointsapp.build_app()
+    app = pointsapp.build_app(flavour=flavour)
     async with conn.transaction():
         for i in range(JOBS):
             payload = {"account_id": i % 10 + 1, "points": 1, "mode": "slow"}

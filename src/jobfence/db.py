@@ -190,7 +190,7 @@ async def grow_read_buffer(conn: psycopg.AsyncConnection[Any]) -> None:
     await cur.fetchall()
 
 
-def looks_broken(conn: psycopg.AsyncConnection[Any]) -> bool:
+def looks_broken(conn: psycopg.AsyncConnection[Any] | psycopg.Connection[Any]) -> bool:
     """Whether an idle connection is known to be unusable, found without a round trip: it is
     closed, or its socket reports the server's side gone (the end of the stream or an error
     when libpq reads what is waiting there). A connection whose peer vanished without a word
@@ -202,15 +202,20 @@ def looks_broken(conn: psycopg.AsyncConnection[Any]) -> bool:
         return True
     try:
         fd = pgconn.socket
-        if hasattr(select, "poll"):
-            poller = select.poll()
-            poller.register(fd, select.POLLIN)
-            waiting = bool(poller.poll(0))
-        else:  # pragma: no cover - Windows
-            waiting = bool(select.select([fd], [], [], 0)[0])
-        if waiting:
-            # Something arrived while idle: a notice, a parameter change, or the end of the
-            # stream, which libpq turns into a bad status.
+        # Something arrived while idle: a notice, a parameter change, or the end of the stream,
+        # which libpq turns into an error. A server that ended the session (a restart,
+        # pg_terminate_backend) sends its FATAL message and then closes: the first read takes
+        # the message, the next one finds the end of the stream, given a few milliseconds to
+        # arrive (waited only when something did arrive while idle).
+        for wait_ms in (0, 20, 20):
+            if hasattr(select, "poll"):
+                poller = select.poll()
+                poller.register(fd, select.POLLIN)
+                waiting = bool(poller.poll(wait_ms))
+            else:  # pragma: no cover - Windows
+                waiting = bool(select.select([fd], [], [], wait_ms / 1000)[0])
+            if not waiting:
+                break
             pgconn.consume_input()
     except (OSError, ValueError, psycopg.Error):
         return True

@@ -610,8 +610,9 @@ class Harness:
             if fresh:
                 await self._run_handler(job, conn)
         except BaseException as exc:
-            if await tx.rollback(exc):
-                return fresh  # a psycopg.Rollback, swallowed as conn.transaction() does
+            # A psycopg.Rollback too: it rolled back the fence with the work, so nothing of
+            # the job committed; it fails the job like any other exception (docs/concepts.md).
+            await tx.rollback(exc)
             raise
         following = self._next_job(ahead)
         if following is None:

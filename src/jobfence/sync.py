@@ -17,6 +17,8 @@ handler) -> commit". That step is a :class:`SyncTransactionRunner`, a small port
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
@@ -26,7 +28,10 @@ from psycopg.pq import TransactionStatus
 from psycopg.rows import TupleRow
 from psycopg_pool import ConnectionPool
 
+from jobfence.db import looks_broken
 from jobfence.errors import TransactionAborted, TransactionMisuse
+
+log = logging.getLogger("jobfence.sync")
 
 T = TypeVar("T")
 
@@ -110,6 +115,28 @@ def check_still_open(status: TransactionStatus, closed: bool) -> None:
         )
 
 
+class CheckedSyncPool(ConnectionPool[FenceConnection]):
+    """A sync pool that lends only connections not known to be broken (:func:`looks_broken`,
+    no round trip; as :class:`jobfence.db.CheckedPool` does for async pools): after the
+    database cut its connections, a job does not fail again on one the pool still holds idle,
+    which would start a second outage recovery for the same outage."""
+
+    def getconn(self, timeout: float | None = None) -> FenceConnection:
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        for _ in range(self.max_size):
+            conn = super().getconn(max(deadline - time.monotonic(), 0.0))
+            if not looks_broken(conn):
+                return conn
+            log.info("pool %s: discarding a broken connection", self.name)
+            conn.close()
+            try:
+                # Returned as found broken when lent: the pool replaces it, logging at INFO.
+                self._putconn(conn, from_getconn=True)
+            except (AttributeError, TypeError):  # pragma: no cover - psycopg_pool < 3.3
+                self.putconn(conn)  # the same, with a WARNING
+        return super().getconn(max(deadline - time.monotonic(), 0.0))
+
+
 class PsycopgRunner:
     """:class:`SyncTransactionRunner` on a sync psycopg pool of :class:`FenceConnection`.
 
@@ -127,7 +154,7 @@ class PsycopgRunner:
         self._pool: ConnectionPool[FenceConnection] | None = None
 
     def open(self, *, timeout: float = 30.0) -> None:
-        pool: ConnectionPool[FenceConnection] = ConnectionPool(
+        pool = CheckedSyncPool(
             self._conninfo,
             connection_class=FenceConnection,
             min_size=1,
@@ -172,7 +199,8 @@ def _run_on(conn: FenceConnection, fence_sql: str, params: Mapping[str, Any], wo
         check_still_open(conn.info.transaction_status, conn.closed)
     except BaseException as exc:
         if entered and not conn.closed:
-            # Rolls back; a psycopg.Rollback is not swallowed here: the job did not commit.
+            # Rolls back; a psycopg.Rollback is not swallowed: nothing of the job committed,
+            # the fence included, so it fails the job like any other exception.
             tx.__exit__(type(exc), exc, exc.__traceback__)
         raise
     tx.__exit__(None, None, None)

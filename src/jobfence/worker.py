@@ -11,11 +11,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from psycopg_pool import AsyncConnectionPool
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from jobfence.acks import AckBatcher
 from jobfence.adapters.prometheus import PrometheusMetrics
 from jobfence.app import App
+from jobfence.db import looks_broken
 from jobfence.errors import ConfigError
 from jobfence.harness import (
     Harness,
@@ -416,6 +417,7 @@ class Worker:
             self.stats.outcomes[outcome] += 1
         except InfrastructureError as exc:
             self._lost(delivery, exc)
+            await _close_if_cut(conn)
             return False
         except asyncio.CancelledError:
             self._unreleased.append(delivery)
@@ -458,6 +460,7 @@ class Worker:
             outcomes = await self.harness.handle_group(group, conn)
         except InfrastructureError as exc:
             self._give_back(group, exc)
+            await _close_if_cut(conn)
             return False
         except asyncio.CancelledError as exc:
             self._give_back(group, exc)
@@ -562,20 +565,31 @@ class Worker:
             self._unreleased.append(delivery)
 
     async def _release_held(self) -> None:
+        """Give back every held delivery. A release that fails on a connection the outage cut
+        and the pool still held idle is tried again (the pool has dropped that connection),
+        at most the pool's ``max_size`` times in all: one stale connection does not leave a job
+        leased until its lease runs out."""
         held, self._unreleased = self._unreleased, []
         failed, error = 0, None
+        stale_tries = self._pool.max_size
         for delivery in held:
-            try:
-                await self.queue.release(delivery)
-                self.stats.released += 1
-            except Exception as exc:
-                failed, error = failed + 1, exc
-                log.debug(
-                    "could not release job %s (%s)",
-                    delivery.message.job_id,
-                    reason(exc),
-                    extra=log_fields(delivery),
-                )
+            while True:
+                try:
+                    await self.queue.release(delivery)
+                except Exception as exc:
+                    if stale_tries > 0 and _on_a_cut_connection(exc):
+                        stale_tries -= 1
+                        continue
+                    failed, error = failed + 1, exc
+                    log.debug(
+                        "could not release job %s (%s)",
+                        delivery.message.job_id,
+                        reason(exc),
+                        extra=log_fields(delivery),
+                    )
+                else:
+                    self.stats.released += 1
+                break
         if error is not None:  # one line, not one per job
             log.warning(
                 "could not release %d job(s) (%s); they return when their lease runs out",
@@ -604,6 +618,23 @@ class Worker:
                 await task
         await self.acks.close()
         await self._release_held()
+
+
+def _on_a_cut_connection(exc: Exception) -> bool:
+    """Whether ``exc`` is a lost connection met on a connection the pool lent (not a pool
+    timeout: then the pool had none to lend, and trying again only waits again)."""
+    return is_connection_loss(exc, None) and not isinstance(exc, PoolTimeout)
+
+
+async def _close_if_cut(conn: Any) -> None:
+    """After the database went away during a job, close the connection the processor held if
+    it looks broken (:func:`~jobfence.db.looks_broken`, no round trip), so that the pool it
+    goes back to replaces it instead of lending it again after the recovery. A sync handler's
+    job ran on the sync pool, leaving this one idle: cut with the others, it is not yet known
+    to be broken."""
+    if not conn.closed and looks_broken(conn):
+        with contextlib.suppress(Exception):
+            await conn.close()
 
 
 async def _until_set(event: asyncio.Event, aw: Any, max_seconds: float | None) -> None:
