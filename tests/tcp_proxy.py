@@ -1,8 +1,17 @@
-"""A TCP proxy in front of PostgreSQL that can cut the network (no tests here).
+"""A TCP proxy that a test can cut, in front of PostgreSQL or a broker (no tests here).
 
-It listens on 127.0.0.1 on an ephemeral port and pipes every connection to the target.
-:meth:`TcpProxy.down` closes every connection it carries and closes each new one at once, as
-a network blip does to a client; :meth:`TcpProxy.up` lets connections through again.
+It listens on 127.0.0.1 on an ephemeral port and pipes every connection to its target: a host
+and port, or, for a host that is a directory (the embedded PostgreSQL), that directory's Unix
+socket ``.s.PGSQL.<port>``. Clients reach it over TCP either way.
+
+- :meth:`TcpProxy.down` closes every connection it carries and closes each new one at once,
+  as a network blip does to a client; :meth:`TcpProxy.up` lets connections through again.
+- :meth:`TcpProxy.cut` does the same abruptly: every connection is reset (no goodbye), as a
+  crashed host or a network fault would; new ones are reset until :meth:`TcpProxy.up`.
+- :meth:`TcpProxy.cut_unnoticed` leaves the client unaware until it next sends.
+
+:attr:`TcpProxy.carried` counts the client connections open now, :attr:`TcpProxy.refused`
+the ones closed at once while down or cut.
 """
 
 from __future__ import annotations
@@ -19,15 +28,29 @@ class TcpProxy:
         self.target = (target_host, target_port)
         self.port = 0
         self.accepting = True
-        self.refused = 0  # connections closed at once while down
+        self.abrupt = False  # cut rather than down: reset connections instead of closing them
+        self.refused = 0  # connections closed at once while down or cut
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self._doomed: set[asyncio.StreamWriter] = set()
         self._tasks: set[asyncio.Task[None]] = set()
 
+    @classmethod
+    def for_database(cls, database_url: str) -> TcpProxy:
+        """A proxy in front of ``database_url``'s server (TCP, or a Unix socket directory)."""
+        params = conninfo_to_dict(database_url)
+        return cls(str(params.get("host") or "127.0.0.1"), int(params.get("port") or 5432))
+
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
         self.port = self._server.sockets[0].getsockname()[1]
+
+    async def __aenter__(self) -> TcpProxy:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
 
     def url(self, database_url: str) -> str:
         """``database_url`` with its host and port replaced by the proxy's."""
@@ -42,11 +65,21 @@ class TcpProxy:
         return len(self._writers) // 2
 
     def down(self) -> None:
-        """Cut every connection now and close every new one until :meth:`up`."""
+        """Close every connection now and close every new one until :meth:`up`."""
         self.accepting = False
+        self.abrupt = False
         for writer in list(self._writers):
             writer.close()
         self._writers.clear()
+
+    async def cut(self) -> None:
+        """Reset every connection now (no goodbye) and every new one until :meth:`up`."""
+        self.accepting = False
+        self.abrupt = True
+        for writer in list(self._writers):
+            writer.transport.abort()
+        self._writers.clear()
+        await asyncio.sleep(0)
 
     def cut_unnoticed(self) -> None:
         """Cut every connection it carries now without telling the client: each is closed
@@ -56,19 +89,32 @@ class TcpProxy:
 
     def up(self) -> None:
         self.accepting = True
+        self.abrupt = False
+
+    def _refuse(self, writer: asyncio.StreamWriter) -> None:
+        if self.abrupt:
+            writer.transport.abort()
+        else:
+            writer.close()
+
+    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        host, port = self.target
+        if host.startswith("/"):  # a Unix socket directory (the embedded PostgreSQL)
+            return await asyncio.open_unix_connection(f"{host}/.s.PGSQL.{port}")
+        return await asyncio.open_connection(host, port)
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if not self.accepting:
             self.refused += 1
-            writer.close()
+            self._refuse(writer)
             return
         try:
-            up_reader, up_writer = await asyncio.open_connection(*self.target)
+            up_reader, up_writer = await self._connect()
         except OSError:
-            writer.close()
+            self._refuse(writer)
             return
         if not self.accepting:  # cut while connecting
-            writer.close()
+            self._refuse(writer)
             up_writer.close()
             return
         self._writers |= {writer, up_writer}
@@ -111,11 +157,6 @@ class TcpProxy:
 
 @contextlib.asynccontextmanager
 async def tcp_proxy(database_url: str) -> AsyncIterator[TcpProxy]:
-    """A proxy in front of ``database_url``'s server (a host and port URL)."""
-    params = conninfo_to_dict(database_url)
-    proxy = TcpProxy(str(params.get("host", "127.0.0.1")), int(params.get("port", 5432)))
-    await proxy.start()
-    try:
+    """A started proxy in front of ``database_url``'s server (TCP or a Unix socket)."""
+    async with TcpProxy.for_database(database_url) as proxy:
         yield proxy
-    finally:
-        await proxy.close()

@@ -16,8 +16,8 @@ from psycopg_pool import AsyncConnectionPool
 import pointsapp
 from jobfence import PgQueue, PrometheusMetrics, Worker, db
 from jobfence.outage_log import OutageLog, reason
-from outage_proxy import OutageProxy
 from support import scalar, wait_until
+from tcp_proxy import TcpProxy
 
 JOBS = 60
 OUTAGE_SECONDS = 3.0
@@ -38,9 +38,9 @@ async def test_an_outage_logs_one_line_when_the_database_goes_one_when_back_and_
         for i in range(JOBS):
             payload = {"account_id": i % 10 + 1, "points": 1, "mode": "slow"}
             await app.enqueue(conn, "award_points", payload, job_id=f"j{i}")
-    proxy = OutageProxy(database_url)
+    proxy = TcpProxy.for_database(database_url)
     await proxy.start()
-    pool = await db.open_pool(proxy.url, max_size=5)
+    pool = await db.open_pool(proxy.url(database_url), max_size=5)
     queue = PgQueue(pool, poll_interval_seconds=0.1)
     metrics = PrometheusMetrics()
     worker = Worker(app, pool, queue, concurrency=3, poll_seconds=0.1, metrics=metrics)
@@ -53,14 +53,14 @@ async def test_an_outage_logs_one_line_when_the_database_goes_one_when_back_and_
 
         await wait_until(some_done, message="the first jobs to succeed")
         before = len(caplog.records)  # start-up lines (autovacuum off...) are not the outage's
-        proxy.cut()
+        await proxy.cut()
 
         async def noticed() -> bool:
             return "database went away" in caplog.text
 
         await wait_until(noticed, message="the worker to notice the outage")
         await asyncio.sleep(OUTAGE_SECONDS)  # the outage itself: its length is the experiment
-        proxy.restore()
+        proxy.up()
         stats = await asyncio.wait_for(run, timeout=60)
     finally:
         worker.stop()
@@ -104,11 +104,11 @@ async def test_a_worker_stopped_during_an_outage_logs_one_line_for_the_jobs_it_c
         for i in range(JOBS):
             payload = {"account_id": i % 10 + 1, "points": 1, "mode": "slow"}
             await app.enqueue(conn, "award_points", payload, job_id=f"j{i}")
-    proxy = OutageProxy(database_url)
+    proxy = TcpProxy.for_database(database_url)
     await proxy.start()
     # A short pool timeout: each release during the outage fails within 0.5 s, not 30 s.
     pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
-        proxy.url, max_size=5, kwargs={"autocommit": True}, open=False, timeout=0.5
+        proxy.url(database_url), max_size=5, kwargs={"autocommit": True}, open=False, timeout=0.5
     )
     await pool.open(wait=True)
     queue = PgQueue(pool, poll_interval_seconds=0.1)
@@ -124,7 +124,7 @@ async def test_a_worker_stopped_during_an_outage_logs_one_line_for_the_jobs_it_c
             return metrics.count("succeeded") >= 5
 
         await wait_until(some_done, message="the first jobs to succeed")
-        proxy.cut()
+        await proxy.cut()
 
         async def noticed() -> bool:
             return "database went away" in caplog.text

@@ -14,7 +14,7 @@ from nats.js.errors import NotFoundError
 from jobfence import QueueCapabilities
 from jobfence.adapters.nats import NatsQueue
 from queue_conformance import QUEUE, BrokerConformance, QueueEnv, message
-from support import TcpProxy
+from tcp_proxy import TcpProxy
 
 
 class TestNatsConformance(BrokerConformance):

@@ -14,7 +14,8 @@ from jobfence.adapters.rabbitmq import RabbitMQQueue, wait_bucket_ms
 from jobfence.model import Delivery
 from jobfence.ports import QueueSize
 from queue_conformance import QUEUE, BrokerConformance, QueueEnv, job_ids, message
-from support import TcpProxy, wait_until
+from support import wait_until
+from tcp_proxy import TcpProxy
 
 
 class TestRabbitMQConformance(BrokerConformance):
@@ -207,11 +208,9 @@ async def test_the_adapter_reconnects_after_its_connection_was_dropped(amqp_url:
     """The network drops the connection (aio-pika then still says it is not closed): the next
     call fails, and a later one opens a new connection instead of failing forever. The message
     the dropped connection held comes back, counted."""
-    from tcp_proxy import TcpProxy as OutageProxy
-
     prefix = f"jftest.{uuid.uuid4().hex[:12]}"
     parts = urlsplit(amqp_url)
-    proxy = OutageProxy(parts.hostname or "127.0.0.1", parts.port or 5672)
+    proxy = TcpProxy(parts.hostname or "127.0.0.1", parts.port or 5672)
     await proxy.start()
     credentials = parts.netloc.rpartition("@")[0]
     queue = RabbitMQQueue(

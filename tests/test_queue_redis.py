@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 from jobfence import QueueCapabilities
 from jobfence.adapters.redis_streams import RedisStreamsQueue
 from queue_conformance import QUEUE, BrokerConformance, QueueEnv, message
-from support import TcpProxy
+from tcp_proxy import TcpProxy
 
 
 class TestRedisStreamsConformance(BrokerConformance):
