@@ -11,7 +11,7 @@ import nats
 import pytest
 from nats.js.errors import NotFoundError
 
-from jobfence import QueueCapabilities
+from jobfence import QueueCapabilities, QueueUnavailable
 from jobfence.adapters.nats import NatsQueue
 from queue_conformance import QUEUE, BrokerConformance, QueueEnv, message
 from tcp_proxy import TcpProxy
@@ -65,8 +65,9 @@ async def test_a_release_whose_copy_cannot_be_published_gives_the_original_back(
             raise ConnectionError("the server refused the copy")
 
         monkeypatch.setattr(queue, "_publish", refused)
-        with pytest.raises(ConnectionError, match="refused the copy"):
+        with pytest.raises(QueueUnavailable, match="refused the copy") as raised:
             await queue.release(first)
+        assert isinstance(raised.value.__cause__, ConnectionError)
         monkeypatch.undo()
 
         again = await queue.receive([QUEUE], max_messages=1, lease_seconds=60, wait_seconds=5)

@@ -9,7 +9,7 @@ from urllib.parse import urlsplit, urlunsplit
 import aio_pika
 import pytest
 
-from jobfence import QueueCapabilities
+from jobfence import QueueCapabilities, QueueUnavailable
 from jobfence.adapters.rabbitmq import RabbitMQQueue, wait_bucket_ms
 from jobfence.model import Delivery
 from jobfence.ports import QueueSize
@@ -86,8 +86,9 @@ async def test_a_retry_whose_copy_cannot_be_published_gives_the_original_back(
             raise ConnectionError("the broker refused the copy")
 
         monkeypatch.setattr(queue, "_publish", refused)
-        with pytest.raises(ConnectionError, match="refused the copy"):
+        with pytest.raises(QueueUnavailable, match="refused the copy") as raised:
             await queue.retry(first, delay_seconds=30.0, error="Flaky: later")
+        assert isinstance(raised.value.__cause__, ConnectionError)
         monkeypatch.undo()
 
         again = await queue.receive([QUEUE], max_messages=1, lease_seconds=60, wait_seconds=5)

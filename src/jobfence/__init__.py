@@ -27,6 +27,7 @@ from jobfence.errors import (
     JobfenceError,
     JobRefused,
     PoisonMessage,
+    QueueUnavailable,
     TransactionAborted,
     TransactionMisuse,
 )
@@ -51,6 +52,7 @@ __all__ = [
     "Consumer",
     "DEFAULT_RETRY_POLICY",
     "DatabaseUnavailable",
+    "QueueUnavailable",
     "DeadLetter",
     "DeadLetterConflict",
     "DeadLetterNotFound",

@@ -21,6 +21,15 @@ class DatabaseUnavailable(JobfenceError):
     __module__ = "jobfence"
 
 
+class QueueUnavailable(JobfenceError):
+    """The queue's broker cannot be reached: its connection was lost or refused, or a call timed
+    out. A broker ``QueuePort`` adapter raises it (the client's own error is its ``__cause__``);
+    the worker then pauses and reconnects as for a database outage (D7), instead of counting the
+    job's attempt as an error inside jobfence."""
+
+    __module__ = "jobfence"
+
+
 class JobRefused(JobfenceError, ValueError):
     """A job refused at enqueue, before any SQL ran: an identifier breaks a limit, or the payload
     holds what PostgreSQL cannot store. ``field`` names the offender (``job_id``,

@@ -40,7 +40,7 @@ from jobfence.acks import AckBatcher
 from jobfence.alerts.outbox import record_dead_letter_alerts
 from jobfence.app import App, Consumer
 from jobfence.codec import decode_body, message_payload, stored_payload
-from jobfence.errors import HardFailure, PoisonMessage, TransactionAborted
+from jobfence.errors import HardFailure, PoisonMessage, QueueUnavailable, TransactionAborted
 from jobfence.limits import (
     MAX_CORRELATION_ID_BYTES,
     MAX_JOB_ID_BYTES,
@@ -191,8 +191,9 @@ _CONNECTION_SQLSTATES = frozenset({"57P01", "57P02", "57P03"})
 
 
 def is_connection_loss(exc: BaseException, conn: AsyncConnection[Any] | None) -> bool:
-    """True when ``exc`` means the database is unreachable rather than that the job failed."""
-    if isinstance(exc, PoolTimeout):
+    """True when ``exc`` means the database or the queue's broker is unreachable rather than
+    that the job failed."""
+    if isinstance(exc, (PoolTimeout, QueueUnavailable)):
         return True
     if isinstance(exc, psycopg.OperationalError):
         state = exc.sqlstate

@@ -45,7 +45,15 @@ class QueueSize:
 
 
 class QueuePort(Protocol):
-    """An at-least-once queue that delivers messages under a lease."""
+    """An at-least-once queue that delivers messages under a lease.
+
+    A broker adapter raises :class:`~jobfence.errors.QueueUnavailable` from ``publish``,
+    ``receive``, ``ack``, ``ack_many``, ``retry``, ``release`` and ``size`` when its broker
+    connection is lost, refused or timed out (the client's error is its ``__cause__``); the
+    worker treats that as an outage (D7): it pauses, probes, reconnects and gives back what it
+    held, without counting a job's attempt as an error inside jobfence. The PostgreSQL queue
+    raises psycopg's own connection errors, which the worker treats the same way.
+    """
 
     @property
     def capabilities(self) -> QueueCapabilities: ...

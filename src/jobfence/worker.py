@@ -529,7 +529,8 @@ class Worker:
         self._room.set()
 
     async def _recover(self) -> None:
-        """D7: the database is unreachable. Pause, probe, then give back what we held.
+        """D7: the database or the queue is unreachable. Pause, probe both (backing off), then
+        give back what we held.
 
         A processor may still lose its job while the held ones are given back (its connection
         was cut with the others, and it finds out only now): that job is held again and the
@@ -542,6 +543,8 @@ class Worker:
             try:
                 async with self._pool.connection(timeout=5.0) as conn:
                     await conn.execute("SELECT 1")
+                # The outage may be the broker's: probe it too, with a cheap call.
+                await self.queue.size(self.queues)
             except Exception as exc:
                 self._outage_log.still_down(exc)
                 await self._wait_or_stop(asyncio.sleep(backoff), None)

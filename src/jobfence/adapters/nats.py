@@ -47,6 +47,7 @@ from urllib.parse import quote, unquote
 
 from psycopg import AsyncConnection
 
+from jobfence.adapters._unavailable import unavailable_on
 from jobfence.errors import ConfigError
 from jobfence.model import Delivery, Message
 from jobfence.ports import QueueCapabilities, QueueSize
@@ -67,6 +68,22 @@ try:
     from nats.js.errors import NotFoundError
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("jobfence.adapters.nats needs nats-py: pip install 'jobfence[nats]'") from exc
+
+# nats-py's errors for a closed, reconnecting or stale connection, no server to reach, and a
+# request or flush that timed out: the broker is unreachable (D7).
+_unavailable = unavailable_on(
+    "NATS",
+    (
+        nats.errors.ConnectionClosedError,
+        nats.errors.ConnectionReconnectingError,
+        nats.errors.StaleConnectionError,
+        nats.errors.NoServersError,
+        nats.errors.TimeoutError,
+        nats.errors.UnexpectedEOF,
+        ConnectionError,
+        TimeoutError,
+    ),
+)
 
 _H_CONSUMER = "Jobfence-Consumer"
 _H_JOB_ID = "Jobfence-Job-Id"
@@ -215,6 +232,7 @@ class NatsQueue:
 
     # -- the port -----------------------------------------------------------------------
 
+    @_unavailable
     async def publish(
         self,
         message: Message,
@@ -247,6 +265,7 @@ class NatsQueue:
             self._subject(message.queue), message.body, stream=self._stream, headers=headers
         )
 
+    @_unavailable
     async def receive(
         self,
         queues: Sequence[str],
@@ -350,6 +369,7 @@ class NatsQueue:
     def _holds(receipt: NatsReceipt) -> bool:
         return not receipt.settled and time.monotonic() < receipt.deadline
 
+    @_unavailable
     async def ack(self, delivery: Delivery, *, tx: AsyncConnection[Any] | None = None) -> bool:
         if tx is not None:
             raise _refuse_tx("ack")
@@ -360,10 +380,12 @@ class NatsQueue:
         await receipt.msg.ack_sync()
         return True
 
+    @_unavailable
     async def ack_many(self, deliveries: Sequence[Delivery]) -> None:
         for delivery in deliveries:
             await self.ack(delivery)
 
+    @_unavailable
     async def retry(self, delivery: Delivery, *, delay_seconds: float, error: str) -> bool:
         receipt = _receipt(delivery)
         if not self._holds(receipt):
@@ -374,6 +396,7 @@ class NatsQueue:
             await self._nc.flush()
         return True
 
+    @_unavailable
     async def release(self, delivery: Delivery) -> None:
         receipt = _receipt(delivery)
         if not self._holds(receipt):
@@ -388,6 +411,7 @@ class NatsQueue:
             raise
         await receipt.msg.ack_sync()
 
+    @_unavailable
     async def size(self, queues: Sequence[str]) -> QueueSize:
         """``due``: messages never delivered; ``total`` adds those delivered and not yet acked
         (leased, or waiting for a redelivery after a nak or a lost lease)."""

@@ -62,6 +62,7 @@ from typing import Any
 
 from psycopg import AsyncConnection
 
+from jobfence.adapters._unavailable import unavailable_on
 from jobfence.errors import ConfigError
 from jobfence.model import Delivery, Message
 from jobfence.ports import QueueCapabilities, QueueSize
@@ -74,11 +75,15 @@ try:
         AbstractIncomingMessage,
         AbstractQueue,
     )
-    from aiormq.exceptions import ChannelNotFoundEntity
+    from aiormq.exceptions import AMQPConnectionError, ChannelNotFoundEntity
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "jobfence.adapters.rabbitmq needs aio-pika: pip install 'jobfence[rabbitmq]'"
     ) from exc
+
+# A lost or refused connection (aiormq's AMQPConnectionError, the socket's ConnectionError), a
+# timeout, or aio-pika's "closed" RuntimeError: the broker is unreachable (D7).
+_unavailable = unavailable_on("RabbitMQ", (AMQPConnectionError, ConnectionError, TimeoutError))
 
 _H_CONSUMER = "x-jobfence-consumer"
 _H_JOB_ID = "x-jobfence-job-id"
@@ -260,6 +265,7 @@ class RabbitMQQueue:
 
     # -- the port -----------------------------------------------------------------------
 
+    @_unavailable
     async def publish(
         self,
         message: Message,
@@ -303,6 +309,7 @@ class RabbitMQQueue:
             mandatory=True,
         )
 
+    @_unavailable
     async def receive(
         self,
         queues: Sequence[str],
@@ -530,6 +537,7 @@ class RabbitMQQueue:
         self._held.discard(receipt)
         return True
 
+    @_unavailable
     async def ack(self, delivery: Delivery, *, tx: AsyncConnection[Any] | None = None) -> bool:
         if tx is not None:
             raise _refuse_tx("ack")
@@ -539,10 +547,12 @@ class RabbitMQQueue:
         await receipt.incoming.ack()
         return True
 
+    @_unavailable
     async def ack_many(self, deliveries: Sequence[Delivery]) -> None:
         for delivery in deliveries:
             await self.ack(delivery)
 
+    @_unavailable
     async def retry(self, delivery: Delivery, *, delay_seconds: float, error: str) -> bool:
         receipt = _receipt(delivery)
         if not self._take_hold(receipt):
@@ -552,6 +562,7 @@ class RabbitMQQueue:
         )
         return True
 
+    @_unavailable
     async def release(self, delivery: Delivery) -> None:
         receipt = _receipt(delivery)
         if not self._take_hold(receipt):
@@ -572,6 +583,7 @@ class RabbitMQQueue:
             raise
         await receipt.incoming.ack()
 
+    @_unavailable
     async def size(self, queues: Sequence[str]) -> QueueSize:
         """Ready and buffered messages (due), plus this instance's leases and scheduled messages
         (total)."""

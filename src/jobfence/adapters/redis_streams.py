@@ -41,6 +41,7 @@ from typing import Any
 
 from psycopg import AsyncConnection
 
+from jobfence.adapters._unavailable import unavailable_on
 from jobfence.errors import ConfigError
 from jobfence.model import Delivery, Message
 from jobfence.ports import QueueCapabilities, QueueSize
@@ -49,10 +50,15 @@ try:
     import redis.asyncio as aioredis
     from redis.exceptions import ConnectionError as RedisConnectionError
     from redis.exceptions import ResponseError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "jobfence.adapters.redis_streams needs redis: pip install 'jobfence[redis]'"
     ) from exc
+
+# redis-py's ConnectionError and TimeoutError (a dropped, refused or timed-out connection): the
+# broker is unreachable (D7).
+_unavailable = unavailable_on("Redis", (RedisConnectionError, RedisTimeoutError, ConnectionError))
 
 GROUP = "jobfence"
 # The longest a waiting receive blocks in one XREADGROUP before it looks at delayed entries,
@@ -250,6 +256,7 @@ class RedisStreamsQueue:
 
     # -- the port -----------------------------------------------------------------------
 
+    @_unavailable
     async def publish(
         self,
         message: Message,
@@ -277,6 +284,7 @@ class RedisStreamsQueue:
         flat = [item for pair in fields.items() for item in pair]
         await self._schedule_script(keys=[zset, jobs], args=[due_ms, uuid.uuid4().hex, *flat])
 
+    @_unavailable
     async def receive(
         self,
         queues: Sequence[str],
@@ -396,15 +404,18 @@ class RedisStreamsQueue:
             receipt.settled = True
         return bool(done)
 
+    @_unavailable
     async def ack(self, delivery: Delivery, *, tx: AsyncConnection[Any] | None = None) -> bool:
         if tx is not None:
             raise _refuse_tx("ack")
         return await self._settle_entry(_receipt(delivery), again=False)
 
+    @_unavailable
     async def ack_many(self, deliveries: Sequence[Delivery]) -> None:
         for delivery in deliveries:
             await self.ack(delivery)
 
+    @_unavailable
     async def retry(self, delivery: Delivery, *, delay_seconds: float, error: str) -> bool:
         receipt = _receipt(delivery)
         return await self._settle_entry(
@@ -414,12 +425,14 @@ class RedisStreamsQueue:
             delay_seconds=delay_seconds,
         )
 
+    @_unavailable
     async def release(self, delivery: Delivery) -> None:
         receipt = _receipt(delivery)
         await self._settle_entry(
             receipt, again=True, prior=receipt.prior + receipt.times_delivered - 1
         )
 
+    @_unavailable
     async def size(self, queues: Sequence[str]) -> QueueSize:
         now_ms = int(time.time() * 1000)
         due = total = 0
