@@ -22,6 +22,7 @@ from typing import Any
 
 from psycopg import AsyncConnection
 
+from jobfence.adapters._shared import receipt_of, refuse_tx
 from jobfence.errors import ConfigError
 from jobfence.model import Delivery, Message
 from jobfence.ports import Clock, QueueCapabilities, QueueSize
@@ -52,18 +53,11 @@ class _Entry:
 
 
 def _receipt(delivery: Delivery) -> MemoryReceipt:
-    receipt = delivery.receipt
-    if not isinstance(receipt, MemoryReceipt):
-        raise TypeError("this delivery did not come from MemoryQueue")
-    return receipt
+    return receipt_of(delivery, MemoryReceipt, "MemoryQueue")
 
 
 def _refuse_tx(operation: str) -> ConfigError:
-    return ConfigError(
-        f"MemoryQueue is not transactional (capabilities.transactional is False): it cannot "
-        f"{operation} inside a database transaction; call it without tx= after the transaction "
-        "commits, or use PgQueue"
-    )
+    return refuse_tx("MemoryQueue", operation, instead=", or use PgQueue")
 
 
 class MemoryQueue:

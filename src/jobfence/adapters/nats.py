@@ -47,6 +47,7 @@ from urllib.parse import quote, unquote
 
 from psycopg import AsyncConnection
 
+from jobfence.adapters._shared import receipt_of, refuse_tx
 from jobfence.adapters._unavailable import unavailable_on
 from jobfence.errors import ConfigError
 from jobfence.model import Delivery, Message
@@ -109,18 +110,11 @@ class NatsReceipt:
 
 
 def _receipt(delivery: Delivery) -> NatsReceipt:
-    receipt = delivery.receipt
-    if not isinstance(receipt, NatsReceipt):
-        raise TypeError("this delivery did not come from NatsQueue")
-    return receipt
+    return receipt_of(delivery, NatsReceipt, "NatsQueue")
 
 
 def _refuse_tx(operation: str) -> ConfigError:
-    return ConfigError(
-        f"NatsQueue is not transactional (capabilities.transactional is False): it cannot "
-        f"{operation} inside a database transaction; call it without tx= after the "
-        "transaction commits"
-    )
+    return refuse_tx("NatsQueue", operation)
 
 
 def _header(value: str) -> str:

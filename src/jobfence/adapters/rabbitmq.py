@@ -62,6 +62,7 @@ from typing import Any
 
 from psycopg import AsyncConnection
 
+from jobfence.adapters._shared import receipt_of, refuse_tx
 from jobfence.adapters._unavailable import unavailable_on
 from jobfence.errors import ConfigError
 from jobfence.model import Delivery, Message
@@ -157,18 +158,11 @@ class _Consumer:
 
 
 def _receipt(delivery: Delivery) -> RabbitReceipt:
-    receipt = delivery.receipt
-    if not isinstance(receipt, RabbitReceipt):
-        raise TypeError("this delivery did not come from RabbitMQQueue")
-    return receipt
+    return receipt_of(delivery, RabbitReceipt, "RabbitMQQueue")
 
 
 def _refuse_tx(operation: str) -> ConfigError:
-    return ConfigError(
-        f"RabbitMQQueue is not transactional (capabilities.transactional is False): it cannot "
-        f"{operation} inside a database transaction; call it without tx= after the "
-        "transaction commits"
-    )
+    return refuse_tx("RabbitMQQueue", operation)
 
 
 class RabbitMQQueue:

@@ -41,6 +41,7 @@ from typing import Any
 
 from psycopg import AsyncConnection
 
+from jobfence.adapters._shared import receipt_of, refuse_tx
 from jobfence.adapters._unavailable import unavailable_on
 from jobfence.errors import ConfigError
 from jobfence.model import Delivery, Message
@@ -164,18 +165,11 @@ class RedisReceipt:
 
 
 def _receipt(delivery: Delivery) -> RedisReceipt:
-    receipt = delivery.receipt
-    if not isinstance(receipt, RedisReceipt):
-        raise TypeError("this delivery did not come from RedisStreamsQueue")
-    return receipt
+    return receipt_of(delivery, RedisReceipt, "RedisStreamsQueue")
 
 
 def _refuse_tx(operation: str) -> ConfigError:
-    return ConfigError(
-        f"RedisStreamsQueue is not transactional (capabilities.transactional is False): it "
-        f"cannot {operation} inside a database transaction; call it without tx= after the "
-        "transaction commits"
-    )
+    return refuse_tx("RedisStreamsQueue", operation)
 
 
 def _fields(message: Message, prior: int) -> dict[str, bytes | str]:
