@@ -47,21 +47,40 @@ DRAMATIQ_REDIS = "dramatiq-redis"
 CELERY_RABBITMQ = "celery-rabbitmq"
 CELERY_REDIS = "celery-redis"
 
+# The same, with the consumer's jobs_per_transaction=10 (group commit), as (b2) on PostgreSQL.
+GROUPED = "-group"
+JOBFENCE_RABBITMQ_GROUP = JOBFENCE_RABBITMQ + GROUPED
+JOBFENCE_NATS_GROUP = JOBFENCE_NATS + GROUPED
+JOBFENCE_REDIS_GROUP = JOBFENCE_REDIS + GROUPED
+
 BROKER_LABELS = {
     JOBFENCE_RABBITMQ: "(d) jobfence, RabbitMQ",
     JOBFENCE_NATS: "(d) jobfence, NATS",
     JOBFENCE_REDIS: "(d) jobfence, Redis",
+    JOBFENCE_RABBITMQ_GROUP: "(d2) jobfence, RabbitMQ, grouped",
+    JOBFENCE_NATS_GROUP: "(d2) jobfence, NATS, grouped",
+    JOBFENCE_REDIS_GROUP: "(d2) jobfence, Redis, grouped",
     DRAMATIQ_RABBITMQ: "(e) Dramatiq, RabbitMQ",
     DRAMATIQ_REDIS: "(e) Dramatiq, Redis",
     CELERY_RABBITMQ: "(f) Celery, RabbitMQ",
     CELERY_REDIS: "(f) Celery, Redis",
 }
 BROKER_SYSTEMS = tuple(BROKER_LABELS)
-JOBFENCE_ON_BROKERS = (JOBFENCE_RABBITMQ, JOBFENCE_NATS, JOBFENCE_REDIS)
+JOBFENCE_ON_BROKERS = (
+    JOBFENCE_RABBITMQ,
+    JOBFENCE_NATS,
+    JOBFENCE_REDIS,
+    JOBFENCE_RABBITMQ_GROUP,
+    JOBFENCE_NATS_GROUP,
+    JOBFENCE_REDIS_GROUP,
+)
 BROKER_OF = {
     JOBFENCE_RABBITMQ: "rabbitmq",
     JOBFENCE_NATS: "nats",
     JOBFENCE_REDIS: "redis",
+    JOBFENCE_RABBITMQ_GROUP: "rabbitmq",
+    JOBFENCE_NATS_GROUP: "nats",
+    JOBFENCE_REDIS_GROUP: "redis",
     DRAMATIQ_RABBITMQ: "rabbitmq",
     DRAMATIQ_REDIS: "redis",
     CELERY_RABBITMQ: "rabbitmq",
@@ -112,7 +131,13 @@ def broker_cpu(broker: str) -> dict[int, float]:
 # jobfence on a broker
 
 
+def grouped(system: str) -> bool:
+    """A jobfence system whose consumer commits jobs in groups (jobs_per_transaction=10)."""
+    return system.endswith(GROUPED)
+
+
 def jobfence_queue(system: str, url: str, name: str) -> QueuePort:
+    system = system.removesuffix(GROUPED)
     if system == JOBFENCE_RABBITMQ:
         from jobfence.adapters.rabbitmq import RabbitMQQueue
 
@@ -229,7 +254,7 @@ async def publish(system: str, urls: Urls, name: str, prefix: str, jobs: int) ->
 
 
 def _rabbit_queues(system: str, name: str) -> list[str]:
-    if system == JOBFENCE_RABBITMQ:
+    if system in JOBFENCE_ON_BROKERS:
         return [f"{name}.{QUEUE}"]
     if system == DRAMATIQ_RABBITMQ:
         return [name, f"{name}.DQ", f"{name}.XQ"]

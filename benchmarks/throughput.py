@@ -261,12 +261,16 @@ async def _child_procrastinate(cmd: dict[str, Any], pipe: Connection, go: Event)
 
 
 async def _child_jobfence_broker(cmd: dict[str, Any], pipe: Connection, go: Event) -> Tracker:
-    """jobfence's Worker, unchanged, on a broker's queue adapter (one job at a time)."""
+    """jobfence's Worker, unchanged, on a broker's queue adapter (one job at a time; a grouped
+    system's consumer commits up to ``--group`` jobs per transaction)."""
     tracker = Tracker()
     pool = await open_pool(cmd["url"], min_size=2, max_size=3, name="bench")
     queue = bs.jobfence_queue(cmd["system"], cmd["broker_url"], cmd["name"])
     try:
-        worker = Worker(build_jobfence_app(tracker), pool, queue, concurrency=1, poll_seconds=0.05)
+        group = cmd["group"] if bs.grouped(cmd["system"]) else 1
+        worker = Worker(
+            build_jobfence_app(tracker, group), pool, queue, concurrency=1, poll_seconds=0.05
+        )
         await queue.size([QUEUE])  # connect (and declare) now rather than inside the timed part
         pipe.send("ready")
         await _released(go)
@@ -553,12 +557,18 @@ def _print_ratios(by_key: dict[str, list[Measurement]], rounds: int) -> dict[str
         ("NATS", bs.JOBFENCE_NATS, None, None),
         ("Redis", bs.JOBFENCE_REDIS, bs.DRAMATIQ_REDIS, bs.CELERY_REDIS),
     ):
-        for procs in (1, 4):
-            if dramatiq:
-                comparisons.append((mine_sys, procs, 1, dramatiq, 2.0, f"(d)/(e) {broker}"))
-            if celery:
-                comparisons.append((mine_sys, procs, 1, celery, None, f"(d)/(f) {broker}"))
-            comparisons.append((mine_sys, procs, 1, JOBFENCE, 0.8, f"(d) {broker}/(b)"))
+        # (d) one job per transaction, against (b); (d2) grouped, against (b2).
+        for d, system, own in (
+            ("(d)", mine_sys, JOBFENCE),
+            ("(d2)", mine_sys + bs.GROUPED, JOBFENCE_GROUP),
+        ):
+            for procs in (1, 4):
+                if dramatiq:
+                    comparisons.append((system, procs, 1, dramatiq, 2.0, f"{d}/(e) {broker}"))
+                if celery:
+                    comparisons.append((system, procs, 1, celery, None, f"{d}/(f) {broker}"))
+                own_label = f"{d} {broker}/{'(b)' if own == JOBFENCE else '(b2)'}"
+                comparisons.append((system, procs, 1, own, 0.8, own_label))
     for system, procs, concurrency, other, target, label in comparisons:
         mine, theirs = Config(system, procs, concurrency), Config(other, procs, concurrency)
         col = mine.column

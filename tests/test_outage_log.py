@@ -14,7 +14,7 @@ import pytest
 from psycopg_pool import AsyncConnectionPool
 
 import pointsapp
-from jobfence import PgQueue, PrometheusMetrics, Worker, db
+from jobfence import PgQueue, PrometheusMetrics, QueueUnavailable, Worker, db
 from jobfence.outage_log import OutageLog, reason
 from support import scalar, wait_until
 from tcp_proxy import TcpProxy
@@ -184,6 +184,34 @@ def test_a_long_outage_logs_still_unreachable_at_most_once_per_interval(
         " go back to the queue when it is back",
         "database still unreachable after 30s (OperationalError: connection refused); retrying",
         "database back after 50.0s, 7 job(s) released: resuming",
+    ]
+
+
+def test_a_broker_outage_is_logged_as_the_broker_going_away_not_the_database(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    now = [0.0]
+    outage = OutageLog(
+        logging.getLogger("jobfence.test"), still_down_every=30, clock=lambda: now[0]
+    )
+    caplog.set_level(logging.INFO, logger="jobfence.test")
+    try:
+        try:
+            raise ConnectionResetError("Connection reset by peer")
+        except ConnectionResetError as cause:
+            raise QueueUnavailable("Redis unreachable: Connection reset by peer") from cause
+    except QueueUnavailable as exc:
+        lost = exc
+    outage.went_away(lost)
+    now[0] += 31
+    outage.still_down(lost)
+    outage.back(released=2)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO] == [
+        "broker went away (QueueUnavailable: Redis unreachable: Connection reset by peer):"
+        " pausing; the jobs in hand go back to the queue when it is back",
+        "broker still unreachable after 31s (QueueUnavailable: Redis unreachable: Connection"
+        " reset by peer); retrying",
+        "broker back after 31.0s, 2 job(s) released: resuming",
     ]
 
 

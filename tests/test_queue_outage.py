@@ -86,6 +86,7 @@ async def test_a_broker_outage_during_retries_and_acks_pauses_the_worker_instead
     broker: tuple[str, str, str],
     pool: AsyncConnectionPool[Any],
     conn: psycopg.AsyncConnection[Any],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     kind, url, name = broker
     await conn.execute(pointsapp.SCHEMA_SQL)
@@ -138,6 +139,10 @@ async def test_a_broker_outage_during_retries_and_acks_pauses_the_worker_instead
     print(f"\n{kind}: {cuts} cuts, outcomes {dict(stats.outcomes)}, internal_error {internal}")
     assert cuts >= JOBS // 4  # RabbitMQ counts a delivery cut off, so some skip attempt 1 or 3
     assert internal == 0
+    # The log names the broker as what went away, never the database (which stayed up).
+    outage_lines = [r.getMessage() for r in caplog.records if r.name == "jobfence.worker"]
+    assert any(m.startswith("broker went away (QueueUnavailable: ") for m in outage_lines)
+    assert not any(m.startswith("database went away") for m in outage_lines), outage_lines
     assert stats.outcomes["internal_error"] == 0
     assert await scalar(conn, "SELECT count(*) FROM core.dead_letters") == 0
     assert await scalar(conn, "SELECT count(*) FROM public.awards") == JOBS

@@ -1,6 +1,7 @@
-"""What a worker logs about a database outage: one line when the database goes away, one when it
-is back (how long it was gone, how many jobs were given back), and between them at most one line
-every ``still_down_every`` seconds. psycopg's and psycopg_pool's own warnings about each broken
+"""What a worker logs about an outage of its database or of its queue's broker: one line when it
+goes away, one when it is back (how long it was gone, how many jobs were given back), and between
+them at most one line every ``still_down_every`` seconds. Each line names what is unreachable:
+``broker`` when the error is a :class:`~jobfence.errors.QueueUnavailable`, else ``database``. psycopg's and psycopg_pool's own warnings about each broken
 connection, pipeline and failed reconnection are held back meanwhile and counted in the line that
 says it is back. No line shows an object's repr (``<psycopg.AsyncConnection [BAD] at 0x...>``)."""
 
@@ -11,6 +12,7 @@ import re
 import time
 from collections.abc import Callable
 
+from jobfence.errors import QueueUnavailable
 from jobfence.harness import is_connection_loss
 
 STILL_DOWN_EVERY = 30.0  # seconds between two "still unreachable" lines
@@ -47,6 +49,19 @@ def reason(exc: BaseException) -> str:
     return f"{type(root).__name__}: {first}" if first else type(root).__name__
 
 
+def subject(exc: BaseException) -> str:
+    """``broker`` when ``exc`` (or what it came from) says the queue's broker is unreachable,
+    else ``database``."""
+    cause: BaseException | None = exc
+    seen: set[int] = set()
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, QueueUnavailable):
+            return "broker"
+        cause = cause.__cause__ or cause.__context__
+    return "database"
+
+
 class OutageLog:
     """The log lines of one worker's outages; also a :class:`logging.Filter` for psycopg's
     loggers (see :meth:`filter`)."""
@@ -62,6 +77,7 @@ class OutageLog:
         self._every = still_down_every
         self._clock = clock
         self._since: float | None = None
+        self._what = "database"  # what went away: database or broker
         self._next_still_down = 0.0
         self._held_back = 0
 
@@ -70,15 +86,18 @@ class OutageLog:
         return self._since is not None
 
     def went_away(self, exc: BaseException) -> None:
-        """The database is unreachable: one WARNING for the outage, DEBUG for the rest."""
+        """The database or the broker is unreachable: one WARNING for the outage, DEBUG for the
+        rest."""
+        what = subject(exc)
         if self._since is not None:
-            self._log.debug("database unreachable: %s", reason(exc))
+            self._log.debug("%s unreachable: %s", what, reason(exc))
             return
         self._since = self._clock()
+        self._what = what
         self._next_still_down = self._since + self._every
         self._log.warning(
-            "database went away (%s): pausing; the jobs in hand go back to the queue when it"
-            " is back",
+            "%s went away (%s): pausing; the jobs in hand go back to the queue when it is back",
+            what,
             reason(exc),
         )
 
@@ -86,21 +105,24 @@ class OutageLog:
         """A probe failed: a WARNING at most every ``still_down_every`` seconds."""
         now = self._clock()
         since = now if self._since is None else self._since
+        what = subject(exc)
         if now < self._next_still_down:
-            self._log.debug("database still unreachable: %s", reason(exc))
+            self._log.debug("%s still unreachable: %s", what, reason(exc))
             return
         self._next_still_down = now + self._every
         self._log.warning(
-            "database still unreachable after %.0fs (%s); retrying", now - since, reason(exc)
+            "%s still unreachable after %.0fs (%s); retrying", what, now - since, reason(exc)
         )
 
     def back(self, released: int) -> None:
-        """The database answers again and ``released`` held jobs were given back."""
+        """The database and the broker answer again and ``released`` held jobs were given
+        back."""
         gone = 0.0 if self._since is None else self._clock() - self._since
         held_back, self._held_back = self._held_back, 0
         self._since = None
         self._log.info(
-            "database back after %.1fs, %d job(s) released: resuming%s",
+            "%s back after %.1fs, %d job(s) released: resuming%s",
+            self._what,
             gone,
             released,
             f" ({held_back} psycopg warning(s) held back)" if held_back else "",

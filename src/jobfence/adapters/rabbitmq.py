@@ -13,6 +13,8 @@ Every publish waits for the broker's publisher confirm; messages are persistent.
   if shorter) means the receiver is busy: the consumer pauses (``basic.cancel``; the next
   ``receive`` starts it again) and its buffer goes back to the queue as uncounted copies (as
   ``release`` does), for other workers to take. ``close`` returns the buffer the same way.
+  Deliveries are read straight from aiormq's frames (:class:`_Incoming`); ``ack_many`` acks a
+  run of them with one ``basic.ack`` (``multiple``).
 - **Lease**: an unacked delivery handed out by ``receive``. The adapter holds it for
   ``lease_seconds`` by its own timer and then gives it back (``basic.reject`` with requeue),
   so a hung async handler loses its message after its lease. If the process dies or
@@ -70,12 +72,9 @@ from jobfence.ports import QueueCapabilities, QueueSize
 
 try:
     import aio_pika
-    from aio_pika.abc import (
-        AbstractChannel,
-        AbstractConnection,
-        AbstractIncomingMessage,
-        AbstractQueue,
-    )
+    import aiormq.abc
+    from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractQueue
+    from aiormq import spec
     from aiormq.exceptions import AMQPConnectionError, ChannelNotFoundEntity
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
@@ -99,6 +98,7 @@ _ACK_ROOM = 100
 # A message buffered this long (or a lease, if shorter) without a receive taking it: the
 # receiver is busy, so its consumer pauses and the buffer goes back to the queue.
 _BUFFER_SECONDS = 5.0
+_FIRST_PUSHES_SECONDS = 1.0  # the longest a new consumer waits for the pushes of what is ready
 _WAKE_SECONDS = 0.5  # a waiting receive re-checks its consumers (a dropped channel) this often
 _WAIT_STEP = 1.05
 _WAIT_BASE_MS = 100
@@ -130,8 +130,66 @@ def wait_bucket_ms(delay_seconds: float) -> int:
 
 
 @dataclass(slots=True, eq=False)
+class _Incoming:
+    """One message delivered on a channel (pushed or taken with ``basic.get``), read straight
+    from aiormq's frames: aio-pika's ``IncomingMessage`` costs more CPU per message than the
+    rest of a job's path through the adapter. ``unsettled`` is the set of this channel's
+    delivery tags not yet acked or rejected, shared by its messages, so that ``ack_many`` can
+    ack a run of them with one ``basic.ack`` (``multiple``) without covering any other."""
+
+    raw: aiormq.abc.AbstractChannel
+    tag: int
+    headers: dict[str, Any]
+    body: bytes
+    message_id: str | None
+    correlation_id: str | None
+    unsettled: set[int]
+
+    @classmethod
+    def of(cls, delivered: aiormq.abc.DeliveredMessage, unsettled: set[int]) -> _Incoming:
+        props = delivered.header.properties
+        tag = delivered.delivery.delivery_tag  # type: ignore[union-attr]
+        assert isinstance(tag, int)
+        unsettled.add(tag)
+        return cls(
+            raw=delivered.channel,
+            tag=tag,
+            headers=dict(props.headers or {}),
+            body=bytes(delivered.body),
+            message_id=props.message_id,
+            correlation_id=props.correlation_id,
+            unsettled=unsettled,
+        )
+
+    async def ack(self) -> None:
+        self.unsettled.discard(self.tag)
+        await self.raw.basic_ack(self.tag)
+
+    async def reject(self, *, requeue: bool) -> None:
+        self.unsettled.discard(self.tag)
+        await self.raw.basic_reject(self.tag, requeue=requeue)
+
+
+async def _ack_runs(incomings: list[_Incoming]) -> None:
+    """Ack ``incomings`` (all of one channel): those below every other unsettled tag of the
+    channel with one ``basic.ack`` (``multiple``), the others one by one."""
+    unsettled = incomings[0].unsettled
+    tags = {i.tag for i in incomings}
+    others = unsettled - tags
+    floor = min(others) if others else None
+    run = [i for i in incomings if floor is None or i.tag < floor]
+    if len(run) > 1:
+        top = max(i.tag for i in run)
+        unsettled.difference_update(i.tag for i in run)
+        await run[0].raw.basic_ack(top, multiple=True)
+        incomings = [i for i in incomings if floor is not None and i.tag > floor]
+    for incoming in incomings:
+        await incoming.ack()
+
+
+@dataclass(slots=True, eq=False)
 class RabbitReceipt:
-    incoming: AbstractIncomingMessage
+    incoming: _Incoming
     channel: AbstractChannel
     queue_name: str
     prior: int
@@ -145,16 +203,18 @@ class RabbitReceipt:
 class _Buffered:
     """A message the broker pushed to a consumer, not yet handed out by ``receive``."""
 
-    incoming: AbstractIncomingMessage
+    incoming: _Incoming
     channel: AbstractChannel
     timer: asyncio.TimerHandle | None = None
 
 
 @dataclass(slots=True, eq=False)
 class _Consumer:
-    queue: AbstractQueue
+    name: str  # the AMQP queue's
     channel: AbstractChannel
+    raw: aiormq.abc.AbstractChannel
     tag: str
+    unsettled: set[int]
 
 
 def _receipt(delivery: Delivery) -> RabbitReceipt:
@@ -200,6 +260,9 @@ class RabbitMQQueue:
         self._arrived = asyncio.Event()
         self._consume_lock = asyncio.Lock()
         self._buffer_seconds = _BUFFER_SECONDS  # or the latest receive's lease, if shorter
+        # The unsettled delivery tags of the channel the consumers run on (see _Incoming).
+        self._tags_of: aiormq.abc.AbstractChannel | None = None
+        self._tags: set[int] = set()
         self._closing = False  # receive returns nothing; close() is returning the buffer
         self._closed = False
 
@@ -379,9 +442,10 @@ class RabbitMQQueue:
             if consumer is None or consumer.channel.is_closed:
                 continue
             while len(got) < max_messages:
-                incoming = await consumer.queue.get(no_ack=False, fail=False)
-                if incoming is None:
+                taken = await consumer.raw.basic_get(consumer.name, no_ack=False)
+                if isinstance(taken.delivery, spec.Basic.GetEmpty):
                     break
+                incoming = _Incoming.of(taken, consumer.unsettled)
                 got.append(self._delivery(queue, incoming, consumer.channel, lease_seconds))
         return got
 
@@ -397,12 +461,46 @@ class RabbitMQQueue:
             # consumers started after it.
             await channel.set_qos(prefetch_count=self._prefetch or prefetch + _ACK_ROOM)
             buffer = self._buffers.setdefault(queue, deque())
+            raw = await channel.get_underlay_channel()
+            unsettled = self._unsettled_tags(raw)
 
-            async def arrived(incoming: AbstractIncomingMessage) -> None:
+            async def arrived(delivered: aiormq.abc.DeliveredMessage) -> None:
+                incoming = _Incoming.of(delivered, unsettled)
                 self._buffer(queue, buffer, _Buffered(incoming=incoming, channel=channel))
 
-            tag = await amqp_queue.consume(arrived, no_ack=False)
-            self._consumers[queue] = _Consumer(queue=amqp_queue, channel=channel, tag=tag)
+            # The messages ready now: a new consumer's first pushes are awaited (below), so
+            # that the receive starting it hands out what was already there.
+            declared = await raw.queue_declare(amqp_queue.name, passive=True)
+            ready = min(declared.message_count or 0, self._prefetch or prefetch + _ACK_ROOM)
+            ok = await raw.basic_consume(amqp_queue.name, arrived, no_ack=False)
+            assert ok.consumer_tag is not None
+            self._consumers[queue] = _Consumer(
+                name=amqp_queue.name,
+                channel=channel,
+                raw=raw,
+                tag=ok.consumer_tag,
+                unsettled=unsettled,
+            )
+            await self._first_pushes(buffer, ready)
+
+    async def _first_pushes(self, buffer: deque[_Buffered], ready: int) -> None:
+        """Wait (up to a second) until ``ready`` messages were pushed into ``buffer``: a quorum
+        queue's first pushes to a new consumer can trail its consume-ok by a few ms."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _FIRST_PUSHES_SECONDS
+        while len(buffer) < ready and not self._closing:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return
+            self._arrived.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._arrived.wait(), timeout=remaining)
+
+    def _unsettled_tags(self, raw: aiormq.abc.AbstractChannel) -> set[int]:
+        """The unsettled delivery tags of ``raw`` (one set per channel: its tags start at 1)."""
+        if self._tags_of is not raw:
+            self._tags_of, self._tags = raw, set()
+        return self._tags
 
     def _buffer(self, queue: str, buffer: deque[_Buffered], buffered: _Buffered) -> None:
         if self._closing or buffered.channel.is_closed:
@@ -437,7 +535,7 @@ class RabbitMQQueue:
     ) -> None:
         if consumer is not None and not consumer.channel.is_closed:
             with contextlib.suppress(Exception):
-                await consumer.queue.cancel(consumer.tag)
+                await consumer.raw.basic_cancel(consumer.tag)
         for buffered in unclaimed:
             await self._return_unseen(queue, buffered)
 
@@ -480,7 +578,7 @@ class RabbitMQQueue:
     def _delivery(
         self,
         queue: str,
-        incoming: AbstractIncomingMessage,
+        incoming: _Incoming,
         channel: AbstractChannel,
         lease_seconds: float,
     ) -> Delivery:
@@ -543,8 +641,16 @@ class RabbitMQQueue:
 
     @_unavailable
     async def ack_many(self, deliveries: Sequence[Delivery]) -> None:
+        """One ``basic.ack`` (``multiple``) per channel for each run of deliveries below every
+        other unsettled one of that channel (the usual case: a worker finishes its jobs in
+        order), and one per delivery for the rest."""
+        by_channel: dict[int, list[_Incoming]] = {}
         for delivery in deliveries:
-            await self.ack(delivery)
+            receipt = _receipt(delivery)
+            if self._take_hold(receipt):
+                by_channel.setdefault(id(receipt.incoming.unsettled), []).append(receipt.incoming)
+        for incomings in by_channel.values():
+            await _ack_runs(incomings)
 
     @_unavailable
     async def retry(self, delivery: Delivery, *, delay_seconds: float, error: str) -> bool:
@@ -637,7 +743,7 @@ class RabbitMQQueue:
         # through the queue's log after the settlements this channel sent before it.
         for consumer in self._consumers.values():
             if consumer.channel is channel:
-                await consumer.queue.cancel(consumer.tag)
+                await consumer.raw.basic_cancel(consumer.tag)
         self._consumers.clear()
         unseen = [(q, b) for q, buffer in self._buffers.items() for b in buffer]
         for buffer in self._buffers.values():
