@@ -269,6 +269,44 @@ class QueueConformance:
         await env.queue.ack_many([current])
         assert job_ids(await env.receive()) == ["kept"]
 
+    async def test_ack_many_of_a_large_batch_acks_every_held_delivery_and_no_other(
+        self, env: QueueEnv
+    ) -> None:
+        # Larger than any adapter's chunk, with a released delivery in the middle and its new
+        # holder's delivery after the batch: adapters that ack runs at once (one RabbitMQ
+        # basic.ack with multiple, one Redis script, one JetStream round trip) must skip both.
+        total = 250
+        for i in range(total):
+            await env.queue.publish(message(f"m{i:03d}"))
+        got: list[Delivery] = []
+
+        async def all_held() -> bool:
+            got.extend(
+                await env.queue.receive(
+                    [QUEUE], max_messages=total - len(got), lease_seconds=60.0
+                )
+            )
+            return len(got) == total
+
+        await wait_until(all_held, timeout=0.0 if env.clock else 10.0, message="all 250 held")
+        await env.queue.release(got[100])
+        current: list[Delivery] = []
+
+        async def taken_again() -> bool:
+            current.extend(await env.queue.receive([QUEUE], max_messages=1, lease_seconds=60.0))
+            return bool(current)
+
+        await wait_until(taken_again, timeout=0.0 if env.clock else 10.0, message="released")
+        assert job_ids(current) == [got[100].message.job_id]
+
+        await env.queue.ack_many(got)
+
+        assert await env.queue.size([QUEUE]) == QueueSize(due=0, total=1), (
+            "every delivery of the batch is gone; the released one's new holder keeps it"
+        )
+        assert await env.queue.ack(current[0]) is True
+        assert await env.queue.size([QUEUE]) == QueueSize(due=0, total=0)
+
     async def test_a_stale_delivery_cannot_ack_retry_or_release_the_new_holders_message(
         self, env: QueueEnv
     ) -> None:

@@ -134,6 +134,23 @@ redis.call('XDEL', KEYS[1], ARGV[2])
 return 1
 """
 
+# KEYS: stream. ARGV: group, consumer, then (entry id, times_delivered) pairs. Acks and deletes
+# each entry still pending for this consumer with that delivery count; returns their ids.
+_ACK_MANY = """
+local acked = {}
+for i = 3, #ARGV, 2 do
+  local id = ARGV[i]
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1)
+  if #p == 1 and p[1][2] == ARGV[2] and tonumber(p[1][4]) == tonumber(ARGV[i + 1]) then
+    redis.call('XACK', KEYS[1], ARGV[1], id)
+    redis.call('XDEL', KEYS[1], id)
+    acked[#acked + 1] = id
+  end
+end
+return acked
+"""
+_ACK_MANY_CHUNK = 200  # entries per script call: Redis runs a script to its end, alone
+
 # KEYS: delayed zset, delayed hash. ARGV: due_ms, uid, field, value, ...
 _SCHEDULE = """
 local fields = {}
@@ -220,6 +237,7 @@ class RedisStreamsQueue:
         self._settle = self._redis.register_script(_SETTLE)
         self._schedule_script = self._redis.register_script(_SCHEDULE)
         self._forget_consumer = self._redis.register_script(_FORGET_CONSUMER)
+        self._ack_many_script = self._redis.register_script(_ACK_MANY)
         self._grouped: set[str] = set()
         self._lease_ms: int | None = None
         self._closed = False
@@ -406,8 +424,23 @@ class RedisStreamsQueue:
 
     @_unavailable
     async def ack_many(self, deliveries: Sequence[Delivery]) -> None:
+        """One script call per stream (and per 200 entries) instead of one per delivery, each
+        entry checked as :meth:`ack` checks it."""
+        by_stream: dict[tuple[str, str], list[RedisReceipt]] = {}
         for delivery in deliveries:
-            await self.ack(delivery)
+            receipt = _receipt(delivery)
+            if not receipt.settled:
+                by_stream.setdefault((receipt.stream, receipt.consumer), []).append(receipt)
+        for (stream, consumer), receipts in by_stream.items():
+            for start in range(0, len(receipts), _ACK_MANY_CHUNK):
+                chunk = receipts[start : start + _ACK_MANY_CHUNK]
+                args: list[str | int] = [GROUP, consumer]
+                for receipt in chunk:
+                    args += [receipt.entry_id, receipt.times_delivered]
+                acked = {_text_id(i) for i in await self._ack_many_script(keys=[stream], args=args)}
+                for receipt in chunk:
+                    if receipt.entry_id in acked:
+                        receipt.settled = True
 
     @_unavailable
     async def retry(self, delivery: Delivery, *, delay_seconds: float, error: str) -> bool:
@@ -469,6 +502,10 @@ class RedisStreamsQueue:
                 await self._forget_consumer(keys=[stream], args=[GROUP, self._consumer])
         with contextlib.suppress(Exception):
             await self._redis.aclose()
+
+
+def _text_id(raw: bytes | str) -> str:
+    return raw.decode() if isinstance(raw, bytes) else raw
 
 
 def _pairs(raw: Sequence[Any]) -> dict[bytes, bytes]:
