@@ -73,6 +73,13 @@ UNFENCEABLE = "UnfenceableMessage"
 # keeps the whole message and stores only bounded identifiers.
 INTERNAL_FAILURE_DELIVERIES = 3
 INTERNAL_FAILURE = "InternalFailure"
+# A delivery whose attempt number is above its consumer's max_deliveries by more than this
+# follows deliveries that ended with no outcome at all (its worker was killed, or its handler
+# hung past the lease, each time): it is dead-lettered without running, unless its fence says
+# it succeeded meanwhile. A job that kills its worker thus ends as a dead letter instead of
+# taking workers down for ever.
+DELIVERY_LIMIT_SLACK = 3
+DELIVERY_LIMIT = "DeliveryLimitExceeded"
 # Internal-failure ERROR lines: at most this many a minute, then one line counting the rest.
 INTERNAL_LOG_PER_MINUTE = 10
 # Frames of jobfence's own files are left out of the front of a failure's traceback.
@@ -220,6 +227,11 @@ class Job:
     consumer: Consumer[Any]
     payload: BaseModel
     meta: JobMeta
+
+
+def _over_limit(job: Job) -> bool:
+    """The delivery's attempt is past what its consumer's policy can reach with outcomes."""
+    return job.delivery.attempt > job.consumer.retry.max_deliveries + DELIVERY_LIMIT_SLACK
 
 
 @dataclass(frozen=True, slots=True)
@@ -377,6 +389,8 @@ class Harness:
             if isinstance(prepared, PoisonMessage):
                 return await self._poison(conn, delivery, prepared)
             job = prepared
+            if _over_limit(job) and not await self._fenced(job, conn):
+                return await self._delivery_limit(conn, job)
 
         failure: BaseException | None = None
         for conflict_try in range(CONFLICT_RETRIES + 1):
@@ -415,7 +429,7 @@ class Harness:
         jobs: list[Job] = []
         for delivery in deliveries:
             prepared = self._prepare(delivery)
-            if isinstance(prepared, PoisonMessage):
+            if isinstance(prepared, PoisonMessage) or _over_limit(prepared):
                 return None
             jobs.append(prepared)
         first = jobs[0].meta
@@ -646,8 +660,10 @@ class Harness:
             isinstance(prepared, PoisonMessage)
             or prepared.consumer.jobs_per_transaction > 1
             or prepared.consumer.sync
+            or _over_limit(prepared)
         ):
-            ahead.hold(delivery)  # poison, the first of a group, or sync: the caller's to start
+            # Poison, the first of a group, sync, or over the delivery limit: the caller's.
+            ahead.hold(delivery)
             return None
         return prepared
 
@@ -727,6 +743,42 @@ class Harness:
             extra=log_fields(delivery, Outcome.POISON, error_class=exc.error_class),
         )
         return Outcome.POISON
+
+    async def _fenced(self, job: Job, conn: AsyncConnection[Any] | None) -> bool:
+        """True when the job's fence row exists (a copy of it succeeded)."""
+        params = {"job_id": job.meta.job_id, "consumer": job.meta.consumer}
+        if conn is not None:
+            cur = await conn.execute(SQL["fence_exists"], params)
+            row = await cur.fetchone()
+        else:
+            async with self._pool.connection() as pooled:
+                cur = await pooled.execute(SQL["fence_exists"], params)
+                row = await cur.fetchone()
+        return bool(row and row[0])
+
+    async def _delivery_limit(self, conn: AsyncConnection[Any] | None, job: Job) -> Outcome:
+        """Dead-letter a job delivered too often with no outcome, without running it."""
+        delivery, meta = job.delivery, job.meta
+        allowed = job.consumer.retry.max_deliveries
+        text = (
+            f"{DELIVERY_LIMIT}: delivered {delivery.attempt} times, and its retry policy allows"
+            f" {allowed} attempts: earlier deliveries ended with no outcome (the worker was"
+            " killed or lost its connection, or the handler ran past its lease). Not run again;"
+            " replay it once the cause is fixed."
+        )
+        if not await self._write_dead_letter(conn, delivery, DELIVERY_LIMIT, text):
+            return self._lease_lost(delivery, RuntimeError(text))
+        self._metrics.job_outcome(meta.queue, meta.consumer, Outcome.DEAD_LETTERED)
+        log.warning(
+            "job %s for %s dead-lettered without running: delivered %d times with no outcome"
+            " (its retry policy allows %d attempts)",
+            meta.job_id,
+            meta.consumer,
+            delivery.attempt,
+            allowed,
+            extra=log_fields(delivery, Outcome.DEAD_LETTERED, error_class=DELIVERY_LIMIT),
+        )
+        return Outcome.DEAD_LETTERED
 
     def _labels(self, delivery: Delivery) -> tuple[str, str]:
         """The (queue, consumer) metric labels of a delivery: bounded to registered names."""
