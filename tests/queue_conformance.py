@@ -96,6 +96,17 @@ class QueueEnv:
             queues, max_messages=max_messages, lease_seconds=self.lease_seconds
         )
 
+    async def watch(self, seconds: float, *, on: QueuePort | None = None) -> list[Delivery]:
+        """What ``on`` (default: the queue) receives while ``seconds`` pass: on a fake clock the
+        clock moves and one receive looks; on real time, a receive waits that long for one."""
+        queue = on if on is not None else self.queue
+        if self.clock is not None:
+            self.clock.advance(seconds)
+            return await self.receive(on=queue)
+        return await queue.receive(
+            [QUEUE], max_messages=10, lease_seconds=self.lease_seconds, wait_seconds=seconds
+        )
+
     async def receive_soon(
         self,
         queues: Sequence[str] = (QUEUE,),
@@ -340,6 +351,86 @@ class QueueConformance:
             assert await env.queue.size([QUEUE]) == QueueSize(due=0, total=0)
             return
         assert await env.queue.ack(overdue) is False, "refused by the client's lease clock"
+        (again,) = await env.receive_soon()
+        assert (again.message, again.attempt) == (overdue.message, 2)
+        assert await env.queue.ack(again) is True
+
+    async def test_extend_keeps_a_delivery_from_being_delivered_again_past_its_lease(
+        self, env: QueueEnv
+    ) -> None:
+        await env.queue.publish(message("long-running"))
+        (held,) = await env.receive()
+        other = await env.open_queue() if env.open_queue is not None else env.queue
+
+        # Three leases long, extended every quarter of a lease: nobody else receives it.
+        for _ in range(12):
+            assert await env.queue.extend(held, lease_seconds=env.lease_seconds) is True
+            assert await env.watch(env.lease_seconds / 4, on=other) == []
+        assert await env.receive() == []
+
+        assert await env.queue.ack(held) is True
+        assert await env.queue.size([QUEUE]) == QueueSize(due=0, total=0)
+
+    async def test_extend_does_not_count_a_delivery(self, env: QueueEnv) -> None:
+        await env.queue.publish(message("extended"))
+        (first,) = await env.receive()
+        for _ in range(3):
+            assert await env.queue.extend(first, lease_seconds=env.lease_seconds) is True
+
+        await env.queue.release(first)
+        (second,) = await env.receive()
+        assert (second.message, second.attempt) == (first.message, 1), "released: not counted"
+
+        assert await env.queue.extend(second, lease_seconds=env.lease_seconds) is True
+        await env.elapse(env.lease_seconds + 1)
+        (third,) = await env.receive_soon()  # once the extended lease ran out
+        assert (third.message, third.attempt) == (first.message, 2), "one lease ran out: one more"
+        assert await env.queue.ack(third) is True
+
+    async def test_extend_from_a_stale_or_settled_delivery_is_refused_and_changes_nothing(
+        self, env: QueueEnv
+    ) -> None:
+        await env.queue.publish(message("contended"))
+        (stale,) = await env.receive()
+        await env.elapse(env.lease_seconds + 1)
+        (current,) = await env.receive_soon()
+        assert current.attempt == 2
+
+        assert await env.queue.extend(stale, lease_seconds=env.lease_seconds * 20) is False
+        assert await env.queue.size([QUEUE]) == QueueSize(due=0, total=1)
+
+        # The new holder's lease was not extended by the stale delivery: it runs out as usual.
+        await env.elapse(env.lease_seconds + 1)
+        (third,) = await env.receive_soon()
+        assert third.attempt == 3
+        assert await env.queue.ack(third) is True
+        assert await env.queue.extend(third, lease_seconds=env.lease_seconds) is False, "acked"
+
+        await env.queue.publish(message("retried"))
+        (retried,) = await env.receive()
+        assert await env.queue.retry(retried, delay_seconds=0.0, error="Flaky: again") is True
+        assert await env.queue.extend(retried, lease_seconds=env.lease_seconds) is False
+
+    async def test_an_extend_after_the_lease_ran_out_before_a_takeover_follows_the_capability(
+        self, env: QueueEnv
+    ) -> None:
+        await env.queue.publish(message("overdue"))
+        (overdue,) = await env.receive()
+        await env.elapse(env.lease_seconds + 1)
+        if env.clock is None:  # real time: let the lease run out
+            await asyncio.sleep(env.lease_seconds * 1.2)
+
+        if env.queue.capabilities.exact_stale_ack:
+            assert await env.queue.extend(overdue, lease_seconds=env.lease_seconds) is True, (
+                "nobody took it over: the delivery holds it again"
+            )
+            assert await env.receive() == []
+            assert await env.queue.ack(overdue) is True
+            assert await env.queue.size([QUEUE]) == QueueSize(due=0, total=0)
+            return
+        assert await env.queue.extend(overdue, lease_seconds=env.lease_seconds) is False, (
+            "refused by the client's lease clock"
+        )
         (again,) = await env.receive_soon()
         assert (again.message, again.attempt) == (overdue.message, 2)
         assert await env.queue.ack(again) is True
@@ -592,6 +683,7 @@ class BrokerConformance(QueueConformance):
         assert current.attempt == 2
 
         assert await env.queue.ack(late) is False
+        assert await env.queue.extend(late, lease_seconds=env.lease_seconds) is False
         assert await env.queue.retry(late, delay_seconds=0.0, error="late worker") is False
         await env.queue.release(late)
 

@@ -12,6 +12,7 @@ ROOT = Path(__file__).parent.parent
 WORKER_MODULES = [
     "src/jobfence/worker.py",
     "src/jobfence/acks.py",
+    "src/jobfence/leases.py",
     "src/jobfence/harness.py",
     "src/jobfence/outage_log.py",
     "src/jobfence/adapters/pg_queue.py",

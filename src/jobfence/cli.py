@@ -140,6 +140,7 @@ async def _cmd_worker(args: argparse.Namespace) -> int:
                 concurrency=args.concurrency,
                 batch_size=args.batch_size,
                 lease_seconds=args.lease_seconds,
+                max_handler_seconds=args.max_handler_seconds,
                 shutdown_grace_seconds=args.grace_seconds,
                 metrics=metrics,
                 outbox_relay=args.outbox_relay,
@@ -451,6 +452,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=_positive_int, default=None, help="messages per fetch")
     p.add_argument(
         "--lease-seconds", type=_positive_float, default=300.0, help="lease per delivery (300)"
+    )
+    p.add_argument(
+        "--max-handler-seconds",
+        type=_positive_float,
+        default=None,
+        metavar="S",
+        help="keep each job's lease alive while it waits and its handler runs, up to S seconds"
+        " of handler time; then the job is left to be delivered again (off)",
     )
     p.add_argument(
         "--grace-seconds",

@@ -48,10 +48,10 @@ class QueuePort(Protocol):
     """An at-least-once queue that delivers messages under a lease.
 
     A broker adapter raises :class:`~jobfence.errors.QueueUnavailable` from ``publish``,
-    ``receive``, ``ack``, ``ack_many``, ``retry``, ``release`` and ``size`` when its broker
-    connection is lost, refused or timed out (the client's error is its ``__cause__``); the
-    worker treats that as an outage (D7): it pauses, probes, reconnects and gives back what it
-    held, without counting a job's attempt as an error inside jobfence. The PostgreSQL queue
+    ``receive``, ``ack``, ``ack_many``, ``extend``, ``retry``, ``release`` and ``size`` when its
+    broker connection is lost, refused or timed out (the client's error is its ``__cause__``);
+    the worker treats that as an outage (D7): it pauses, probes, reconnects and gives back what
+    it held, without counting a job's attempt as an error inside jobfence. The PostgreSQL queue
     raises psycopg's own connection errors, which the worker treats the same way.
     """
 
@@ -92,6 +92,16 @@ class QueuePort(Protocol):
         False when this delivery's lease was lost (the message was delivered again, or is gone
         already): nothing is removed. An adapter that cannot tell returns True."""
 
+    async def extend(self, delivery: Delivery, *, lease_seconds: float) -> bool:
+        """Keep holding ``delivery``: its lease now runs ``lease_seconds`` from now. The
+        delivery is not counted (the next delivery's attempt is the same as without it).
+
+        False, changing nothing, when this delivery's lease was lost or it was settled (acked,
+        retried, released), by the same rule as :meth:`ack` (``capabilities.exact_stale_ack``).
+        A broker whose lease is its own setting renews that setting instead of taking
+        ``lease_seconds`` (NATS: the consumer's AckWait; Redis: the receivers' idle time), so
+        extend with the lease the delivery was received with."""
+
     async def ack_many(self, deliveries: Sequence[Delivery]) -> None:
         """Remove several delivered messages for good, outside any transaction (the worker acks
         finished jobs in batches after their commit). Like :meth:`ack`, a delivery whose lease
@@ -127,6 +137,18 @@ class MetricsSink(Protocol):
     # A group of jobs in one transaction (group commit) ended: ``result`` is ``committed`` or
     # ``rolled_back`` (its jobs then run one transaction each).
     def job_group(self, queue: str, consumer: str, result: str) -> None: ...
+
+
+class LeaseMetricsSink(Protocol):
+    """Where the worker reports the leases it keeps alive (``max_handler_seconds``).
+
+    ``result`` is ``extended``, ``lost`` (the queue refused: the lease was gone) or ``failed``
+    (an error; tried again while the lease lasts). Labels stay bounded: never job ids."""
+
+    def lease_extension(self, queue: str, consumer: str, result: str) -> None: ...
+
+    def handler_over_limit(self, queue: str, consumer: str) -> None:
+        """A handler ran past ``max_handler_seconds``: its lease is no longer extended."""
 
 
 class CleanupMetricsSink(Protocol):

@@ -25,6 +25,7 @@ from jobfence.harness import (
     is_connection_loss,
     log_fields,
 )
+from jobfence.leases import LeaseKeeper
 from jobfence.model import Delivery
 from jobfence.outage_log import PSYCOPG_LOGGERS, OutageLog, reason
 from jobfence.outbox import (
@@ -34,7 +35,7 @@ from jobfence.outbox import (
     OutboxRelayStats,
     outbox_counts,
 )
-from jobfence.ports import MetricsSink, QueuePort
+from jobfence.ports import LeaseMetricsSink, MetricsSink, QueuePort
 from jobfence.schema import autovacuum_warning, ensure_migrated
 from jobfence.sync import PsycopgRunner, SyncExecutor, SyncTransactionRunner
 
@@ -73,6 +74,12 @@ class Worker:
     through ``sync_runner`` (:class:`~jobfence.sync.SyncTransactionRunner`); without one, the
     worker opens a sync psycopg pool of ``concurrency`` connections to the database of ``pool``
     for the length of :meth:`run`, only when its queues have such consumers (docs/sync.md).
+
+    With ``max_handler_seconds``, the worker keeps the lease of every job it holds alive
+    (:mod:`jobfence.leases`), extending it when about half of ``lease_seconds`` is left, until
+    the job's handler has run that long: a short lease then covers long handlers, and a dead
+    worker's jobs come back within one lease. Off (None) by default: a job is then held for
+    ``lease_seconds`` from its fetch, however long its handler runs.
     """
 
     def __init__(
@@ -95,6 +102,8 @@ class Worker:
         outbox_metrics: OutboxMetricsSink | None = None,
         outbox_settings: OutboxRelaySettings | None = None,
         sync_runner: SyncTransactionRunner | None = None,
+        max_handler_seconds: float | None = None,
+        lease_metrics: LeaseMetricsSink | None = None,
     ) -> None:
         if concurrency < 1:
             raise ConfigError(f"concurrency must be >= 1, got {concurrency}")
@@ -127,6 +136,10 @@ class Worker:
         self.metrics: MetricsSink = metrics if metrics is not None else PrometheusMetrics()
         self.acks = AckBatcher(queue, max_batch=ack_batch_size, max_delay=ack_delay_seconds)
         self.harness = Harness(app, pool, queue, metrics=self.metrics, rng=rng, acks=self.acks)
+        self.max_handler_seconds = max_handler_seconds
+        if lease_metrics is None and isinstance(self.metrics, PrometheusMetrics):
+            lease_metrics = self.metrics  # it is one, on the same registry
+        self._leases = _lease_keeper(queue, lease_seconds, max_handler_seconds, lease_metrics)
         self.stats = WorkerStats()
         self._pool = pool
         self._sync_runner = sync_runner
@@ -226,18 +239,30 @@ class Worker:
                 self._relay_task = asyncio.create_task(
                     self.outbox_relay.run(), name="jobfence-outbox-relay"
                 )
+            leases = None
+            if self._leases is not None:
+                leases = asyncio.create_task(self._leases.run(), name="jobfence-leases")
             try:
                 await self._fetch_loop(until)
             finally:
                 try:
                     await self._shutdown(processors)
                 finally:
+                    await self._stop_leases(leases)
                     await self._stop_relay()
         finally:
             for logger in psycopg_logs:
                 logger.removeFilter(self._outage_log)
             await self._close_sync(own_runner)
         return self.stats
+
+    async def _stop_leases(self, task: asyncio.Task[None] | None) -> None:
+        if self._leases is None or task is None:
+            return
+        self._leases.stop()
+        task.cancel()  # it may be waiting on an extension
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
     async def _stop_relay(self) -> None:
         if self.outbox_relay is None or self._relay_task is None:
@@ -299,6 +324,7 @@ class Worker:
                 await self._wait_or_stop(self._room.wait(), None)
                 continue
             self._progress.clear()
+            asked = self._leases.now() if self._leases is not None else 0.0
             try:
                 deliveries = await self.queue.receive(
                     self.queues,
@@ -310,6 +336,8 @@ class Worker:
                 await self._queue_failed("fetch jobs", exc)
                 continue
             self._fetch_failures = 0
+            if self._leases is not None:
+                self._leases.hold(deliveries, since=asked)
             for delivery in deliveries:
                 self._buffer.put_nowait(delivery)
             if deliveries:
@@ -408,6 +436,8 @@ class Worker:
         self._busy -= 1
         self._buffer.task_done()
         self._progress.set()
+        if self._leases is not None:
+            self._leases.forget(delivery)
 
     async def _process(self, delivery: Delivery, conn: Any, ahead: Lookahead) -> bool:
         """Run one delivery on ``conn``; False when ``conn`` should go back to the pool (the
@@ -512,6 +542,8 @@ class Worker:
         self._busy += 1
         if self._buffer.qsize() < self._low_water:
             self._room.set()
+        if self._leases is not None:
+            self._leases.started(delivery)
         return delivery
 
     def _lost(self, delivery: Delivery, exc: Exception) -> None:
@@ -566,6 +598,8 @@ class Worker:
                 return
             self._buffer.task_done()
             self._unreleased.append(delivery)
+            if self._leases is not None:
+                self._leases.forget(delivery)
 
     async def _release_held(self) -> None:
         """Give back every held delivery. A release that fails on a connection the outage cut
@@ -621,6 +655,34 @@ class Worker:
                 await task
         await self.acks.close()
         await self._release_held()
+
+
+def _lease_keeper(
+    queue: QueuePort,
+    lease_seconds: float,
+    max_handler_seconds: float | None,
+    metrics: LeaseMetricsSink | None,
+) -> LeaseKeeper | None:
+    """The worker's :class:`LeaseKeeper` with ``max_handler_seconds``, checked; None without."""
+    if max_handler_seconds is None:
+        return None
+    if not (lease_seconds < max_handler_seconds < float("inf")):
+        raise ConfigError(
+            f"max_handler_seconds must be a number of seconds above lease_seconds"
+            f" ({lease_seconds:g}), got {max_handler_seconds}: a lease is extended only while"
+            " the handler has run less than it"
+        )
+    if not callable(getattr(queue, "extend", None)):
+        raise ConfigError(
+            f"max_handler_seconds needs a queue adapter with extend(); {type(queue).__name__}"
+            " has none"
+        )
+    return LeaseKeeper(
+        queue,
+        lease_seconds=lease_seconds,
+        max_handler_seconds=max_handler_seconds,
+        metrics=metrics,
+    )
 
 
 def _on_a_cut_connection(exc: Exception) -> bool:

@@ -2,8 +2,8 @@
 
 It keeps the contract every queue adapter passes (``tests/queue_conformance.py``): delayed
 publish, a lease per delivery with attempt counting, redelivery with the next attempt when a
-lease runs out, and ack, retry and release that act only while the delivery still holds its
-lease. It is not transactional: no database transaction can roll it back, so ``publish`` and
+lease runs out, and ack, extend, retry and release that act only while the delivery still holds
+its lease. It is not transactional: no database transaction can roll it back, so ``publish`` and
 ``ack`` refuse a caller's ``tx`` and the harness acks after the work transaction commits (a
 crash in between means one more delivery, which the fence absorbs).
 
@@ -164,6 +164,13 @@ class MemoryQueue:
         if entry is None:
             return False
         del self._entries[entry.id]
+        return True
+
+    async def extend(self, delivery: Delivery, *, lease_seconds: float) -> bool:
+        entry = self._held(delivery)
+        if entry is None:
+            return False
+        entry.run_at = self._clock.now() + timedelta(seconds=lease_seconds)
         return True
 
     async def ack_many(self, deliveries: Sequence[Delivery]) -> None:

@@ -15,10 +15,13 @@ shared by every worker of that queue.
 - **Stale receipts**: JetStream accepts an ack from an earlier delivery of a message that was
   delivered again (it acks by stream sequence). So the adapter keeps each delivery's lease
   deadline on the client (the pull request's send time + AckWait, minus a margin) and refuses
-  ack, retry and release after it: ``capabilities.exact_stale_ack`` is False. An ack that races
-  the server's AckWait by less than the margin can still remove a message another worker
-  holds; it is sent only after the job's transaction committed, so that worker's fence finds
-  the job done.
+  ack, extend, retry and release after it: ``capabilities.exact_stale_ack`` is False. An ack
+  that races the server's AckWait by less than the margin can still remove a message another
+  worker holds; it is sent only after the job's transaction committed, so that worker's fence
+  finds the job done.
+- **Extend**: an in-progress ack (``+WPI``) restarts the message's AckWait at the server (the
+  consumer's AckWait, whatever ``lease_seconds`` says; it does not count a delivery), and the
+  client-side deadline moves with it.
 - **Retry with a delay**: ``nak(delay)``; the server counts the next delivery.
 - **Release**: a plain ``nak`` would count a delivery at the server, so a release publishes a
   copy (waiting for the server's ack) carrying the delivery count so far minus one, then acks
@@ -372,6 +375,24 @@ class NatsQueue:
             return False
         receipt.settled = True
         await receipt.msg.ack_sync()
+        return True
+
+    @_unavailable
+    async def extend(self, delivery: Delivery, *, lease_seconds: float) -> bool:
+        """An in-progress ack (``+WPI``): the server restarts the message's AckWait, the
+        consumer's own setting, so the lease runs for AckWait (not ``lease_seconds``) from the
+        moment the server sees it. The client-side deadline moves with it, by the shorter of
+        the two, minus the margin; the flush waits until the server has it."""
+        receipt = _receipt(delivery)
+        if not self._holds(receipt):
+            return False
+        sent = time.monotonic()
+        await receipt.msg.in_progress()
+        if self._nc is not None:
+            await self._nc.flush()
+        ack_wait = self._ack_wait.get(delivery.message.queue, lease_seconds)
+        lease = min(lease_seconds, ack_wait)
+        receipt.deadline = max(receipt.deadline, sent + lease - _lease_margin(lease))
         return True
 
     @_unavailable

@@ -1,10 +1,11 @@
 """A queue in PostgreSQL itself (schema ``jobfence_queue``), the default transport.
 
 Receiving takes due rows with ``FOR UPDATE SKIP LOCKED`` and moves their ``run_at`` forward by
-the lease, so a crashed worker's message comes back when the lease runs out. Publishing sends a
-NOTIFY that wakes idle workers at commit; a poll interval covers scheduled retries. Because the
-queue shares the work database, ``ack`` can join a transaction (the dead-letter write uses that);
-finished jobs are acked after their commit, in batches (``ack_many``).
+the lease, so a crashed worker's message comes back when the lease runs out; ``extend`` moves it
+forward again while the same delivery holds the row. Publishing sends a NOTIFY that wakes idle
+workers at commit; a poll interval covers scheduled retries. Because the queue shares the work
+database, ``ack`` can join a transaction (the dead-letter write uses that); finished jobs are
+acked after their commit, in batches (``ack_many``).
 """
 
 from __future__ import annotations
@@ -204,6 +205,20 @@ class PgQueue:
             return bool(cur.rowcount == 1)
         async with self._pool.connection() as conn:
             cur = await conn.execute(SQL["ack"], params)
+            return bool(cur.rowcount == 1)
+
+    async def extend(self, delivery: Delivery, *, lease_seconds: float) -> bool:
+        receipt = _receipt(delivery)
+        async with self._pool.connection() as conn:
+            cur = await conn.execute(
+                SQL["extend"],
+                {
+                    "id": receipt.id,
+                    "lease_token": receipt.lease_token,
+                    "now": _now(self._clock),
+                    "lease": timedelta(seconds=lease_seconds),
+                },
+            )
             return bool(cur.rowcount == 1)
 
     async def ack_many(self, deliveries: Sequence[Delivery]) -> None:

@@ -47,6 +47,13 @@ RETURNING m.id, m.queue, m.consumer, m.job_id, m.body, m.tenant_id, m.correlatio
 -- name: ack
 DELETE FROM jobfence_queue.messages WHERE id = %(id)s AND lease_token = %(lease_token)s;
 
+-- name: extend
+-- Moves the lease of a message this delivery still holds (same lease_token) forward, without
+-- counting a delivery; a lost lease (the token changed or the message is gone) is left alone.
+UPDATE jobfence_queue.messages
+SET run_at = coalesce(%(now)s::timestamptz, now()) + %(lease)s::interval
+WHERE id = %(id)s AND lease_token = %(lease_token)s;
+
 -- name: ack_many
 -- One statement for a batch of finished jobs; a message whose lease was lost is left alone.
 DELETE FROM jobfence_queue.messages m

@@ -34,8 +34,11 @@ class PrometheusMetrics:
     {queue, consumer}`` times handlers that ran; ``jobfence_retries_scheduled_total{queue,
     consumer}`` counts retries put on the queue (one per ``retried`` outcome);
     ``jobfence_job_groups_total{queue, consumer, result}`` counts the groups of a consumer with
-    ``jobs_per_transaction`` > 1, ``committed`` or ``rolled_back``. Successes are metrics,
-    never rows (D10).
+    ``jobs_per_transaction`` > 1, ``committed`` or ``rolled_back``. With the worker's
+    ``max_handler_seconds`` (it is also a :class:`~jobfence.ports.LeaseMetricsSink`),
+    ``jobfence_lease_extensions_total{queue, consumer, result}`` counts lease extensions
+    (``extended``, ``lost``, ``failed``) and ``jobfence_handlers_over_limit_total{queue,
+    consumer}`` the handlers that ran past it. Successes are metrics, never rows (D10).
     """
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
@@ -67,6 +70,21 @@ class PrometheusMetrics:
             registry=self.registry,
         )
 
+        self.lease_extensions = Counter(
+            "jobfence_lease_extensions",
+            "Lease extensions of jobs held by the worker (max_handler_seconds), by result:"
+            " extended, lost (the queue refused: the lease was gone), failed (an error).",
+            ("queue", "consumer", "result"),
+            registry=self.registry,
+        )
+        self.handlers_over_limit = Counter(
+            "jobfence_handlers_over_limit",
+            "Handlers that ran past max_handler_seconds (hung?): their lease was no longer"
+            " extended and the job was left to be delivered again.",
+            ("queue", "consumer"),
+            registry=self.registry,
+        )
+
         # The labelled children, looked up once per label set: the job path calls both methods
         # for every job, and the labels are bounded (registered queues and consumers).
         self._job_children: dict[tuple[str, str, str], Counter] = {}
@@ -90,6 +108,12 @@ class PrometheusMetrics:
 
     def job_group(self, queue: str, consumer: str, result: str) -> None:
         self.groups.labels(queue, consumer, result).inc()
+
+    def lease_extension(self, queue: str, consumer: str, result: str) -> None:
+        self.lease_extensions.labels(queue, consumer, result).inc()
+
+    def handler_over_limit(self, queue: str, consumer: str) -> None:
+        self.handlers_over_limit.labels(queue, consumer).inc()
 
     def count(self, outcome: str, *, consumer: str | None = None) -> float:
         """Sum of ``jobfence_jobs_total`` for ``outcome`` (over all consumers unless named)."""

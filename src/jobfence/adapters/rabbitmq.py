@@ -17,10 +17,11 @@ Every publish waits for the broker's publisher confirm; messages are persistent.
   run of them with one ``basic.ack`` (``multiple``).
 - **Lease**: an unacked delivery handed out by ``receive``. The adapter holds it for
   ``lease_seconds`` by its own timer and then gives it back (``basic.reject`` with requeue),
-  so a hung async handler loses its message after its lease. If the process dies or
-  its connection drops, the broker requeues every unacked delivery at once; if the event loop
-  itself is blocked, the broker closes the connection when heartbeats stop (60 s by default),
-  and its ``consumer_timeout`` (30 min by default) is the last backstop.
+  so a hung async handler loses its message after its lease; ``extend`` restarts that timer.
+  If the process dies or its connection drops, the broker requeues every unacked delivery at
+  once; if the event loop itself is blocked, the broker closes the connection when heartbeats
+  stop (60 s by default), and its ``consumer_timeout`` (30 min by default, counted from the
+  delivery: an extended lease does not move it) is the last backstop.
 - **Attempt**: the quorum queue's ``x-delivery-count`` header (raised by the broker on every
   return: reject, nack, channel or connection loss) + 1, plus the deliveries of earlier copies
   of the same job (the ``x-jobfence-prior`` header of a republished message). A message
@@ -28,7 +29,7 @@ Every publish waits for the broker's publisher confirm; messages are persistent.
   count; if the connection drops (or the process dies) the broker returns it counted, so an
   attempt can then be one higher than the handler runs.
 - **Stale receipts**: a delivery whose lease timer fired, or whose channel closed, refuses
-  ack, retry and release (``capabilities.exact_stale_ack`` is False: after its lease a
+  ack, extend, retry and release (``capabilities.exact_stale_ack`` is False: after its lease a
   delivery is refused even if nobody took the message over yet; the broker has it again).
 - **Retry and release** republish a copy with ``x-jobfence-prior`` set (waiting for the
   confirm) and then ack the original; a crash in between leaves one more delivery, which the
@@ -637,6 +638,19 @@ class RabbitMQQueue:
         if not self._take_hold(receipt):
             return False
         await receipt.incoming.ack()
+        return True
+
+    @_unavailable
+    async def extend(self, delivery: Delivery, *, lease_seconds: float) -> bool:
+        """Restart this adapter's lease timer: RabbitMQ has no lease per message (its
+        ``consumer_timeout`` counts from the delivery, whatever the client does)."""
+        receipt = _receipt(delivery)
+        if receipt.settled or receipt.lost or receipt.channel.is_closed:
+            return False
+        if receipt.timer is not None:
+            receipt.timer.cancel()
+        loop = asyncio.get_running_loop()
+        receipt.timer = loop.call_later(lease_seconds, self._lease_ran_out, receipt)
         return True
 
     @_unavailable

@@ -6,12 +6,14 @@ Each jobfence queue is one stream, ``<prefix>:{<queue>}:stream``, read by one co
 - **Lease**: a delivered entry sits in the group's pending entries list (PEL) under this
   consumer. A receiver claims (``XAUTOCLAIM``) entries that stayed pending longer than its own
   ``lease_seconds``, so a hung or dead holder loses the entry after that idle time. All workers
-  of a queue should use the same lease.
+  of a queue should use the same lease. ``extend`` restarts the idle time (``XCLAIM`` to the same
+  consumer with ``JUSTID``, which does not raise the delivery count).
 - **Attempt**: the PEL's delivery count (``times_delivered``, kept by Redis and raised by each
   claim), plus the deliveries of earlier entries of the same job (the ``prior`` field, written
   when a retry or release republishes the job as a new entry).
-- **Stale receipts**: ack, retry and release run as one Lua script that first checks the PEL:
-  the entry must still be pending for this consumer with the delivery count the receipt saw.
+- **Stale receipts**: ack, extend, retry and release each run as one Lua script that first
+  checks the PEL: the entry must still be pending for this consumer with the delivery count the
+  receipt saw.
 - **Delays**: Redis has no delayed delivery. A delayed publish or retry waits in a sorted set
   (``<prefix>:{<queue>}:delayed``, scored by due time in ms, the job's fields in a hash beside
   it) and is moved into the stream by the next receive after it falls due. This lives in one
@@ -171,6 +173,20 @@ return 1
 """
 
 
+# KEYS: stream. ARGV: group, entry id, consumer, times_delivered.
+# Restarts the entry's idle time if it is still pending for this consumer with the delivery count
+# the receipt saw: XCLAIM with JUSTID does not raise the delivery count. Returns 1, or 0
+# (changing nothing) for a stale receipt.
+_EXTEND = """
+local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
+if #p == 0 or p[1][2] ~= ARGV[3] or tonumber(p[1][4]) ~= tonumber(ARGV[4]) then
+  return 0
+end
+redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[3], 0, ARGV[2], 'JUSTID')
+return 1
+"""
+
+
 @dataclass(slots=True)
 class RedisReceipt:
     stream: str
@@ -238,6 +254,7 @@ class RedisStreamsQueue:
         self._schedule_script = self._redis.register_script(_SCHEDULE)
         self._forget_consumer = self._redis.register_script(_FORGET_CONSUMER)
         self._ack_many_script = self._redis.register_script(_ACK_MANY)
+        self._extend = self._redis.register_script(_EXTEND)
         self._grouped: set[str] = set()
         self._lease_ms: int | None = None
         self._closed = False
@@ -421,6 +438,19 @@ class RedisStreamsQueue:
         if tx is not None:
             raise _refuse_tx("ack")
         return await self._settle_entry(_receipt(delivery), again=False)
+
+    @_unavailable
+    async def extend(self, delivery: Delivery, *, lease_seconds: float) -> bool:
+        """Restart the entry's idle time; other receivers claim it after their own
+        ``lease_seconds`` of idleness, so the extension lasts the receivers' lease."""
+        receipt = _receipt(delivery)
+        if receipt.settled:
+            return False
+        done = await self._extend(
+            keys=[receipt.stream],
+            args=[GROUP, receipt.entry_id, receipt.consumer, receipt.times_delivered],
+        )
+        return bool(done)
 
     @_unavailable
     async def ack_many(self, deliveries: Sequence[Delivery]) -> None:

@@ -20,6 +20,7 @@ WORKER_FLAGS: dict[str, tuple[str, type | tuple[type, ...]]] = {
     "CONCURRENCY": ("--concurrency", int),
     "BATCH_SIZE": ("--batch-size", int),
     "LEASE_SECONDS": ("--lease-seconds", (int, float)),
+    "MAX_HANDLER_SECONDS": ("--max-handler-seconds", (int, float)),
     "GRACE_SECONDS": ("--grace-seconds", (int, float)),
 }
 # What Django's postgresql backend adds for its own connections, none of it libpq's.
