@@ -29,8 +29,7 @@ def make_queue(broker: str, url: str, name: str) -> QueuePort:
 
 
 async def delete_everything(broker: str, url: str, name: str, queues: Sequence[str]) -> None:
-    """Delete the keys, stream or queues named after ``name`` (RabbitMQ's wait queues delete
-    themselves a minute after their last use)."""
+    """Delete the keys, stream or queues named after ``name``."""
     if broker == "redis":
         import redis.asyncio as aioredis
 

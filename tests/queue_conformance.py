@@ -7,8 +7,9 @@ and for transactional adapters an autocommit connection to the work database. An
 real time gets short leases and delays, and the tests poll with deadlines instead of sleeping.
 
 A capability an adapter lacks is declared, never skipped: the capability-gated tests check the
-behaviour where it is declared and the refusal (``ConfigError``), or the documented weaker
-behaviour, where it is not.
+behaviour where it is declared and the refusal (``ConfigError``, nothing changed), or the
+documented weaker behaviour, where it is not (``delayed_publish`` and ``delayed_retry``: a
+delayed publish or retry; without them the delay waits in the PostgreSQL outbox).
 
 A broker adapter's test class subclasses :class:`BrokerConformance` instead, which adds what a
 broker shows and the PostgreSQL queue never had (a connection cut while holding a lease, a
@@ -293,9 +294,7 @@ class QueueConformance:
 
         async def all_held() -> bool:
             got.extend(
-                await env.queue.receive(
-                    [QUEUE], max_messages=total - len(got), lease_seconds=60.0
-                )
+                await env.queue.receive([QUEUE], max_messages=total - len(got), lease_seconds=60.0)
             )
             return len(got) == total
 
@@ -441,6 +440,19 @@ class QueueConformance:
         await env.queue.publish(message("flaky"))
         (first,) = await env.receive()
         assert first.attempt == 1
+        if not env.queue.capabilities.delayed_retry:
+            with pytest.raises(ConfigError, match=r"has no delayed retry.*PostgreSQL outbox"):
+                await env.queue.retry(first, delay_seconds=env.delay_seconds, error="Flaky")
+            assert await env.queue.size([QUEUE]) == QueueSize(due=0, total=1), (
+                "a refused retry changes nothing: the delivery still holds its lease"
+            )
+            assert await env.receive() == []
+            assert await env.queue.retry(first, delay_seconds=0.0, error="Flaky: now") is True
+            (second,) = await env.receive_soon()
+            assert (second.message, second.attempt) == (first.message, 2)
+            assert await env.queue.ack(second) is True
+            assert await env.queue.size([QUEUE]) == QueueSize(due=0, total=0)
+            return
 
         scheduled = await env.queue.retry(
             first, delay_seconds=env.delay_seconds, error="Flaky: timeout"
@@ -495,21 +507,54 @@ class QueueConformance:
         got = await env.receive_soon()
         assert [(d.message.job_id, d.attempt) for d in got] == [("delayed", 1)]
 
+    async def test_a_message_published_with_prior_attempts_is_delivered_with_the_next_attempt(
+        self, env: QueueEnv
+    ) -> None:
+        """What the outbox relay does with a retry written to the outbox: the copy it publishes
+        carries the deliveries the job already had, and the count goes on from there."""
+        await env.queue.publish(message("carried-on"), prior_attempts=3)
+        await env.queue.publish(message("fresh"))
+        got = await env.receive()
+        assert sorted((d.message.job_id, d.attempt) for d in got) == [
+            ("carried-on", 4),
+            ("fresh", 1),
+        ]
+        carried = next(d for d in got if d.message.job_id == "carried-on")
+        assert await env.queue.ack(next(d for d in got if d is not carried)) is True
+
+        await env.queue.release(carried)
+        (released,) = await env.receive_soon()
+        assert (released.message, released.attempt) == (carried.message, 4), "not counted"
+
+        assert await env.queue.retry(released, delay_seconds=0.0, error="Flaky: again") is True
+        (retried,) = await env.receive_soon()
+        assert (retried.message, retried.attempt) == (carried.message, 5)
+
+        await env.elapse(env.lease_seconds + 1)
+        (redelivered,) = await env.receive_soon()
+        assert (redelivered.message, redelivered.attempt) == (carried.message, 6)
+        assert await env.queue.ack(redelivered) is True
+
     async def test_size_counts_due_and_total_messages_per_queue(self, env: QueueEnv) -> None:
+        """A message held back (by a delayed publish, else by a retry with a delay) counts in
+        ``total``; an adapter with neither holds nothing back (delays wait in the outbox)."""
+        capabilities = env.queue.capabilities
         assert await env.queue.size([QUEUE]) == QueueSize(due=0, total=0)
-        if not env.queue.capabilities.delayed_publish:  # held back by a retry with a delay
+        scheduled = capabilities.delayed_publish or capabilities.delayed_retry
+        if not capabilities.delayed_publish and capabilities.delayed_retry:
             await env.queue.publish(message("scheduled"))
             (held,) = await env.receive(max_messages=1)
             assert await env.queue.retry(held, delay_seconds=60.0, error="later") is True
         for name in ("leased", "due-1", "due-2"):
             await env.queue.publish(message(name))
-        if env.queue.capabilities.delayed_publish:
+        if capabilities.delayed_publish:
             await env.queue.publish(message("scheduled"), delay_seconds=env.delay_seconds)
         await env.queue.publish(message("elsewhere", queue=OTHER_QUEUE))
         assert job_ids(await env.receive(max_messages=1)) == ["leased"]
 
-        assert await env.queue.size([QUEUE]) == QueueSize(due=2, total=4)
-        assert await env.queue.size([QUEUE, OTHER_QUEUE]) == QueueSize(due=3, total=5)
+        total = 4 if scheduled else 3
+        assert await env.queue.size([QUEUE]) == QueueSize(due=2, total=total)
+        assert await env.queue.size([QUEUE, OTHER_QUEUE]) == QueueSize(due=3, total=total + 1)
         assert await env.queue.size(["conformance.nobody"]) == QueueSize(due=0, total=0)
 
     async def test_receive_with_wait_returns_as_soon_as_a_message_is_published(
@@ -695,11 +740,19 @@ class BrokerConformance(QueueConformance):
     async def test_a_delayed_retry_arrives_no_sooner_than_its_delay_and_within_the_tolerance(
         self, env: QueueEnv
     ) -> None:
-        """D2 on a broker: a retry's delay holds, within +5% and a second of polling."""
+        """D2 on a broker with native delayed retry: a retry's delay holds, within +5% and a
+        second of polling. A broker without it refuses the delay and keeps the lease; its
+        retries go through the outbox (tests/test_retries_through_the_outbox.py)."""
         loop = asyncio.get_running_loop()
         await env.queue.publish(message("scheduled-retry"))
         (first,) = await env.receive()
         delay = 1.5
+        if not env.queue.capabilities.delayed_retry:
+            with pytest.raises(ConfigError, match="has no delayed retry"):
+                await env.queue.retry(first, delay_seconds=delay, error="Flaky: later")
+            assert await env.queue.ack(first) is True, "the refused retry left the lease held"
+            assert await env.queue.size([QUEUE]) == QueueSize(due=0, total=0)
+            return
         retried_at = loop.time()
         assert await env.queue.retry(first, delay_seconds=delay, error="Flaky: later") is True
 

@@ -821,10 +821,13 @@ class CrashingPgQueue(PgQueue):
         *,
         delay_seconds: float = 0.0,
         tx: psycopg.AsyncConnection[Any] | None = None,
+        prior_attempts: int = 0,
     ) -> None:
         if message.job_id == self.crash_on:
             raise Interrupted(f"crash while publishing {message.job_id}")
-        await super().publish(message, delay_seconds=delay_seconds, tx=tx)
+        await super().publish(
+            message, delay_seconds=delay_seconds, tx=tx, prior_attempts=prior_attempts
+        )
 
 
 # The server refuses the publish's own INSERT for one job (the "refused by the server" case).
@@ -944,10 +947,13 @@ class FlakyBroker(MemoryQueue):
         *,
         delay_seconds: float = 0.0,
         tx: psycopg.AsyncConnection[Any] | None = None,
+        prior_attempts: int = 0,
     ) -> None:
         if message.job_id in self.refuse:
             raise ConnectionError(f"broker refused {message.job_id}")
-        await super().publish(message, delay_seconds=delay_seconds, tx=tx)
+        await super().publish(
+            message, delay_seconds=delay_seconds, tx=tx, prior_attempts=prior_attempts
+        )
 
 
 async def test_bulk_replay_on_an_external_broker_goes_through_the_outbox_and_loses_nothing(

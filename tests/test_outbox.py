@@ -26,6 +26,7 @@ from jobfence.outbox import (
     queue_setting,
     record_queue,
     schedule,
+    write,
 )
 from support import scalar, wait_until
 
@@ -159,6 +160,57 @@ async def test_a_delayed_message_waits_in_postgresql_until_due(
     assert relay.stats.published == 1
     assert (await queue.size(["loyalty"])).total == 1
     assert await _rows(external) == []
+
+
+async def test_the_relay_publishes_a_row_with_its_prior_attempts_so_the_count_goes_on(
+    external: psycopg.AsyncConnection[Any], database_url: str
+) -> None:
+    """A retry written to the outbox after delivery 2 is delivered as attempt 3; a producer's
+    row (prior_attempts 0) as attempt 1."""
+    retried = Message(queue="loyalty", consumer=AWARD, job_id="retried", body=b"{}")
+    fresh = Message(queue="loyalty", consumer=AWARD, job_id="fresh", body=b"{}")
+    await schedule(external, retried, 0, prior_attempts=2)
+    await write(external, fresh)
+    cur = await external.execute("SELECT job_id, prior_attempts FROM jobfence.outbox ORDER BY id")
+    assert await cur.fetchall() == [("retried", 2), ("fresh", 0)]
+    with pytest.raises(ValueError, match="prior_attempts must be >= 0"):
+        await write(external, fresh, prior_attempts=-1)
+
+    queue = MemoryQueue()
+    relay = await _relay_once(database_url, queue)
+
+    assert relay.stats.published == 2
+    got = await queue.receive(["loyalty"], max_messages=5, lease_seconds=30)
+    assert sorted((d.message.job_id, d.attempt) for d in got) == [("fresh", 1), ("retried", 3)]
+
+
+async def test_a_delayed_row_written_while_the_relay_waits_is_published_when_due(
+    external: psycopg.AsyncConnection[Any], database_url: str
+) -> None:
+    """The relay waits for the next due row or a producer's NOTIFY, not for its next poll: a
+    row due in 0.6 s, written while it waits (polling every 30 s), is published no earlier
+    than due and at most the documented second late."""
+    queue = MemoryQueue(poll_interval_seconds=0.01)
+    relay = OutboxRelay(database_url, queue, settings=OutboxRelaySettings(poll_seconds=30))
+    task = asyncio.create_task(relay.run())
+    loop = asyncio.get_running_loop()
+    try:
+
+        async def waiting() -> bool:
+            return relay.active and relay.stats.rounds >= 1
+
+        await wait_until(waiting, message="the relay to wait")
+        message = Message(queue="loyalty", consumer=AWARD, job_id="due-soon", body=b"{}")
+        written = loop.time()
+        await schedule(external, message, 0.6, prior_attempts=1)
+        got = await queue.receive(["loyalty"], max_messages=1, lease_seconds=30, wait_seconds=10.0)
+        waited = loop.time() - written
+    finally:
+        relay.stop()
+        await external.execute("SELECT pg_notify('jobfence_outbox', '')")  # wakes it now
+        await task
+    assert [(d.message.job_id, d.attempt) for d in got] == [("due-soon", 2)]
+    assert 0.6 <= waited <= 0.6 + 1.0
 
 
 class FailingQueue(MemoryQueue):

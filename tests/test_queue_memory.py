@@ -18,7 +18,9 @@ from support import scalar
 class TestMemoryQueueConformance(QueueConformance):
     """On a fake clock: leases and delays pass without waiting."""
 
-    expected_capabilities = QueueCapabilities(transactional=False, delayed_publish=True)
+    expected_capabilities = QueueCapabilities(
+        transactional=False, delayed_publish=True, delayed_retry=True
+    )
 
     @pytest.fixture
     async def env(self) -> AsyncIterator[QueueEnv]:
@@ -32,7 +34,9 @@ class TestMemoryQueueConformance(QueueConformance):
 class TestMemoryQueueRealClockConformance(QueueConformance):
     """On its default real clock, with short leases: a waiting receiver wakes when one falls due."""
 
-    expected_capabilities = QueueCapabilities(transactional=False, delayed_publish=True)
+    expected_capabilities = QueueCapabilities(
+        transactional=False, delayed_publish=True, delayed_retry=True
+    )
 
     @pytest.fixture
     async def env(self) -> AsyncIterator[QueueEnv]:

@@ -19,7 +19,7 @@ from tcp_proxy import TcpProxy
 
 class TestNatsConformance(BrokerConformance):
     expected_capabilities = QueueCapabilities(
-        transactional=False, delayed_publish=False, exact_stale_ack=False
+        transactional=False, delayed_publish=False, delayed_retry=True, exact_stale_ack=False
     )
 
     @pytest.fixture

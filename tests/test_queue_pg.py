@@ -34,7 +34,9 @@ async def listener_is_up(conn: psycopg.AsyncConnection[Any]) -> None:
 
 
 class TestPgQueueConformance(QueueConformance):
-    expected_capabilities = QueueCapabilities(transactional=True, delayed_publish=True)
+    expected_capabilities = QueueCapabilities(
+        transactional=True, delayed_publish=True, delayed_retry=True
+    )
 
     @pytest.fixture
     async def env(

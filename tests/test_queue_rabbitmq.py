@@ -10,7 +10,7 @@ import aio_pika
 import pytest
 
 from jobfence import QueueCapabilities, QueueUnavailable
-from jobfence.adapters.rabbitmq import RabbitMQQueue, wait_bucket_ms
+from jobfence.adapters.rabbitmq import RabbitMQQueue
 from jobfence.model import Delivery
 from jobfence.ports import QueueSize
 from queue_conformance import QUEUE, BrokerConformance, QueueEnv, job_ids, message
@@ -20,7 +20,11 @@ from tcp_proxy import TcpProxy
 
 class TestRabbitMQConformance(BrokerConformance):
     expected_capabilities = QueueCapabilities(
-        transactional=False, delayed_publish=True, exact_stale_ack=False, exact_size=False
+        transactional=False,
+        delayed_publish=False,
+        delayed_retry=False,
+        exact_stale_ack=False,
+        exact_size=False,
     )
 
     @pytest.fixture
@@ -49,25 +53,15 @@ class TestRabbitMQConformance(BrokerConformance):
 
 
 async def delete_queues(amqp_url: str, prefix: str) -> None:
-    """Delete the queues a test declared: its main queues and every wait queue they used."""
+    """Delete the queues a test declared."""
     connection = await aio_pika.connect(amqp_url)
     try:
         for queue in ("conformance.main", "conformance.other", "conformance.nobody"):
-            names = [f"{prefix}.{queue}"]
-            names += [f"{prefix}.{queue}.wait.{wait_bucket_ms(s)}" for s in (0.25, 0.5, 60.0)]
-            for name in names:
-                channel = await connection.channel()
-                await channel.queue_delete(name)
-                await channel.close()
+            channel = await connection.channel()
+            await channel.queue_delete(f"{prefix}.{queue}")
+            await channel.close()
     finally:
         await connection.close()
-
-
-def test_a_delay_is_rounded_up_to_a_wait_queue_at_most_5_percent_longer() -> None:
-    for seconds in (0.0, 0.05, 0.1, 0.25, 0.5, 1.0, 30.0, 37.3, 60.0, 3600.0):
-        ttl = wait_bucket_ms(seconds)
-        assert seconds * 1000 <= ttl <= max(seconds * 1000 * 1.05, 100) + 1
-    assert len({wait_bucket_ms(s / 10) for s in range(0, 36_001)}) < 250
 
 
 async def test_a_retry_whose_copy_cannot_be_published_gives_the_original_back(
@@ -87,7 +81,7 @@ async def test_a_retry_whose_copy_cannot_be_published_gives_the_original_back(
 
         monkeypatch.setattr(queue, "_publish", refused)
         with pytest.raises(QueueUnavailable, match="refused the copy") as raised:
-            await queue.retry(first, delay_seconds=30.0, error="Flaky: later")
+            await queue.retry(first, delay_seconds=0.0, error="Flaky: again")
         assert isinstance(raised.value.__cause__, ConnectionError)
         monkeypatch.undo()
 

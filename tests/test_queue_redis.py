@@ -16,7 +16,9 @@ from tcp_proxy import TcpProxy
 
 
 class TestRedisStreamsConformance(BrokerConformance):
-    expected_capabilities = QueueCapabilities(transactional=False, delayed_publish=True)
+    expected_capabilities = QueueCapabilities(
+        transactional=False, delayed_publish=False, delayed_retry=False
+    )
 
     @pytest.fixture
     async def env(self, redis_url: str) -> AsyncIterator[QueueEnv]:

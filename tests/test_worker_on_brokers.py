@@ -71,7 +71,8 @@ async def test_a_job_failing_transiently_is_delivered_max_retries_plus_one_times
     conn: psycopg.AsyncConnection[Any],
 ) -> None:
     """D1 on a broker: the attempt count survives each delayed retry (the broker's delivery
-    count plus the adapter's header), so the dead letter records every delivery."""
+    count plus the adapter's header; on RabbitMQ and Redis the retry goes through the outbox,
+    whose row carries the attempts so far), so the dead letter records every delivery."""
     await conn.execute(pointsapp.SCHEMA_SQL)
     policy = RetryPolicy(
         max_retries=2, base_seconds=0.2, cap_seconds=1.0, rationale="a test needs quick retries"

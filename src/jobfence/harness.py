@@ -3,6 +3,7 @@ r"""One delivery, from bytes to exactly one effect or one dead letter.
     decode/validate -> transaction(fence insert, handler) -> commit -> ack (batched)
                     \-> poison: dead letter at once (D6)
     on failure: roll back, then hard -> dead letter; transient -> retry or, exhausted, dead letter
+    a retry with a delay on a queue without native delayed retry: outbox row -> commit -> ack
     identifiers that break a limit (jobfence.limits): UnfenceableMessage dead letter at once
     an error inside jobfence itself, again at delivery INTERNAL_FAILURE_DELIVERIES: InternalFailure
 
@@ -35,6 +36,7 @@ from psycopg.pq import TransactionStatus
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 from pydantic import BaseModel, ValidationError
 
+from jobfence import outbox
 from jobfence._sql import Queries
 from jobfence.acks import AckBatcher
 from jobfence.alerts.outbox import record_dead_letter_alerts
@@ -349,6 +351,7 @@ class Harness:
         self._acks = acks
         self.sync = sync
         self._transactional = queue.capabilities.transactional
+        self._delayed_retry = queue.capabilities.delayed_retry
         self._internal_log = _Throttle(INTERNAL_LOG_PER_MINUTE)
 
     async def handle(
@@ -685,7 +688,13 @@ class Harness:
         text = describe_error(exc)
         if not _is_permanent(exc, policy) and delivery.attempt < policy.max_deliveries:
             delay = policy.delay(delivery.attempt, self._rng)
-            if not await self._guard(self._queue.retry(delivery, delay_seconds=delay, error=text)):
+            if delay > 0 and not self._delayed_retry:
+                retried = await self._guard(self._retry_through_outbox(conn, delivery, delay))
+            else:
+                retried = await self._guard(
+                    self._queue.retry(delivery, delay_seconds=delay, error=text)
+                )
+            if not retried:
                 return self._lease_lost(delivery, exc)
             self._metrics.job_outcome(message.queue, message.consumer, Outcome.RETRIED)
             log.info(
@@ -717,6 +726,30 @@ class Harness:
             extra=log_fields(delivery, Outcome.DEAD_LETTERED, error_class=error_class_of(exc)),
         )
         return Outcome.DEAD_LETTERED
+
+    async def _retry_through_outbox(
+        self, held: AsyncConnection[Any] | None, delivery: Delivery, delay: float
+    ) -> bool:
+        """A retry with a delay on a queue that cannot hold a message back itself: the outbox
+        row (due in ``delay``, carrying this delivery's attempt) commits first, on ``held``
+        when the caller holds a connection, else on a pooled one; then the delivery is acked.
+
+        If the ack says the lease was lost (another delivery holds the job now), the row is
+        taken back unless the relay has it already, and it returns False. A crash between the
+        commit and the ack leaves two copies, the broker's redelivery and the retry: the fence
+        skips whichever comes second after a success, and a second failure's dead letter is the
+        same pending one (D5)."""
+        lease = self._pool.connection() if held is None else contextlib.nullcontext(held)
+        async with lease as conn:
+            async with conn.transaction():
+                row_id = await outbox.schedule(
+                    conn, delivery.message, delay, prior_attempts=delivery.attempt
+                )
+            if await self._queue.ack(delivery):
+                return True
+            async with conn.transaction():
+                await outbox.withdraw(conn, row_id)
+            return False
 
     async def _poison(
         self, conn: AsyncConnection[Any] | None, delivery: Delivery, exc: PoisonMessage

@@ -1,9 +1,10 @@
 """What a worker logs about an outage of its database or of its queue's broker: one line when it
 goes away, one when it is back (how long it was gone, how many jobs were given back), and between
 them at most one line every ``still_down_every`` seconds. Each line names what is unreachable:
-``broker`` when the error is a :class:`~jobfence.errors.QueueUnavailable`, else ``database``. psycopg's and psycopg_pool's own warnings about each broken
-connection, pipeline and failed reconnection are held back meanwhile and counted in the line that
-says it is back. No line shows an object's repr (``<psycopg.AsyncConnection [BAD] at 0x...>``)."""
+``broker`` when the error is a :class:`~jobfence.errors.QueueUnavailable`, else ``database``.
+psycopg's and psycopg_pool's own warnings about each broken connection, pipeline and failed
+reconnection are held back meanwhile and counted in the line that says it is back. No line shows
+an object's repr (``<psycopg.AsyncConnection [BAD] at 0x...>``)."""
 
 from __future__ import annotations
 

@@ -14,9 +14,12 @@ and the next relay publishes them again: at least once, and the fence (``core.pr
 makes a duplicate delivery a skipped duplicate. A publish that fails keeps its row, due again
 after a backoff; nothing is dropped.
 
-A message can wait in the outbox until a given time (``due_at``): a delayed enqueue does, and a
-broker adapter without native delay uses :func:`schedule` for its delayed retries, so that a
-retry waits in PostgreSQL rather than in a busy loop.
+A message can wait in the outbox until a given time (``due_at``): a delayed enqueue does, and
+on a broker without native delayed retry (``capabilities.delayed_retry`` False: RabbitMQ, Redis
+Streams) so does a retry with a delay. The harness writes it with :func:`schedule`, carrying the
+deliveries the job already had (``prior_attempts``), commits, and only then acks the delivery;
+the relay publishes it when due with ``publish(..., prior_attempts=...)``, so the retry waits in
+PostgreSQL rather than in a busy loop or a broker plugin and its attempt count goes on.
 """
 
 from __future__ import annotations
@@ -59,7 +62,11 @@ class OutboxMetricsSink(Protocol):
     def outbox_waiting(self, count: int, oldest_age_seconds: float) -> None: ...
 
 
-def _params(message: Message, delay_seconds: float, clock: Clock | None) -> dict[str, object]:
+def _params(
+    message: Message, delay_seconds: float, clock: Clock | None, prior_attempts: int
+) -> dict[str, object]:
+    if prior_attempts < 0:
+        raise ValueError(f"prior_attempts must be >= 0, got {prior_attempts}")
     return {
         "queue": message.queue,
         "consumer": message.consumer,
@@ -69,6 +76,7 @@ def _params(message: Message, delay_seconds: float, clock: Clock | None) -> dict
         "correlation_id": message.correlation_id,
         "now": clock.now() if clock is not None else None,
         "delay": timedelta(seconds=max(delay_seconds, 0.0)),
+        "prior_attempts": prior_attempts,
     }
 
 
@@ -77,14 +85,18 @@ async def write(
     message: Message,
     *,
     delay_seconds: float = 0.0,
+    prior_attempts: int = 0,
     clock: Clock | None = None,
 ) -> int:
     """Write ``message`` to the outbox on ``conn``, never committing it; returns the row's id.
 
     Inside the caller's transaction the message goes out exactly when that transaction
     commits, and never if it rolls back. The relay publishes it once ``delay_seconds`` have
-    passed."""
-    cur = await conn.execute(SQL["outbox_insert"], _params(message, delay_seconds, clock))
+    passed, with ``prior_attempts`` (the deliveries its job already had): its first delivery
+    has attempt ``prior_attempts + 1``."""
+    cur = await conn.execute(
+        SQL["outbox_insert"], _params(message, delay_seconds, clock, prior_attempts)
+    )
     row = await cur.fetchone()
     assert row is not None
     return int(row[0])
@@ -95,15 +107,27 @@ async def schedule(
     message: Message,
     delay: float | timedelta,
     *,
+    prior_attempts: int = 0,
     clock: Clock | None = None,
 ) -> int:
     """Publish ``message`` to the external queue ``delay`` from now, through PostgreSQL.
 
-    For broker adapters without native delayed delivery: a delayed retry is written here
-    (committed on ``conn``, or with the caller's transaction) and the relay publishes it when
-    it falls due. Same as :func:`write` with ``delay_seconds``."""
+    A delayed retry on a broker without native delay (``capabilities.delayed_retry`` False):
+    the harness writes it here with ``prior_attempts=delivery.attempt``, commits, then acks the
+    delivery; the relay publishes it when it falls due, and its delivery has the next attempt.
+    Same as :func:`write` with ``delay_seconds``; never commits ``conn``."""
     seconds = delay.total_seconds() if isinstance(delay, timedelta) else float(delay)
-    return await write(conn, message, delay_seconds=seconds, clock=clock)
+    return await write(
+        conn, message, delay_seconds=seconds, prior_attempts=prior_attempts, clock=clock
+    )
+
+
+async def withdraw(conn: AsyncConnection[Any], row_id: int) -> bool:
+    """Delete outbox row ``row_id`` if the relay has not published it and is not publishing it
+    now; True when it was deleted. For a retry written for a delivery whose ack then said its
+    lease was lost: the job belongs to the delivery that holds it now."""
+    cur = await conn.execute(SQL["outbox_withdraw"], {"id": row_id})
+    return await cur.fetchone() is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -353,7 +377,7 @@ class OutboxRelay:
                 )
                 try:
                     # Returning means the broker confirmed it (the adapter's contract).
-                    await self._queue.publish(message)
+                    await self._queue.publish(message, prior_attempts=row["prior_attempts"])
                 except Exception as exc:
                     failed = True
                     self._failures += 1

@@ -26,7 +26,14 @@ class QueueCapabilities:
     """
 
     transactional: bool
+    # True: ``publish(..., delay_seconds>0)`` holds the message back in the queue itself.
+    # False: refused (``ConfigError``); a producer's delayed enqueue waits in the PostgreSQL
+    # outbox instead (jobfence.outbox).
     delayed_publish: bool = True
+    # True: ``retry(..., delay_seconds>0)`` holds the message back in the queue itself. False:
+    # refused (``ConfigError``), and the harness writes a delayed retry to the PostgreSQL outbox
+    # instead, acking the delivery after that commit (docs/outbox.md).
+    delayed_retry: bool = True
     # True: the queue itself knows which delivery holds a message, so an ack, retry or release
     # is refused exactly when another delivery took it over. False: the adapter refuses them
     # once the delivery's lease ran out by the client's clock, even if nobody took the message
@@ -64,11 +71,15 @@ class QueuePort(Protocol):
         *,
         delay_seconds: float = 0.0,
         tx: AsyncConnection[object] | None = None,
+        prior_attempts: int = 0,
     ) -> None:
         """Enqueue ``message``, visible after ``delay_seconds``.
 
         With ``tx`` (transactional adapters only) the message is part of that transaction and
-        the adapter never commits it.
+        the adapter never commits it. ``prior_attempts`` counts deliveries of this job already
+        made elsewhere (a retry the outbox relay publishes): the first delivery of this message
+        has attempt ``prior_attempts + 1``. A delay on an adapter without
+        ``capabilities.delayed_publish`` is refused with ``ConfigError``, nothing published.
         """
 
     async def receive(
@@ -110,7 +121,9 @@ class QueuePort(Protocol):
     async def retry(self, delivery: Delivery, *, delay_seconds: float, error: str) -> bool:
         """Deliver the message again after ``delay_seconds``; the next attempt counts.
 
-        False, changing nothing, when this delivery's lease was lost (as for :meth:`ack`)."""
+        False, changing nothing, when this delivery's lease was lost (as for :meth:`ack`). A
+        delay on an adapter without ``capabilities.delayed_retry`` is refused with
+        ``ConfigError``, changing nothing (the delivery still holds its lease)."""
 
     async def release(self, delivery: Delivery) -> None:
         """Give the message back at once without counting this delivery (shutdown, outage)."""

@@ -68,7 +68,10 @@ class Worker:
     nothing at all (scheduled retries included), and the default runs until :meth:`stop`.
     On a queue that is not transactional (a broker), the worker also runs the outbox relay
     (:mod:`jobfence.outbox`; one active per database, the others stand by) unless
-    ``outbox_relay=False``; ``until`` then also waits for the outbox to be published.
+    ``outbox_relay=False``; ``until`` then also waits for the outbox to be published. On a
+    broker without native delayed retry (RabbitMQ, Redis Streams) a retry with a delay waits in
+    the outbox too, so it needs a relay running somewhere: without its own, the worker warns at
+    start-up.
 
     Consumers with a plain ``def`` handler run their transactions in ``concurrency`` threads,
     through ``sync_runner`` (:class:`~jobfence.sync.SyncTransactionRunner`); without one, the
@@ -191,8 +194,16 @@ class Worker:
 
     def check(self) -> None:
         """Start-up checks: D3 fence TTLs; the retry overrides' rationales, the consumers that
-        commit jobs in groups and those with a sync handler, in the log."""
+        commit jobs in groups and those with a sync handler, in the log; a warning when delayed
+        retries need a relay this worker does not run."""
         self.app.check_fence_ttls()
+        if not self.queue.capabilities.delayed_retry and self.outbox_relay is None:
+            log.warning(
+                "this worker runs without the outbox relay (outbox_relay=False,"
+                " --no-outbox-relay) and its queue cannot hold a retry back: retries with a"
+                " delay wait in the outbox until a running jobfence outbox-relay (or a worker"
+                " with its relay) publishes them; make sure one runs"
+            )
         for consumer in self.app.consumers.values():
             if consumer.queue not in self.queues:
                 continue

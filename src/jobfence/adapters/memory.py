@@ -22,7 +22,7 @@ from typing import Any
 
 from psycopg import AsyncConnection
 
-from jobfence.adapters._shared import receipt_of, refuse_tx
+from jobfence.adapters._shared import check_prior_attempts, receipt_of, refuse_tx
 from jobfence.errors import ConfigError
 from jobfence.model import Delivery, Message
 from jobfence.ports import Clock, QueueCapabilities, QueueSize
@@ -68,7 +68,7 @@ class MemoryQueue:
     message falls due by ``clock``, whichever comes first.
     """
 
-    capabilities = QueueCapabilities(transactional=False, delayed_publish=True)
+    capabilities = QueueCapabilities(transactional=False, delayed_publish=True, delayed_retry=True)
 
     def __init__(self, *, clock: Clock | None = None, poll_interval_seconds: float = 1.0) -> None:
         if not poll_interval_seconds > 0:
@@ -85,6 +85,7 @@ class MemoryQueue:
         *,
         delay_seconds: float = 0.0,
         tx: AsyncConnection[Any] | None = None,
+        prior_attempts: int = 0,
     ) -> None:
         if tx is not None:
             raise _refuse_tx("publish")
@@ -93,6 +94,7 @@ class MemoryQueue:
             id=entry_id,
             message=message,
             run_at=self._clock.now() + timedelta(seconds=max(delay_seconds, 0.0)),
+            attempts=check_prior_attempts(prior_attempts),
         )
         self._wakeup.set()
 

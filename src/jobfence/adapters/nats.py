@@ -9,7 +9,8 @@ shared by every worker of that queue.
   a queue should use the same lease). A message not acked or nak'ed within AckWait is
   delivered again by the server, so a hung or dead holder loses it after AckWait.
 - **Attempt**: the server's delivery count (``metadata.num_delivered``), plus the deliveries of
-  earlier copies of the same job (the ``Jobfence-Prior`` header of a released message).
+  earlier copies of the same job (the ``Jobfence-Prior`` header of a released message, or of a
+  message published with ``prior_attempts``).
 - **Fields**: the body is the payload; job id, consumer, tenant and correlation id travel in
   ``Jobfence-*`` headers, percent-encoded where a header could not carry them as they are.
 - **Stale receipts**: JetStream accepts an ack from an earlier delivery of a message that was
@@ -27,7 +28,8 @@ shared by every worker of that queue.
   copy (waiting for the server's ack) carrying the delivery count so far minus one, then acks
   the original. A crash in between leaves two copies: one more delivery, absorbed by the fence.
 - **Delayed publish**: JetStream (before 2.12's message schedules) has none:
-  ``capabilities.delayed_publish`` is False and a publish with a delay is refused.
+  ``capabilities.delayed_publish`` is False and a publish with a delay is refused (a delayed
+  enqueue waits in the PostgreSQL outbox instead).
 - **max_deliver**: unlimited by default. The harness dead-letters a job itself when the retry
   policy's attempts run out (D1), counting the server's deliveries; a finite ``max_deliver``
   would make JetStream stop delivering a message silently, which jobfence never does.
@@ -50,7 +52,7 @@ from urllib.parse import quote, unquote
 
 from psycopg import AsyncConnection
 
-from jobfence.adapters._shared import receipt_of, refuse_tx
+from jobfence.adapters._shared import check_prior_attempts, receipt_of, refuse_delay, refuse_tx
 from jobfence.adapters._unavailable import unavailable_on
 from jobfence.errors import ConfigError
 from jobfence.model import Delivery, Message
@@ -136,7 +138,7 @@ class NatsQueue:
     created when missing (file storage, work-queue retention, ``replicas`` copies)."""
 
     capabilities = QueueCapabilities(
-        transactional=False, delayed_publish=False, exact_stale_ack=False
+        transactional=False, delayed_publish=False, delayed_retry=True, exact_stale_ack=False
     )
 
     def __init__(
@@ -236,15 +238,13 @@ class NatsQueue:
         *,
         delay_seconds: float = 0.0,
         tx: AsyncConnection[Any] | None = None,
+        prior_attempts: int = 0,
     ) -> None:
         if tx is not None:
             raise _refuse_tx("publish")
         if delay_seconds > 0:
-            raise ConfigError(
-                "NatsQueue has no delayed publish (capabilities.delayed_publish is False): "
-                "JetStream cannot hold a new message back; publish without a delay"
-            )
-        await self._publish(message, prior=0)
+            raise refuse_delay("NatsQueue", "publish", "JetStream cannot hold a new message back")
+        await self._publish(message, prior=check_prior_attempts(prior_attempts))
 
     async def _publish(self, message: Message, *, prior: int) -> None:
         js = await self._jetstream()

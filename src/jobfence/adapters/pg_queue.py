@@ -24,6 +24,7 @@ from psycopg import AsyncConnection
 from psycopg_pool import AsyncConnectionPool
 
 from jobfence._sql import Queries
+from jobfence.adapters._shared import check_prior_attempts
 from jobfence.model import Delivery, Message
 from jobfence.ports import Clock, QueueCapabilities, QueueSize
 
@@ -49,13 +50,17 @@ async def publish_on(
     *,
     delay_seconds: float = 0.0,
     clock: Clock | None = None,
+    prior_attempts: int = 0,
 ) -> None:
     """Insert ``message`` on ``conn`` without committing: it joins the caller's transaction.
+    Its first delivery has attempt ``prior_attempts + 1``.
 
     Any other kind of connection is refused before a statement runs (a sync one has its own
     entry points, :func:`jobfence.producer.publish_sync`)."""
     require_async_connection(conn)
-    await conn.execute(SQL["publish"], publish_params(message, delay_seconds, clock))
+    params = publish_params(message, delay_seconds, clock)
+    params["prior_attempts"] = check_prior_attempts(prior_attempts)
+    await conn.execute(SQL["publish"], params)
 
 
 def require_async_connection(conn: object) -> None:
@@ -101,7 +106,7 @@ def _receipt(delivery: Delivery) -> PgReceipt:
 class PgQueue:
     """The PostgreSQL queue adapter. ``clock`` defaults to the database's own clock."""
 
-    capabilities = QueueCapabilities(transactional=True, delayed_publish=True)
+    capabilities = QueueCapabilities(transactional=True, delayed_publish=True, delayed_retry=True)
 
     def __init__(
         self,
@@ -129,12 +134,25 @@ class PgQueue:
         *,
         delay_seconds: float = 0.0,
         tx: AsyncConnection[Any] | None = None,
+        prior_attempts: int = 0,
     ) -> None:
         if tx is not None:
-            await publish_on(tx, message, delay_seconds=delay_seconds, clock=self._clock)
+            await publish_on(
+                tx,
+                message,
+                delay_seconds=delay_seconds,
+                clock=self._clock,
+                prior_attempts=prior_attempts,
+            )
             return
         async with self._pool.connection() as conn:
-            await publish_on(conn, message, delay_seconds=delay_seconds, clock=self._clock)
+            await publish_on(
+                conn,
+                message,
+                delay_seconds=delay_seconds,
+                clock=self._clock,
+                prior_attempts=prior_attempts,
+            )
 
     async def receive(
         self,

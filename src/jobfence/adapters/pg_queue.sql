@@ -2,14 +2,15 @@
 
 -- name: publish
 -- Works on the caller's connection: inside the caller's transaction when one is open.
--- The NOTIFY is delivered at commit, waking idle workers.
+-- The NOTIFY is delivered at commit, waking idle workers. %(prior_attempts)s: deliveries of
+-- this job already made (0 for a new job); receive counts the next one.
 WITH inserted AS (
     INSERT INTO jobfence_queue.messages (
-        queue, consumer, job_id, body, tenant_id, correlation_id, run_at
+        queue, consumer, job_id, body, tenant_id, correlation_id, run_at, attempts
     )
     VALUES (
         %(queue)s, %(consumer)s, %(job_id)s, %(body)s, %(tenant_id)s, %(correlation_id)s,
-        coalesce(%(now)s::timestamptz, now()) + %(delay)s::interval
+        coalesce(%(now)s::timestamptz, now()) + %(delay)s::interval, %(prior_attempts)s
     )
     RETURNING id
 )

@@ -24,7 +24,8 @@ Every publish waits for the broker's publisher confirm; messages are persistent.
   delivery: an extended lease does not move it) is the last backstop.
 - **Attempt**: the quorum queue's ``x-delivery-count`` header (raised by the broker on every
   return: reject, nack, channel or connection loss) + 1, plus the deliveries of earlier copies
-  of the same job (the ``x-jobfence-prior`` header of a republished message). A message
+  of the same job (the ``x-jobfence-prior`` header of a republished message, or of one
+  published with ``prior_attempts``). A message
   buffered but never handed out is returned as a copy that keeps its count, so it does not
   count; if the connection drops (or the process dies) the broker returns it counted, so an
   attempt can then be one higher than the handler runs.
@@ -34,16 +35,14 @@ Every publish waits for the broker's publisher confirm; messages are persistent.
 - **Retry and release** republish a copy with ``x-jobfence-prior`` set (waiting for the
   confirm) and then ack the original; a crash in between leaves one more delivery, which the
   fence absorbs. A release's copy carries the count so far minus one: it does not count.
-- **Delays** without a plugin: a delayed publish or retry goes to a wait queue
-  ``<prefix>.<queue>.wait.<ms>`` (a quorum queue with that message TTL, dead-lettering
-  at-least-once back into the queue, expiring a minute after its last use). Delays are rounded
-  up to a ladder of steps 5% apart (from 100 ms), so a delay is kept within +5% (plus up to a
-  second for the broker's TTL check and the receiver's poll), and a queue has at most about 220
-  wait queues, each existing only while in use.
+- **Delays**: RabbitMQ holds a message back only with a plugin or TTL queues, and the adapter
+  uses neither: ``capabilities.delayed_publish`` and ``delayed_retry`` are False, and a publish
+  or a retry with a delay is refused. A delayed enqueue, and a retry with a delay (the harness
+  writes it), wait in the PostgreSQL outbox until due; the outbox relay then publishes them
+  here.
 - **Size**: AMQP shows a queue's ready messages only. ``size`` adds what this adapter instance
-  buffered (due), holds (leases) and scheduled (counted until 5 s after each falls due, to
-  cover its way back from the wait queue); the buffers, leases and delayed messages of other
-  instances are not seen (``capabilities.exact_size`` is False).
+  buffered (due) and holds (leases); the buffers and leases of other instances are not seen
+  (``capabilities.exact_size`` is False).
 - A waiting ``receive`` wakes when the consumer delivers.
 - **Close** cancels the consumers, returns the buffered messages, and makes one more round trip
   (``basic.qos``) on the channel before closing the connection: a quorum queue can otherwise
@@ -56,16 +55,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import re
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from psycopg import AsyncConnection
 
-from jobfence.adapters._shared import receipt_of, refuse_tx
+from jobfence.adapters._shared import (
+    check_prior_attempts,
+    receipt_of,
+    refuse_delay,
+    refuse_tx,
+)
 from jobfence.adapters._unavailable import unavailable_on
 from jobfence.errors import ConfigError
 from jobfence.model import Delivery, Message
@@ -101,10 +104,6 @@ _ACK_ROOM = 100
 _BUFFER_SECONDS = 5.0
 _FIRST_PUSHES_SECONDS = 1.0  # the longest a new consumer waits for the pushes of what is ready
 _WAKE_SECONDS = 0.5  # a waiting receive re-checks its consumers (a dropped channel) this often
-_WAIT_STEP = 1.05
-_WAIT_BASE_MS = 100
-_WAIT_EXPIRES_EXTRA_MS = 60_000
-_ARRIVAL_GRACE = 5.0
 
 
 def _lost(conn: AbstractConnection) -> bool:
@@ -121,13 +120,6 @@ def _short(value: str | None) -> str | None:
     if value is None or len(value.encode()) > _SHORTSTR_BYTES:
         return None
     return value
-
-
-def wait_bucket_ms(delay_seconds: float) -> int:
-    """The wait queue TTL for ``delay_seconds``: the smallest ladder step at or above it."""
-    wanted = max(delay_seconds * 1000.0, _WAIT_BASE_MS)
-    step = math.ceil(math.log(wanted / _WAIT_BASE_MS, _WAIT_STEP) - 1e-9)
-    return math.ceil(_WAIT_BASE_MS * _WAIT_STEP**step)
 
 
 @dataclass(slots=True, eq=False)
@@ -226,12 +218,25 @@ def _refuse_tx(operation: str) -> ConfigError:
     return refuse_tx("RabbitMQQueue", operation)
 
 
+def _refuse_delay(operation: Literal["publish", "retry"]) -> ConfigError:
+    return refuse_delay(
+        "RabbitMQQueue",
+        operation,
+        "RabbitMQ holds a message back only with a plugin or TTL queues, which jobfence does not"
+        " use",
+    )
+
+
 class RabbitMQQueue:
     """The RabbitMQ queue adapter. ``url`` is an ``amqp://`` or ``amqps://`` URL; ``prefix``
     starts the name of every queue it declares."""
 
     capabilities = QueueCapabilities(
-        transactional=False, delayed_publish=True, exact_stale_ack=False, exact_size=False
+        transactional=False,
+        delayed_publish=False,
+        delayed_retry=False,
+        exact_stale_ack=False,
+        exact_size=False,
     )
 
     def __init__(
@@ -253,8 +258,6 @@ class RabbitMQQueue:
         self._lock = asyncio.Lock()
         self._declared: dict[str, AbstractQueue] = {}
         self._held: set[RabbitReceipt] = set()
-        # queue -> when each message this instance scheduled falls due (loop time)
-        self._scheduled: dict[str, list[float]] = {}
         self._background: set[asyncio.Task[None]] = set()
         self._consumers: dict[str, _Consumer] = {}
         self._buffers: dict[str, deque[_Buffered]] = {}
@@ -301,26 +304,6 @@ class RabbitMQQueue:
             self._declared[name] = declared
         return declared
 
-    async def _wait_queue(self, queue: str, delay_seconds: float) -> str:
-        channel = await self._open_channel()
-        ttl = wait_bucket_ms(delay_seconds)
-        name = f"{self._name(queue)}.wait.{ttl}"
-        # Declared on every use: that restarts its expiry, which always outlasts the TTL.
-        await channel.declare_queue(
-            name,
-            durable=True,
-            arguments={
-                "x-queue-type": "quorum",
-                "x-message-ttl": ttl,
-                "x-expires": ttl + _WAIT_EXPIRES_EXTRA_MS,
-                "x-dead-letter-exchange": "",
-                "x-dead-letter-routing-key": self._name(queue),
-                "x-dead-letter-strategy": "at-least-once",
-                "x-overflow": "reject-publish",
-            },
-        )
-        return name
-
     # -- the port -----------------------------------------------------------------------
 
     @_unavailable
@@ -330,19 +313,16 @@ class RabbitMQQueue:
         *,
         delay_seconds: float = 0.0,
         tx: AsyncConnection[Any] | None = None,
+        prior_attempts: int = 0,
     ) -> None:
         if tx is not None:
             raise _refuse_tx("publish")
-        await self._publish(message, prior=0, delay_seconds=delay_seconds)
-
-    async def _publish(self, message: Message, *, prior: int, delay_seconds: float) -> None:
-        await self._queue(message.queue)
         if delay_seconds > 0:
-            routing_key = await self._wait_queue(message.queue, delay_seconds)
-            due_at = asyncio.get_running_loop().time() + wait_bucket_ms(delay_seconds) / 1000
-            self._scheduled.setdefault(message.queue, []).append(due_at)
-        else:
-            routing_key = self._name(message.queue)
+            raise _refuse_delay("publish")
+        await self._publish(message, prior=check_prior_attempts(prior_attempts))
+
+    async def _publish(self, message: Message, *, prior: int) -> None:
+        await self._queue(message.queue)
         # The ids travel in headers (any length); the AMQP properties repeat them for tools
         # when they fit.
         headers: dict[str, Any] = {
@@ -363,7 +343,7 @@ class RabbitMQQueue:
                 correlation_id=_short(message.correlation_id),
                 delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
             ),
-            routing_key=routing_key,
+            routing_key=self._name(message.queue),
             mandatory=True,
         )
 
@@ -669,11 +649,11 @@ class RabbitMQQueue:
     @_unavailable
     async def retry(self, delivery: Delivery, *, delay_seconds: float, error: str) -> bool:
         receipt = _receipt(delivery)
+        if delay_seconds > 0:
+            raise _refuse_delay("retry")
         if not self._take_hold(receipt):
             return False
-        await self._republish(
-            receipt, delivery.message, prior=delivery.attempt, delay_seconds=delay_seconds
-        )
+        await self._republish(receipt, delivery.message, prior=delivery.attempt)
         return True
 
     @_unavailable
@@ -681,17 +661,13 @@ class RabbitMQQueue:
         receipt = _receipt(delivery)
         if not self._take_hold(receipt):
             return
-        await self._republish(
-            receipt, delivery.message, prior=delivery.attempt - 1, delay_seconds=0.0
-        )
+        await self._republish(receipt, delivery.message, prior=delivery.attempt - 1)
 
-    async def _republish(
-        self, receipt: RabbitReceipt, message: Message, *, prior: int, delay_seconds: float
-    ) -> None:
+    async def _republish(self, receipt: RabbitReceipt, message: Message, *, prior: int) -> None:
         """Publish a copy (confirmed), then ack the original. If the copy cannot be published,
         the original goes back to the queue (and counts), so it never sits unacked."""
         try:
-            await self._publish(message, prior=prior, delay_seconds=max(delay_seconds, 0.0))
+            await self._publish(message, prior=prior)
         except BaseException:
             await self._give_back(receipt)
             raise
@@ -699,21 +675,16 @@ class RabbitMQQueue:
 
     @_unavailable
     async def size(self, queues: Sequence[str]) -> QueueSize:
-        """Ready and buffered messages (due), plus this instance's leases and scheduled messages
-        (total)."""
+        """Ready and buffered messages (due), plus this instance's leases (total). A delayed
+        retry or enqueue waits in the PostgreSQL outbox, not here, until it falls due."""
         due = total = 0
-        now = asyncio.get_running_loop().time()
         for queue in queues:
             name = self._name(queue)
             ready = await self._ready(name)
             held = sum(1 for r in self._held if r.queue_name == name)
             buffered = sum(1 for b in self._buffers.get(queue, ()) if not b.channel.is_closed)
-            # Counted until a while after they fall due: once expired from its wait queue, a
-            # message is on its way back (dead-lettering) and counted by neither queue.
-            pending = [t for t in self._scheduled.get(queue, []) if t + _ARRIVAL_GRACE > now]
-            self._scheduled[queue] = pending
             due += ready + buffered
-            total += ready + buffered + held + len(pending)
+            total += ready + buffered + held
         return QueueSize(due=due, total=total)
 
     async def _ready(self, name: str) -> int:

@@ -10,14 +10,15 @@ Each jobfence queue is one stream, ``<prefix>:{<queue>}:stream``, read by one co
   consumer with ``JUSTID``, which does not raise the delivery count).
 - **Attempt**: the PEL's delivery count (``times_delivered``, kept by Redis and raised by each
   claim), plus the deliveries of earlier entries of the same job (the ``prior`` field, written
-  when a retry or release republishes the job as a new entry).
+  when a retry or release republishes the job as a new entry, or by a publish with
+  ``prior_attempts``).
 - **Stale receipts**: ack, extend, retry and release each run as one Lua script that first
   checks the PEL: the entry must still be pending for this consumer with the delivery count the
   receipt saw.
-- **Delays**: Redis has no delayed delivery. A delayed publish or retry waits in a sorted set
-  (``<prefix>:{<queue>}:delayed``, scored by due time in ms, the job's fields in a hash beside
-  it) and is moved into the stream by the next receive after it falls due. This lives in one
-  function (:meth:`RedisStreamsQueue._schedule`), to be replaced by the PostgreSQL outbox.
+- **Delays**: Redis Streams has no delayed delivery, and the adapter keeps none of its own:
+  ``capabilities.delayed_publish`` and ``delayed_retry`` are False, and a publish or a retry
+  with a delay is refused. A delayed enqueue, and a retry with a delay (the harness writes it),
+  wait in the PostgreSQL outbox until due; the outbox relay then publishes them here.
 - **Trimming**: an acked entry is deleted (``XDEL``) by the same script that acks it, so the
   stream holds only live entries and never needs a ``MAXLEN`` trim that could drop an unacked
   one. Run Redis with AOF (``appendonly yes``) so an acked job never comes back after a restart
@@ -35,15 +36,19 @@ import asyncio
 import contextlib
 import os
 import socket
-import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from psycopg import AsyncConnection
 
-from jobfence.adapters._shared import receipt_of, refuse_tx
+from jobfence.adapters._shared import (
+    check_prior_attempts,
+    receipt_of,
+    refuse_delay,
+    refuse_tx,
+)
 from jobfence.adapters._unavailable import unavailable_on
 from jobfence.errors import ConfigError
 from jobfence.model import Delivery, Message
@@ -64,24 +69,9 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 _unavailable = unavailable_on("Redis", (RedisConnectionError, RedisTimeoutError, ConnectionError))
 
 GROUP = "jobfence"
-# The longest a waiting receive blocks in one XREADGROUP before it looks at delayed entries,
-# expired leases and close() again.
+# The longest a waiting receive blocks in one XREADGROUP before it looks at expired leases
+# and close() again.
 _BLOCK_SLICE_SECONDS = 0.25
-_PROMOTE_BATCH = 100
-
-# KEYS: stream, delayed zset, delayed hash. ARGV: now_ms, limit.
-_PROMOTE = """
-local ids = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', ARGV[1], 'LIMIT', 0, ARGV[2])
-for _, uid in ipairs(ids) do
-  local packed = redis.call('HGET', KEYS[3], uid)
-  if packed then
-    redis.call('XADD', KEYS[1], '*', unpack(cmsgpack.unpack(packed)))
-  end
-  redis.call('HDEL', KEYS[3], uid)
-  redis.call('ZREM', KEYS[2], uid)
-end
-return #ids
-"""
 
 # KEYS: stream. ARGV: group, consumer, min_idle_ms, count.
 # Returns {{id, fields, times_delivered}, ...} for the entries claimed.
@@ -107,10 +97,9 @@ end
 return out
 """
 
-# KEYS: stream, delayed zset, delayed hash.
-# ARGV: group, entry id, consumer, times_delivered, mode (ack | again), prior, due_ms, uid.
-# ``again`` republishes the entry's fields with ``prior`` replaced: into the stream when due_ms
-# is 0, else into the delayed set. Returns 1, or 0 (changing nothing) for a stale receipt.
+# KEYS: stream. ARGV: group, entry id, consumer, times_delivered, mode (ack | again), prior.
+# ``again`` republishes the entry's fields into the stream with ``prior`` replaced. Returns 1,
+# or 0 (changing nothing) for a stale receipt.
 _SETTLE = """
 local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
 if #p == 0 or p[1][2] ~= ARGV[3] or tonumber(p[1][4]) ~= tonumber(ARGV[4]) then
@@ -123,12 +112,7 @@ if ARGV[5] == 'again' then
     for i = 1, #fields, 2 do
       if fields[i] == 'prior' then fields[i + 1] = ARGV[6] end
     end
-    if ARGV[7] == '0' then
-      redis.call('XADD', KEYS[1], '*', unpack(fields))
-    else
-      redis.call('ZADD', KEYS[2], ARGV[7], ARGV[8])
-      redis.call('HSET', KEYS[3], ARGV[8], cmsgpack.pack(fields))
-    end
+    redis.call('XADD', KEYS[1], '*', unpack(fields))
   end
 end
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
@@ -152,15 +136,6 @@ end
 return acked
 """
 _ACK_MANY_CHUNK = 200  # entries per script call: Redis runs a script to its end, alone
-
-# KEYS: delayed zset, delayed hash. ARGV: due_ms, uid, field, value, ...
-_SCHEDULE = """
-local fields = {}
-for i = 3, #ARGV do fields[#fields + 1] = ARGV[i] end
-redis.call('ZADD', KEYS[1], ARGV[1], ARGV[2])
-redis.call('HSET', KEYS[2], ARGV[2], cmsgpack.pack(fields))
-return 1
-"""
 
 
 # KEYS: stream. ARGV: group, consumer. Removes the consumer from the group when it holds
@@ -205,6 +180,10 @@ def _refuse_tx(operation: str) -> ConfigError:
     return refuse_tx("RedisStreamsQueue", operation)
 
 
+def _refuse_delay(operation: Literal["publish", "retry"]) -> ConfigError:
+    return refuse_delay("RedisStreamsQueue", operation, "Redis Streams cannot hold a message back")
+
+
 def _fields(message: Message, prior: int) -> dict[str, bytes | str]:
     fields: dict[str, bytes | str] = {
         "consumer": message.consumer,
@@ -232,7 +211,9 @@ class RedisStreamsQueue:
     group; the default is unique per instance (host, process, random part).
     """
 
-    capabilities = QueueCapabilities(transactional=False, delayed_publish=True)
+    capabilities = QueueCapabilities(
+        transactional=False, delayed_publish=False, delayed_retry=False
+    )
 
     def __init__(
         self,
@@ -248,10 +229,8 @@ class RedisStreamsQueue:
         self._consumer = consumer_name or (
             f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         )
-        self._promote = self._redis.register_script(_PROMOTE)
         self._claim = self._redis.register_script(_CLAIM)
         self._settle = self._redis.register_script(_SETTLE)
-        self._schedule_script = self._redis.register_script(_SCHEDULE)
         self._forget_consumer = self._redis.register_script(_FORGET_CONSUMER)
         self._ack_many_script = self._redis.register_script(_ACK_MANY)
         self._extend = self._redis.register_script(_EXTEND)
@@ -265,10 +244,6 @@ class RedisStreamsQueue:
         if any(c in queue for c in "{}"):
             raise ConfigError(f"a queue name must not contain braces, got {queue!r}")
         return f"{self._prefix}:{{{queue}}}:stream"
-
-    def _delayed(self, queue: str) -> tuple[str, str]:
-        base = f"{self._prefix}:{{{queue}}}:delayed"
-        return base, f"{base}:jobs"
 
     def _queue_of(self, stream: str) -> str:
         return stream[len(self._prefix) + 2 : -len("}:stream")]
@@ -292,26 +267,16 @@ class RedisStreamsQueue:
         *,
         delay_seconds: float = 0.0,
         tx: AsyncConnection[Any] | None = None,
+        prior_attempts: int = 0,
     ) -> None:
         if tx is not None:
             raise _refuse_tx("publish")
+        if delay_seconds > 0:
+            raise _refuse_delay("publish")
+        fields = _fields(message, check_prior_attempts(prior_attempts))
         stream = self._stream(message.queue)
         await self._ensure_group(stream)
-        if delay_seconds > 0:
-            await self._schedule(message.queue, _fields(message, 0), delay_seconds)
-        else:
-            await self._redis.xadd(stream, _fields(message, 0))  # type: ignore[arg-type]
-
-    async def _schedule(
-        self, queue: str, fields: dict[str, bytes | str], delay_seconds: float
-    ) -> None:
-        """Hold ``fields`` back until ``delay_seconds`` from now, then let a receive move them
-        into the stream. The one place Redis delays live (retries with a delay are scheduled by
-        the settle script in the same way)."""
-        zset, jobs = self._delayed(queue)
-        due_ms = int((time.time() + delay_seconds) * 1000)
-        flat = [item for pair in fields.items() for item in pair]
-        await self._schedule_script(keys=[zset, jobs], args=[due_ms, uuid.uuid4().hex, *flat])
+        await self._redis.xadd(stream, fields)  # type: ignore[arg-type]
 
     @_unavailable
     async def receive(
@@ -334,7 +299,7 @@ class RedisStreamsQueue:
             while True:
                 if self._closed:
                     return []
-                got = await self._take(queues, streams, max_messages, lease_ms)
+                got = await self._take(streams, max_messages, lease_ms)
                 remaining = deadline - loop.time()
                 if got or remaining <= 0 or self._closed or not streams:
                     return got
@@ -348,12 +313,8 @@ class RedisStreamsQueue:
             raise
 
     async def _take(
-        self, queues: Sequence[str], streams: Sequence[str], max_messages: int, lease_ms: int
+        self, streams: Sequence[str], max_messages: int, lease_ms: int
     ) -> list[Delivery]:
-        now_ms = int(time.time() * 1000)
-        for queue, stream in zip(queues, streams, strict=True):
-            zset, jobs = self._delayed(queue)
-            await self._promote(keys=[stream, zset, jobs], args=[now_ms, _PROMOTE_BATCH])
         got: list[Delivery] = []
         for stream in streams:
             wanted = max_messages - len(got)
@@ -408,16 +369,11 @@ class RedisStreamsQueue:
         )
         return Delivery(message=message, attempt=prior + delivered, receipt=receipt)
 
-    async def _settle_entry(
-        self, receipt: RedisReceipt, *, again: bool, prior: int = 0, delay_seconds: float = 0.0
-    ) -> bool:
+    async def _settle_entry(self, receipt: RedisReceipt, *, again: bool, prior: int = 0) -> bool:
         if receipt.settled:
             return False
-        queue = self._queue_of(receipt.stream)
-        zset, jobs = self._delayed(queue)
-        due_ms = int((time.time() + delay_seconds) * 1000) if delay_seconds > 0 else 0
         done = await self._settle(
-            keys=[receipt.stream, zset, jobs],
+            keys=[receipt.stream],
             args=[
                 GROUP,
                 receipt.entry_id,
@@ -425,8 +381,6 @@ class RedisStreamsQueue:
                 receipt.times_delivered,
                 "again" if again else "ack",
                 prior,
-                due_ms,
-                uuid.uuid4().hex,
             ],
         )
         if done:
@@ -475,11 +429,10 @@ class RedisStreamsQueue:
     @_unavailable
     async def retry(self, delivery: Delivery, *, delay_seconds: float, error: str) -> bool:
         receipt = _receipt(delivery)
+        if delay_seconds > 0:
+            raise _refuse_delay("retry")
         return await self._settle_entry(
-            receipt,
-            again=True,
-            prior=receipt.prior + receipt.times_delivered,
-            delay_seconds=delay_seconds,
+            receipt, again=True, prior=receipt.prior + receipt.times_delivered
         )
 
     @_unavailable
@@ -491,15 +444,12 @@ class RedisStreamsQueue:
 
     @_unavailable
     async def size(self, queues: Sequence[str]) -> QueueSize:
-        now_ms = int(time.time() * 1000)
+        """Entries in the streams: ``due`` those never delivered or whose lease ran out,
+        ``total`` adds the leased ones. A delayed retry or enqueue waits in the PostgreSQL
+        outbox, not here, until it falls due."""
         due = total = 0
         for queue in queues:
             stream = self._stream(queue)
-            zset, _ = self._delayed(queue)
-            delayed_total = int(await self._redis.zcard(zset))
-            delayed_due = int(await self._redis.zcount(zset, "-inf", now_ms))
-            total += delayed_total
-            due += delayed_due
             if not await self._redis.exists(stream):
                 continue
             length = int(await self._redis.xlen(stream))

@@ -32,18 +32,31 @@ SELECT id FROM queued UNION ALL SELECT id FROM outboxed;
 
 -- name: outbox_insert
 -- An outbox row whatever the setting: a replay's republish when the queue is external, or a
--- message an adapter schedules (a delayed retry on a broker without native delay).
-INSERT INTO jobfence.outbox (queue, consumer, job_id, body, tenant_id, correlation_id, due_at)
+-- delayed retry the worker writes on a broker without native delay (prior_attempts: the
+-- deliveries its job already had). The NOTIFY wakes the relay at commit, so that it waits for
+-- the new row's due time.
+INSERT INTO jobfence.outbox (
+    queue, consumer, job_id, body, tenant_id, correlation_id, due_at, prior_attempts
+)
 VALUES (
     %(queue)s, %(consumer)s, %(job_id)s, %(body)s, %(tenant_id)s, %(correlation_id)s,
-    coalesce(%(now)s::timestamptz, now()) + %(delay)s::interval
+    coalesce(%(now)s::timestamptz, now()) + %(delay)s::interval, %(prior_attempts)s
 )
 RETURNING id, pg_notify('jobfence_outbox', '');
+
+-- name: outbox_withdraw
+-- Takes back a retry's row written for a delivery that then turned out to have lost its lease
+-- (the ack was refused: another delivery holds the job now). Deleted unless the relay already
+-- published it (gone) or is publishing it right now (locked: left to the relay; the fence makes
+-- that copy harmless). Returns the id when it was deleted.
+DELETE FROM jobfence.outbox
+WHERE id = (SELECT o.id FROM jobfence.outbox o WHERE o.id = %(id)s FOR UPDATE SKIP LOCKED)
+RETURNING id;
 
 -- name: outbox_take
 -- The relay's next due rows, oldest first, locked until its transaction ends (a relay that
 -- dies releases them; the next one publishes them again).
-SELECT id, queue, consumer, job_id, body, tenant_id, correlation_id, attempts
+SELECT id, queue, consumer, job_id, body, tenant_id, correlation_id, attempts, prior_attempts
 FROM jobfence.outbox
 WHERE due_at <= coalesce(%(now)s::timestamptz, now())
 ORDER BY due_at, id
