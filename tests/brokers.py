@@ -3,11 +3,36 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+import uuid
+from collections.abc import AsyncIterator, Sequence
+
+import pytest
 
 from jobfence import QueuePort
 
 BROKERS = ("redis", "nats", "rabbitmq")
+
+
+def broker_url(request: pytest.FixtureRequest, broker: str) -> str:
+    """The URL of ``broker`` from its session fixture (skipped locally, failed under CI, when
+    the broker does not answer)."""
+    url: str = request.getfixturevalue({"rabbitmq": "amqp_url"}.get(broker, f"{broker}_url"))
+    return url
+
+
+@contextlib.asynccontextmanager
+async def on_broker(
+    request: pytest.FixtureRequest, queues: Sequence[str], *, prefix: str = "jftest"
+) -> AsyncIterator[tuple[str, str, str]]:
+    """For a fixture parametrised by broker name: (broker, URL, fresh name for its keys,
+    stream or queues); on exit, deletes what the test created under that name for ``queues``."""
+    broker: str = request.param
+    url = broker_url(request, broker)
+    name = f"{prefix}{uuid.uuid4().hex[:12]}"
+    try:
+        yield broker, url, name
+    finally:
+        await delete_everything(broker, url, name, queues)
 
 
 def make_queue(broker: str, url: str, name: str) -> QueuePort:

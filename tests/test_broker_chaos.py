@@ -24,7 +24,6 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -35,7 +34,7 @@ import psycopg
 import pytest
 
 import chaosapp
-from brokers import BROKERS, delete_everything, make_queue
+from brokers import BROKERS, make_queue, on_broker
 from jobfence import Message, QueuePort
 from jobfence.outbox import record_queue
 from jobfence.producer import publish_async
@@ -111,11 +110,8 @@ def procs() -> Iterator[list[Proc]]:
 
 @pytest.fixture(params=BROKERS)
 async def broker(request: pytest.FixtureRequest) -> AsyncIterator[tuple[str, str, str]]:
-    kind: str = request.param
-    url: str = request.getfixturevalue({"rabbitmq": "amqp_url"}.get(kind, f"{kind}_url"))
-    name = f"jfchaos{uuid.uuid4().hex[:12]}"
-    yield kind, url, name
-    await delete_everything(kind, url, name, [chaosapp.QUEUE])
+    async with on_broker(request, [chaosapp.QUEUE], prefix="jfchaos") as found:
+        yield found
 
 
 def _through(url: str, port: int) -> str:

@@ -6,13 +6,12 @@ from __future__ import annotations
 import asyncio
 import signal
 import sys
-import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
-from brokers import BROKERS, delete_everything, make_queue
+from brokers import BROKERS, make_queue, on_broker
 from jobfence import Message
 
 TESTS = Path(__file__).parent
@@ -21,11 +20,8 @@ QUEUE = "crash.main"
 
 @pytest.fixture(params=BROKERS)
 async def broker(request: pytest.FixtureRequest) -> AsyncIterator[tuple[str, str, str]]:
-    kind: str = request.param
-    url: str = request.getfixturevalue({"rabbitmq": "amqp_url"}.get(kind, f"{kind}_url"))
-    name = f"jftest{uuid.uuid4().hex[:12]}"
-    yield kind, url, name
-    await delete_everything(kind, url, name, [QUEUE])
+    async with on_broker(request, [QUEUE]) as found:
+        yield found
 
 
 async def test_a_delivery_held_by_a_sigkilled_process_comes_back_with_the_next_attempt(

@@ -22,7 +22,7 @@ import pytest
 from psycopg_pool import AsyncConnectionPool
 from pydantic import BaseModel
 
-from brokers import BROKERS, delete_everything, make_queue
+from brokers import BROKERS, broker_url, delete_everything, make_queue
 from jobfence import (
     App,
     ConfigError,
@@ -86,7 +86,7 @@ async def queue(
         yield pg
         await pg.close()
         return
-    url: str = request.getfixturevalue({"rabbitmq": "amqp_url"}.get(kind, f"{kind}_url"))
+    url = broker_url(request, kind)
     name = f"jftest{uuid.uuid4().hex[:12]}"
     broker = make_queue(kind, url, name)
     yield broker
@@ -180,7 +180,7 @@ async def test_a_sigkilled_workers_job_comes_back_within_about_the_lease_not_the
     if kind == "pg":
         other: QueuePort = PgQueue(pool, poll_interval_seconds=0.05)
     else:
-        url = request.getfixturevalue({"rabbitmq": "amqp_url"}.get(kind, f"{kind}_url"))
+        url = broker_url(request, kind)
         other = make_queue(kind, url, name)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(TESTS)])}
     proc = None

@@ -164,14 +164,21 @@ async def test_a_worker_stopped_during_an_outage_logs_one_line_for_the_jobs_it_c
     assert await scalar(conn, "SELECT count(*) FROM core.dead_letters") == 0
 
 
+def _outage_log(caplog: pytest.LogCaptureFixture, now: list[float]) -> OutageLog:
+    """An OutageLog on the clock ``now[0]``, its INFO lines and up captured."""
+    caplog.set_level(logging.INFO, logger="jobfence.test")
+    return OutageLog(logging.getLogger("jobfence.test"), still_down_every=30, clock=lambda: now[0])
+
+
+def _messages(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+
+
 def test_a_long_outage_logs_still_unreachable_at_most_once_per_interval(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     now = [0.0]
-    outage = OutageLog(
-        logging.getLogger("jobfence.test"), still_down_every=30, clock=lambda: now[0]
-    )
-    caplog.set_level(logging.INFO, logger="jobfence.test")
+    outage = _outage_log(caplog, now)
     lost = psycopg.OperationalError("connection refused")
     outage.went_away(lost)
     for _ in range(100):  # a probe every 0.5 s for 50 s, and more jobs cut off
@@ -179,7 +186,7 @@ def test_a_long_outage_logs_still_unreachable_at_most_once_per_interval(
         outage.went_away(lost)
         outage.still_down(lost)
     outage.back(released=7)
-    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO] == [
+    assert _messages(caplog) == [
         "database went away (OperationalError: connection refused): pausing; the jobs in hand"
         " go back to the queue when it is back",
         "database still unreachable after 30s (OperationalError: connection refused); retrying",
@@ -191,10 +198,7 @@ def test_a_broker_outage_is_logged_as_the_broker_going_away_not_the_database(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     now = [0.0]
-    outage = OutageLog(
-        logging.getLogger("jobfence.test"), still_down_every=30, clock=lambda: now[0]
-    )
-    caplog.set_level(logging.INFO, logger="jobfence.test")
+    outage = _outage_log(caplog, now)
     try:
         try:
             raise ConnectionResetError("Connection reset by peer")
@@ -206,7 +210,7 @@ def test_a_broker_outage_is_logged_as_the_broker_going_away_not_the_database(
     now[0] += 31
     outage.still_down(lost)
     outage.back(released=2)
-    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO] == [
+    assert _messages(caplog) == [
         "broker went away (QueueUnavailable: Redis unreachable: Connection reset by peer):"
         " pausing; the jobs in hand go back to the queue when it is back",
         "broker still unreachable after 31s (QueueUnavailable: Redis unreachable: Connection"

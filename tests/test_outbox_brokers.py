@@ -10,7 +10,6 @@ import os
 import socket
 import subprocess
 import sys
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -19,7 +18,7 @@ import pytest
 from psycopg_pool import AsyncConnectionPool
 
 import pointsapp
-from brokers import BROKERS, delete_everything, make_queue
+from brokers import BROKERS, make_queue, on_broker
 from jobfence import QueuePort, Worker
 from jobfence.outbox import OutboxRelaySettings, record_queue
 from jobfence.queues import parse_queue_url
@@ -31,13 +30,10 @@ PASSWORD = "n0t-Sh0wn"
 
 @pytest.fixture(params=BROKERS)
 async def broker(request: pytest.FixtureRequest) -> AsyncIterator[tuple[str, str, QueuePort]]:
-    kind: str = request.param
-    url: str = request.getfixturevalue({"rabbitmq": "amqp_url"}.get(kind, f"{kind}_url"))
-    name = f"jfoutbox{uuid.uuid4().hex[:12]}"
-    queue = make_queue(kind, url, name)
-    yield kind, url, queue
-    await queue.close()
-    await delete_everything(kind, url, name, [pointsapp.QUEUE])
+    async with on_broker(request, [pointsapp.QUEUE], prefix="jfoutbox") as (kind, url, name):
+        queue = make_queue(kind, url, name)
+        yield kind, url, queue
+        await queue.close()
 
 
 async def test_a_committed_enqueue_reaches_the_broker_through_the_outbox_and_applies_once(

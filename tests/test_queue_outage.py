@@ -6,7 +6,6 @@ the worker pauses and reconnects as for a database outage. The broker's errors r
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -17,7 +16,7 @@ from psycopg_pool import AsyncConnectionPool
 from pydantic import BaseModel
 
 import pointsapp
-from brokers import BROKERS, delete_everything, make_queue
+from brokers import BROKERS, make_queue, on_broker
 from jobfence import App, JobMeta, QueueUnavailable, RetryPolicy, Worker
 from jobfence.adapters.prometheus import PrometheusMetrics
 from support import scalar, wait_until
@@ -75,11 +74,8 @@ _NATS_LEAKS_A_WRITER = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisab
     ]
 )
 async def broker(request: pytest.FixtureRequest) -> AsyncIterator[tuple[str, str, str]]:
-    kind: str = request.param
-    url: str = request.getfixturevalue({"rabbitmq": "amqp_url"}.get(kind, f"{kind}_url"))
-    name = f"jftest{uuid.uuid4().hex[:12]}"
-    yield kind, url, name
-    await delete_everything(kind, url, name, [pointsapp.QUEUE])
+    async with on_broker(request, [pointsapp.QUEUE]) as found:
+        yield found
 
 
 async def test_a_broker_outage_during_retries_and_acks_pauses_the_worker_instead_of_failing_jobs(

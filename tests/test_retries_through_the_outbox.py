@@ -15,7 +15,6 @@ import asyncio
 import random
 import signal
 import sys
-import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ import pytest
 from psycopg_pool import AsyncConnectionPool
 
 import retry_crash_worker as crash
-from brokers import delete_everything, make_queue
+from brokers import make_queue, on_broker
 from jobfence import App, JobMeta, Message, PrometheusMetrics, QueuePort, RetryPolicy, Worker
 from jobfence.harness import Harness, Outcome
 from jobfence.model import Delivery
@@ -44,11 +43,8 @@ QUICK = RetryPolicy(
 
 @pytest.fixture(params=BROKERS_WITHOUT_DELAY)
 async def broker(request: pytest.FixtureRequest) -> AsyncIterator[tuple[str, str, str]]:
-    kind: str = request.param
-    url: str = request.getfixturevalue({"rabbitmq": "amqp_url"}.get(kind, f"{kind}_url"))
-    name = f"jftest{uuid.uuid4().hex[:12]}"
-    yield kind, url, name
-    await delete_everything(kind, url, name, [QUEUE])
+    async with on_broker(request, [QUEUE]) as found:
+        yield found
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ leaves the broker."""
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -13,20 +12,17 @@ import pytest
 from psycopg_pool import AsyncConnectionPool
 
 import pointsapp
-from brokers import BROKERS, delete_everything, make_queue
+from brokers import BROKERS, make_queue, on_broker
 from jobfence import Message, QueuePort, RetryPolicy, Worker
 from support import scalar
 
 
 @pytest.fixture(params=BROKERS)
 async def broker_queue(request: pytest.FixtureRequest) -> AsyncIterator[QueuePort]:
-    kind: str = request.param
-    url: str = request.getfixturevalue({"rabbitmq": "amqp_url"}.get(kind, f"{kind}_url"))
-    name = f"jftest{uuid.uuid4().hex[:12]}"
-    queue = make_queue(kind, url, name)
-    yield queue
-    await queue.close()
-    await delete_everything(kind, url, name, [pointsapp.QUEUE])
+    async with on_broker(request, [pointsapp.QUEUE]) as (kind, url, name):
+        queue = make_queue(kind, url, name)
+        yield queue
+        await queue.close()
 
 
 async def test_the_worker_runs_unchanged_on_a_broker(
