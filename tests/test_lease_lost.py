@@ -82,12 +82,18 @@ async def test_a_failure_after_the_lease_ran_out_is_left_to_the_worker_holding_t
     queue: PgQueue,
     fail_first: type[BaseException],
     body: bytes,
+    *,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     metrics = PrometheusMetrics()
     harness = Harness(build_app(fail_first), pool, queue, metrics=metrics)
     stale, current = await stale_and_current(queue, body)
 
     assert await harness.handle(stale) == Outcome.LEASE_LOST
+    # The operator reads what happened and both ways out: a longer lease, or its extension.
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "jobfence.harness"]
+    assert "failed after its lease ran out" in line
+    assert "raise --lease-seconds" in line and "set --max-handler-seconds" in line
     assert metrics.count("lease_lost", consumer=CONSUMER) == 1
     for outcome in ("retried", "dead_lettered", "poison"):
         assert metrics.count(outcome) == 0, outcome

@@ -262,6 +262,37 @@ async def test_a_failed_publish_keeps_its_row_and_is_retried_after_a_backoff(
     assert metrics.registry.get_sample_value("jobfence_outbox_waiting") == 0
 
 
+async def test_the_oldest_age_counts_from_when_a_row_fell_due_never_its_delay(
+    external: psycopg.AsyncConnection[Any], database_url: str
+) -> None:
+    """jobfence_outbox_oldest_age_seconds is how long the longest-waiting publishable row has
+    waited since it fell due: a retry waiting out its delay reads 0 (no false alarm), and a row
+    the broker keeps refusing goes on ageing from its first due time although each failure
+    moves its next try forward."""
+    now = datetime.now(UTC)
+    later = Message(queue="loyalty", consumer=AWARD, job_id="later", body=b"{}")
+    await schedule(external, later, 3600, prior_attempts=1, clock=FixedClock(now))
+    counts = await outbox_counts(external, clock=FixedClock(now + timedelta(minutes=30)))
+    assert (counts.waiting, counts.due, counts.oldest_age_seconds) == (1, 0, 0.0)
+    counts = await outbox_counts(external, clock=FixedClock(now + timedelta(seconds=3610)))
+    assert (counts.waiting, counts.due) == (1, 1)
+    assert counts.oldest_age_seconds == pytest.approx(10.0)
+    await external.execute("DELETE FROM jobfence.outbox")
+
+    refused = Message(queue="loyalty", consumer=AWARD, job_id="refused", body=b"{}")
+    await write(external, refused, clock=FixedClock(now))
+    settings = OutboxRelaySettings(retry_base_seconds=60, retry_cap_seconds=60, poll_seconds=0.05)
+    for minutes in (0, 5):  # two failed publishes, each moving the next try 30-60 s on
+        at = FixedClock(now + timedelta(minutes=minutes))
+        relay = await _relay_once(database_url, FailingQueue(fail=1), settings=settings, clock=at)
+        assert relay.stats.failed == 1
+    cur = await external.execute("SELECT attempts, due_at > %s FROM jobfence.outbox", (now,))
+    assert await cur.fetchall() == [(2, True)]
+    counts = await outbox_counts(external, clock=FixedClock(now + timedelta(minutes=10)))
+    assert counts.oldest_age_seconds == pytest.approx(600.0)
+    assert [row[2] for row in await _rows(external)] == ["refused"]  # still there, nothing lost
+
+
 async def test_two_relays_on_one_database_one_is_active(
     external: psycopg.AsyncConnection[Any], database_url: str
 ) -> None:

@@ -919,7 +919,8 @@ class Harness:
         log.warning(
             "job %s for %s failed after its lease ran out (%s): another worker holds it now,"
             " so this one neither retries nor dead-letters it; raise --lease-seconds above the"
-            " handler's longest run",
+            " handler's longest run, or set --max-handler-seconds so that the worker extends"
+            " the lease while the handler runs",
             shown_value(message.job_id),
             shown_value(message.consumer),
             error_class_of(exc),

@@ -132,7 +132,8 @@ async def withdraw(conn: AsyncConnection[Any], row_id: int) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class OutboxCounts:
-    """Rows waiting in the outbox (``due`` of them publishable now) and the oldest's age."""
+    """Rows waiting in the outbox (``due`` of them publishable now), and how long the
+    longest-waiting publishable row has waited since it first fell due."""
 
     waiting: int
     due: int

@@ -260,8 +260,8 @@ class PrometheusOutboxMetrics:
     ``jobfence_outbox_published_total`` counts messages the broker confirmed;
     ``jobfence_outbox_failed_total`` counts failed publishes (each is retried: the row stays);
     ``jobfence_outbox_waiting`` is how many rows wait in the outbox (scheduled ones included)
-    and ``jobfence_outbox_oldest_age_seconds`` the age of the oldest (0 when empty), as the
-    active relay last saw them.
+    and ``jobfence_outbox_oldest_age_seconds`` how long the longest-waiting publishable row has
+    waited since it fell due (0 when none is due), as the active relay last saw them.
     """
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
@@ -283,7 +283,8 @@ class PrometheusOutboxMetrics:
         )
         self.oldest_age = Gauge(
             "jobfence_outbox_oldest_age_seconds",
-            "Age of the oldest message waiting in the outbox, in seconds (0 when empty).",
+            "Seconds the longest-waiting publishable outbox message has waited since it fell"
+            " due (0 when none is due; a message still waiting out its delay does not count).",
             registry=self.registry,
         )
 

@@ -70,15 +70,20 @@ DELETE FROM jobfence.outbox WHERE id = ANY(%(ids)s::bigint[]);
 -- name: outbox_mark_failed
 -- A publish that failed: the row stays, due again after the relay's backoff.
 UPDATE jobfence.outbox
-SET attempts = attempts + 1, last_error = %(error)s,
+SET attempts = attempts + 1, last_error = %(error)s, fell_due_at = coalesce(fell_due_at, due_at),
     due_at = coalesce(%(now)s::timestamptz, now())
              + make_interval(secs => %(delay_seconds)s::double precision)
 WHERE id = %(id)s;
 
 -- name: outbox_counts
--- For metrics: rows waiting (due or not) and the age of the oldest, by the database clock.
+-- For metrics: rows waiting (due or not), how long the longest-waiting publishable row has
+-- waited since it first fell due (a row still waiting out its delay does not count; one whose
+-- publishes failed counts from its first due time), and the rows due now; by the database clock.
 SELECT count(*) AS waiting,
-       coalesce(extract(epoch FROM (coalesce(%(now)s::timestamptz, now()) - min(created_at))),
+       coalesce(extract(epoch FROM (coalesce(%(now)s::timestamptz, now())
+                                    - min(coalesce(fell_due_at, due_at)) FILTER (
+                                        WHERE coalesce(fell_due_at, due_at)
+                                              <= coalesce(%(now)s::timestamptz, now())))),
                 0)::double precision AS oldest_age_seconds,
        count(*) FILTER (WHERE due_at <= coalesce(%(now)s::timestamptz, now())) AS due
 FROM jobfence.outbox;
