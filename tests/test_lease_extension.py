@@ -221,7 +221,9 @@ async def test_a_sigkilled_workers_job_comes_back_within_about_the_lease_not_the
         came_back = loop.time() - killed
 
         assert [(d.message.job_id, d.attempt) for d in got] == [("held-1", 2)]
-        assert came_back < 1.5 * lease, f"came back after {came_back:.1f}s (lease {lease}s)"
+        # Measured about one lease (2.0-2.2 s; RabbitMQ at once, on the dropped connection);
+        # the bound leaves room for a loaded machine and stays far below the 60 s cap.
+        assert came_back < 2 * lease, f"came back after {came_back:.1f}s (lease {lease}s)"
         assert await other.ack(got[0]) is True
     finally:
         if proc is not None and proc.returncode is None:
