@@ -79,14 +79,16 @@ WHERE id = %(id)s;
 -- For metrics: rows waiting (due or not), how long the longest-waiting publishable row has
 -- waited since it first fell due (a row still waiting out its delay does not count; one whose
 -- publishes failed counts from its first due time), and the rows due now; by the database clock.
-SELECT count(*) AS waiting,
-       coalesce(extract(epoch FROM (coalesce(%(now)s::timestamptz, now())
-                                    - min(coalesce(fell_due_at, due_at)) FILTER (
-                                        WHERE coalesce(fell_due_at, due_at)
-                                              <= coalesce(%(now)s::timestamptz, now())))),
+WITH clock AS (SELECT coalesce(%(now)s::timestamptz, now()) AS at),
+rows AS (
+    SELECT coalesce(o.fell_due_at, o.due_at) AS first_due, o.due_at FROM jobfence.outbox o
+)
+SELECT count(r.*) AS waiting,
+       coalesce(extract(epoch FROM (c.at - min(r.first_due) FILTER (WHERE r.first_due <= c.at))),
                 0)::double precision AS oldest_age_seconds,
-       count(*) FILTER (WHERE due_at <= coalesce(%(now)s::timestamptz, now())) AS due
-FROM jobfence.outbox;
+       count(r.*) FILTER (WHERE r.due_at <= c.at) AS due
+FROM clock c LEFT JOIN rows r ON true
+GROUP BY c.at;
 
 -- name: outbox_next_due
 -- Seconds until the next row falls due (NULL: the outbox is empty).
