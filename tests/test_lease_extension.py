@@ -37,7 +37,8 @@ from jobfence import (
     Worker,
 )
 from jobfence.cli import build_parser
-from support import scalar
+from jobfence.leases import LeaseKeeper
+from support import scalar, wait_until
 
 TESTS = Path(__file__).parent
 ROOT = TESTS.parent
@@ -318,6 +319,51 @@ async def test_a_lease_lost_under_a_running_handler_is_no_longer_extended(
     )
     labels = {"queue": QUEUE, "consumer": "stolen_job"}
     assert sample(metrics, "jobfence_lease_extensions_total", **labels, result="lost") == 1
+
+
+async def test_a_job_settled_while_its_extension_is_under_way_is_not_reported_as_lost(
+    pool: AsyncConnectionPool[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The job finishes and its ack reaches the queue while the keeper's extension is on its
+    way (the worker forgets the delivery, then acks it): the queue refuses the extension, and
+    that is no lost lease: no WARNING, no "lost" extension counted, nothing held any more."""
+    caplog.set_level(logging.WARNING, logger="jobfence.leases")
+    keeper: LeaseKeeper | None = None
+
+    class AckedMeanwhile(PgQueue):
+        async def extend(self, delivery: Delivery, *, lease_seconds: float) -> bool:
+            assert keeper is not None
+            keeper.forget(delivery)  # the job finished...
+            assert await self.ack(delivery) is True  # ...and its ack got there first
+            return await super().extend(delivery, lease_seconds=lease_seconds)
+
+    queue = AckedMeanwhile(pool, poll_interval_seconds=0.05)
+    await queue.publish(Message(queue=QUEUE, consumer=CONSUMER, job_id="quick-1", body=b"{}"))
+    metrics = PrometheusMetrics()
+    keeper = LeaseKeeper(queue, lease_seconds=LEASE, max_handler_seconds=60.0, metrics=metrics)
+    since = keeper.now()
+    (delivery,) = await queue.receive([QUEUE], max_messages=1, lease_seconds=LEASE)
+    keeper.hold([delivery], since=since)
+    keeper.started(delivery)
+    running = asyncio.create_task(keeper.run())
+    try:
+
+        async def let_go() -> bool:
+            assert keeper is not None
+            return keeper.holding == 0
+
+        await wait_until(let_go, timeout=10 * LEASE, message="the keeper's extension to run")
+    finally:
+        keeper.stop()
+        await running
+        await queue.close()
+
+    assert keeper.holding == 0
+    assert [r.getMessage() for r in caplog.records if r.name == "jobfence.leases"] == []
+    labels = {"queue": QUEUE, "consumer": CONSUMER}
+    for result in ("lost", "extended", "failed"):
+        assert sample(metrics, "jobfence_lease_extensions_total", **labels, result=result) == 0
+    assert (await queue.size([QUEUE])).total == 0
 
 
 async def test_a_job_waiting_in_the_buffer_past_max_handler_seconds_is_no_longer_extended(

@@ -13,7 +13,8 @@ The extension stops, and the lease is left to run out, when:
   keeps its effect single. The handler itself is not cancelled;
 - the job has waited ``max_handler_seconds`` in the buffer without starting (every processor is
   busy): one WARNING, and the job goes to whichever worker takes it next;
-- the queue refuses the extension (the lease was already lost): one WARNING;
+- the queue refuses the extension (the lease was already lost): one WARNING. A refusal for a
+  job that finished while its extension was under way (its ack got there first) is not one;
 - an extension keeps failing (an error: the queue or the database unreachable) until the lease
   has run out by this worker's clock. Each failure is tried again a moment later while the
   lease lasts; one WARNING per run of failures, INFO when extensions go through again.
@@ -147,6 +148,10 @@ class LeaseKeeper:
             )
         except Exception as exc:
             self._failed(held, now, exc)
+            return
+        if self._held.get(id(delivery)) is not held:
+            # The job finished while the extension was under way (its ack may even have
+            # reached the queue first): nothing was lost, and nothing is left to extend.
             return
         if self._failures:
             log.info("extending leases again after %d failed tries", self._failures)
