@@ -73,7 +73,13 @@ try:
         StorageType,
         StreamConfig,
     )
-    from nats.js.errors import APIError, BadRequestError, NotFoundError, ServiceUnavailableError
+    from nats.js.errors import (
+        APIError,
+        BadRequestError,
+        NoStreamResponseError,
+        NotFoundError,
+        ServiceUnavailableError,
+    )
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("jobfence.adapters.nats needs nats-py: pip install 'jobfence[nats]'") from exc
 
@@ -88,15 +94,17 @@ _NO_LEADER_CODES = frozenset({10005, 10007, 10008, 10009, 10118, 10119})
 
 def _no_leader(exc: BaseException) -> bool:
     """True for a JetStream answer that says the cluster cannot serve the request now."""
-    if isinstance(exc, ServiceUnavailableError | nats.errors.NoRespondersError):
+    if isinstance(
+        exc, ServiceUnavailableError | NoStreamResponseError | nats.errors.NoRespondersError
+    ):
         return True
     return isinstance(exc, APIError) and exc.err_code in _NO_LEADER_CODES
 
 
 # nats-py's errors for a closed, reconnecting or stale connection, no server to reach, a request
-# or flush that timed out, and a request nobody answers (no responders: the stream or consumer
-# has no leader during a cluster's election): the broker is unreachable (D7); so are JetStream's
-# answers that the cluster has no leader for the request (:func:`_no_leader`).
+# or flush that timed out, and a request or publish nobody answers (no responders: the stream
+# or consumer has no leader during a cluster's election): the broker is unreachable (D7); so are
+# JetStream's answers that the cluster has no leader for the request (:func:`_no_leader`).
 _unavailable = unavailable_on(
     "NATS",
     (
@@ -107,6 +115,7 @@ _unavailable = unavailable_on(
         nats.errors.TimeoutError,
         nats.errors.UnexpectedEOF,
         nats.errors.NoRespondersError,
+        NoStreamResponseError,
         ServiceUnavailableError,
         ConnectionError,
         TimeoutError,
