@@ -90,7 +90,7 @@ class NatsServer:
                 self.proc.wait(timeout=10)
 
 
-def _require_nats_server() -> None:
+def require_nats_server() -> None:
     if not os.path.exists(NATS_SERVER):
         if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
             pytest.fail(f"nats-server not found at {NATS_SERVER} (CI=true)")
@@ -100,7 +100,7 @@ def _require_nats_server() -> None:
 @contextlib.contextmanager
 def nats_standalone(tmp: Path) -> Iterator[NatsServer]:
     """One JetStream server on a free port, started; stopped (and its store removed) on exit."""
-    _require_nats_server()
+    require_nats_server()
     server = NatsServer("jf-solo", free_port(), None, tmp / "solo-store", tmp / "solo.log")
     server.start()
     try:
@@ -114,7 +114,7 @@ def nats_standalone(tmp: Path) -> Iterator[NatsServer]:
 def nats_cluster(tmp: Path, size: int = 3) -> Iterator[list[NatsServer]]:
     """``size`` JetStream servers clustered on loopback (free client and cluster ports, a
     store directory each), started together; all killed on exit."""
-    _require_nats_server()
+    require_nats_server()
     cluster_name = f"jf{uuid.uuid4().hex[:8]}"
     ports = [(free_port(), free_port()) for _ in range(size)]
     servers = [

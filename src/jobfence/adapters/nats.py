@@ -391,6 +391,10 @@ class NatsQueue:
         await self._jetstream()
         assert self._nc is not None
         nc = self._nc
+        if nc.is_reconnecting:
+            # nats-py would buffer the request and let it go unanswered: say the server is away,
+            # so that the worker logs one outage (went away, back) instead of idling.
+            raise nats.errors.ConnectionReconnectingError
         inbox = nc.new_inbox()
         sub = await nc.subscribe(inbox)
         request: dict[str, Any] = {"batch": batch}
@@ -554,8 +558,8 @@ async def open_queue(url: str) -> NatsQueue:
     be a seed list (``nats://a:4222,nats://b:4222``) and carry the ``stream``,
     ``subject_prefix`` and ``replicas`` parameters (:func:`jobfence.queues.parse_queue_url`).
 
-    A first connection without reconnects checks that a server answers: the client would
-    otherwise keep retrying (and logging each failure) for minutes."""
+    A first connection that tries each server at most twice checks that one answers: the
+    client would otherwise keep retrying (and logging each failure) for minutes."""
 
     from jobfence.queues import parse_queue_url
 
@@ -566,12 +570,14 @@ async def open_queue(url: str) -> NatsQueue:
     async def quiet(exc: Exception) -> None:
         return None
 
+    # Each server of a seed list is tried (twice at most): one that is down does not fail the
+    # start-up while another answers.
     probe = await nats.connect(
         servers,
         name="jobfence",
-        allow_reconnect=False,
         connect_timeout=5,
-        max_reconnect_attempts=0,
+        max_reconnect_attempts=1,
+        reconnect_time_wait=1,
         error_cb=quiet,
     )
     await probe.close()
