@@ -16,8 +16,11 @@ Each adapter module exposes one factory, the signature :data:`QueueFactory` name
 
     async def open_queue(url: str) -> QueuePort
 
-It connects (and declares what it needs on the broker), raising on a bad or unreachable URL;
-the caller closes the queue. Whatever it raises becomes one :class:`~jobfence.errors.ConfigError`
+``url`` is the whole URL: a NATS seed list (``nats://a:4222,nats://b:4222``) and the adapter's
+settings as query parameters (``?replicas=3``, ``?prefix=shop&prefetch=200``), which
+:func:`parse_queue_url` reads and checks into a :class:`QueueTarget` (the one place a queue URL
+is parsed). It connects (and declares what it needs on the broker), raising on a bad or
+unreachable URL; the caller closes the queue. Whatever it raises becomes one :class:`~jobfence.errors.ConfigError`
 line at start-up, with the URL's password replaced by ``***``.
 """
 
@@ -556,7 +559,8 @@ def add_queue_url_option(parser: argparse.ArgumentParser) -> None:
         "--queue-url",
         default=None,
         metavar="URL",
-        help="the queue: amqp://, amqps://, nats://, redis:// or rediss:// for a broker"
+        help="the queue: amqp://, amqps://, nats:// (or a comma-separated seed list), redis://"
+        " or rediss:// for a broker, its settings as query parameters (?replicas=3)"
         " (default: JOBFENCE_QUEUE_URL, else the PostgreSQL queue in the jobfence database;"
         " prefer the variable: a flag shows in the process list)",
     )
