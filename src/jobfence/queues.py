@@ -20,8 +20,9 @@ Each adapter module exposes one factory, the signature :data:`QueueFactory` name
 settings as query parameters (``?replicas=3``, ``?prefix=shop&prefetch=200``), which
 :func:`parse_queue_url` reads and checks into a :class:`QueueTarget` (the one place a queue URL
 is parsed). It connects (and declares what it needs on the broker), raising on a bad or
-unreachable URL; the caller closes the queue. Whatever it raises becomes one :class:`~jobfence.errors.ConfigError`
-line at start-up, with the URL's password replaced by ``***``.
+unreachable URL; the caller closes the queue. Whatever it raises becomes one
+:class:`~jobfence.errors.ConfigError` line at start-up, with the URL's password replaced by
+``***``.
 """
 
 from __future__ import annotations

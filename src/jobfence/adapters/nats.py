@@ -93,7 +93,9 @@ _NO_LEADER_CODES = frozenset({10005, 10007, 10008, 10009, 10118, 10119})
 
 
 def _no_leader(exc: BaseException) -> bool:
-    """True for a JetStream answer that says the cluster cannot serve the request now."""
+    """True when the cluster cannot serve the request now: nobody answers it ("no
+    responders": the stream or consumer has no leader during an election, or a publish finds
+    no stream), JetStream is "temporarily unavailable" (503), or one of the codes above."""
     if isinstance(
         exc, ServiceUnavailableError | NoStreamResponseError | nats.errors.NoRespondersError
     ):
@@ -101,10 +103,9 @@ def _no_leader(exc: BaseException) -> bool:
     return isinstance(exc, APIError) and exc.err_code in _NO_LEADER_CODES
 
 
-# nats-py's errors for a closed, reconnecting or stale connection, no server to reach, a request
-# or flush that timed out, and a request or publish nobody answers (no responders: the stream
-# or consumer has no leader during a cluster's election): the broker is unreachable (D7); so are
-# JetStream's answers that the cluster has no leader for the request (:func:`_no_leader`).
+# nats-py's errors for a closed, reconnecting or stale connection, no server to reach, and a
+# request or flush that timed out: the broker is unreachable (D7); so is a cluster with no
+# leader for the request (:func:`_no_leader`).
 _unavailable = unavailable_on(
     "NATS",
     (
@@ -114,9 +115,6 @@ _unavailable = unavailable_on(
         nats.errors.NoServersError,
         nats.errors.TimeoutError,
         nats.errors.UnexpectedEOF,
-        nats.errors.NoRespondersError,
-        NoStreamResponseError,
-        ServiceUnavailableError,
         ConnectionError,
         TimeoutError,
     ),
@@ -224,7 +222,13 @@ class NatsQueue:
                 # back, however long it lasted. The first connection keeps the bound above.
                 self._nc.options["max_reconnect_attempts"] = -1
                 js = self._nc.jetstream()
-                await self._ensure_stream(js)
+                try:
+                    await self._ensure_stream(js)
+                except BaseException:
+                    nc, self._nc = self._nc, None
+                    with contextlib.suppress(Exception):
+                        await nc.close()
+                    raise
                 self._js = js
             return self._js
 
@@ -419,6 +423,11 @@ class NatsQueue:
                 try:
                     msg = await sub.next_msg(timeout=max(give_up - time.monotonic(), 0.001))
                 except (TimeoutError, nats.errors.TimeoutError):
+                    log.debug(
+                        "a pull request on %s got no closing answer within %.1fs",
+                        queue,
+                        answer_within,
+                    )
                     break
                 status = (msg.headers or {}).get("Status")
                 if status == "100":  # idle heartbeat
