@@ -22,6 +22,7 @@ import pytest
 from jobfence.adapters.nats import NatsQueue
 from jobfence.adapters.rabbitmq import RabbitMQQueue
 from jobfence.adapters.redis_streams import RedisStreamsQueue
+from jobfence.config import secrets_from_env
 from jobfence.errors import ConfigError
 from jobfence.outbox import queue_setting
 from jobfence.queues import BrokerSettings, open_queue, parse_queue_url
@@ -33,6 +34,19 @@ TESTS_DIR = Path(__file__).parent
 
 
 # -- what a URL says -------------------------------------------------------------------------
+
+
+def test_every_seeds_password_is_kept_out_of_the_log_lines() -> None:
+    url = "nats://app:first-s3cret@a:4222,nats://app:second%2Fs3cret@b:4222?replicas=3"
+    secrets = secrets_from_env({"JOBFENCE_QUEUE_URL": url})
+    assert {"first-s3cret", "second%2Fs3cret", "second/s3cret"} <= set(secrets)
+
+
+def test_a_password_with_a_comma_is_hidden_whole_outside_a_seed_list() -> None:
+    with pytest.raises(ConfigError) as refused:
+        parse_queue_url("amqp://app:pa,ss-w0rd@rabbit/?prefetch=0")
+    assert "pa,ss-w0rd" not in str(refused.value)
+    assert "'amqp://app:***@rabbit/?prefetch=0'" in str(refused.value)
 
 
 def test_a_nats_seed_list_names_every_server_and_hides_each_password() -> None:
@@ -144,7 +158,7 @@ def test_a_hostile_queue_url_ends_in_one_refusal_or_a_checked_target(url: str) -
     try:
         target = parse_queue_url(url)
     except ConfigError as exc:
-        assert "\n" not in str(exc).strip() or "\\n" in repr(url)
+        assert "\n" not in str(exc)  # one line: the URL is shown escaped
         return
     assert target.kind in ("nats", "rabbitmq", "redis")
     assert 1 <= target.settings.replicas <= 5

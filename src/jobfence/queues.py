@@ -88,7 +88,8 @@ def queue_url_from_env(environ: Mapping[str, str] | None = None) -> str | None:
 def _passwords(url: str) -> list[str]:
     """The passwords in ``url`` (each server's, for a NATS seed list), raw and unquoted."""
     found: set[str] = set()
-    for part in url.split(","):
+    seeds = url.split(",") if url.lstrip().lower().startswith("nats://") else []
+    for part in [url, *seeds]:
         try:
             password = urlsplit(part.strip()).password
         except ValueError:
