@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import subprocess
@@ -308,3 +309,26 @@ def test_a_bad_url_parameter_stops_a_command_with_one_line_and_no_password() -> 
         "jobfence: error: JOBFENCE_QUEUE_URL: 'nats://app:***@a:4222,nats://b:4222?replicas=7': "
         "the parameter 'replicas' must be an integer from 1 to 5, got '7'"
     ]
+
+
+async def test_asking_more_replicas_than_the_existing_stream_has_logs_a_warning(
+    nats_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    name = f"jftest{uuid.uuid4().hex[:10]}"
+    url = f"{nats_url}?stream={name.upper()}&subject_prefix={name}"
+    first = await open_queue(parse_queue_url(url), None)  # type: ignore[arg-type]
+    await first.close()
+    try:
+        caplog.set_level(logging.WARNING, logger="jobfence")
+        same = await open_queue(parse_queue_url(f"{url}&replicas=1"), None)  # type: ignore[arg-type]
+        await same.close()
+        assert not caplog.records
+        more = await open_queue(parse_queue_url(f"{url}&replicas=3"), None)  # type: ignore[arg-type]
+        await more.close()
+        assert [r.getMessage() for r in caplog.records] == [
+            f"the NATS stream {name.upper()} has 1 replica(s), fewer than the 3 asked for "
+            "(replicas=3): it was created before with fewer; losing a server can stall its "
+            f"jobs; raise it with nats stream edit {name.upper()} --replicas 3"
+        ]
+    finally:
+        await _delete_stream(nats_url, name.upper())

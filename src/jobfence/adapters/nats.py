@@ -250,9 +250,11 @@ class NatsQueue:
         while True:
             try:
                 try:
-                    await js.stream_info(self._stream)
+                    info = await js.stream_info(self._stream)
                 except NotFoundError:
                     await js.add_stream(config)
+                    return
+                self._check_replicas(info.config.num_replicas or 1)
                 return
             except BadRequestError as exc:
                 if exc.err_code != _STREAM_NAME_IN_USE:
@@ -272,6 +274,22 @@ class NatsQueue:
                 ) from last
             await asyncio.sleep(pause * random.uniform(0.5, 1.0))
             pause = min(pause * 2, 2.0)
+
+    def _check_replicas(self, replicas: int) -> None:
+        """A WARNING when the existing stream keeps fewer copies than this adapter asks for:
+        ``replicas`` applies when the stream is created, and the stream was created before."""
+        if replicas < self._replicas:
+            log.warning(
+                "the NATS stream %s has %d replica(s), fewer than the %d asked for (replicas=%d): "
+                "it was created before with fewer; losing a server can stall its jobs; raise it "
+                "with nats stream edit %s --replicas %d",
+                self._stream,
+                replicas,
+                self._replicas,
+                self._replicas,
+                self._stream,
+                self._replicas,
+            )
 
     def _subject(self, queue: str) -> str:
         if not _SUBJECT_TOKEN.match(queue):
