@@ -16,9 +16,13 @@ Each adapter module exposes one factory, the signature :data:`QueueFactory` name
 
     async def open_queue(url: str) -> QueuePort
 
-It connects (and declares what it needs on the broker), raising on a bad or unreachable URL;
-the caller closes the queue. Whatever it raises becomes one :class:`~jobfence.errors.ConfigError`
-line at start-up, with the URL's password replaced by ``***``.
+``url`` is the whole URL: a NATS seed list (``nats://a:4222,nats://b:4222``) and the adapter's
+settings as query parameters (``?replicas=3``, ``?prefix=shop&prefetch=200``), which
+:func:`parse_queue_url` reads and checks into a :class:`QueueTarget` (the one place a queue URL
+is parsed). It connects (and declares what it needs on the broker), raising on a bad or
+unreachable URL; the caller closes the queue. Whatever it raises becomes one
+:class:`~jobfence.errors.ConfigError` line at start-up, with the URL's password replaced by
+``***``.
 """
 
 from __future__ import annotations
@@ -29,10 +33,11 @@ import contextlib
 import importlib
 import logging
 import os
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit
 
 from jobfence.config import ENV_QUEUE_URL
 from jobfence.errors import ConfigError
@@ -81,13 +86,17 @@ def queue_url_from_env(environ: Mapping[str, str] | None = None) -> str | None:
 
 
 def _passwords(url: str) -> list[str]:
-    try:
-        password = urlsplit(url).password
-    except ValueError:
-        return []
-    if not password:
-        return []
-    return sorted({password, unquote(password)}, key=len, reverse=True)
+    """The passwords in ``url`` (each server's, for a NATS seed list), raw and unquoted."""
+    found: set[str] = set()
+    seeds = url.split(",") if url.lstrip().lower().startswith("nats://") else []
+    for part in [url, *seeds]:
+        try:
+            password = urlsplit(part.strip()).password
+        except ValueError:
+            continue
+        if password:
+            found.update({password, unquote(password)})
+    return sorted(found, key=len, reverse=True)
 
 
 def redact_url(url: str, text: str | None = None) -> str:
@@ -98,19 +107,175 @@ def redact_url(url: str, text: str | None = None) -> str:
     return result
 
 
+# Where jobs live on a broker: the adapters' defaults, which a URL's parameters may change.
+DEFAULT_PREFIX = "jobfence"  # RabbitMQ queue names, Redis keys
+DEFAULT_STREAM = "JOBFENCE"  # the NATS JetStream stream
+DEFAULT_SUBJECT_PREFIX = "jobfence"  # NATS subjects
+MAX_REPLICAS = 5  # JetStream's largest replica count
+
+_DEFAULT_PORTS = {"amqp": 5672, "amqps": 5671, "nats": 4222, "redis": 6379, "rediss": 6379}
+# The same name rules as the adapters' constructors (which check them again).
+_RABBIT_NAME = re.compile(r"^[A-Za-z0-9_.\-:]{1,200}$")
+_NATS_STREAM = re.compile(r"^[A-Za-z0-9_\-]{1,200}$")
+_NATS_SUBJECT = re.compile(r"^[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*$")
+_REDIS_PREFIX = re.compile(r"^[^{}\s]{1,200}$")
+
+
+@dataclass(frozen=True, slots=True)
+class BrokerSettings:
+    """The jobfence settings a broker URL carries as query parameters, parsed and checked
+    (the adapters' defaults where the URL gives none). ``prefix``, ``stream`` and
+    ``subject_prefix`` name where the jobs are; ``replicas`` and ``prefetch`` only tune."""
+
+    prefix: str = DEFAULT_PREFIX
+    stream: str = DEFAULT_STREAM
+    subject_prefix: str = DEFAULT_SUBJECT_PREFIX
+    replicas: int = 1
+    prefetch: int | None = None  # None: the RabbitMQ adapter's own (the first receive's + 100)
+
+
+@dataclass(frozen=True, slots=True)
+class _Param:
+    """One query parameter jobfence reads from a broker URL."""
+
+    parse: Callable[[str], str | int]
+    allowed: str  # what a value may be, for the refusal
+    names_place: bool  # part of where the jobs are (else a tuning setting)
+
+
+def _integer(low: int, high: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        if not re.fullmatch(r"[0-9]{1,6}", text) or not low <= int(text) <= high:
+            raise ValueError(text)
+        return int(text)
+
+    return parse
+
+
+def _matching(pattern: re.Pattern[str]) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if not pattern.match(text):
+            raise ValueError(text)
+        return text
+
+    return parse
+
+
+# The jobfence parameters each kind of broker URL accepts, by kind.
+_PARAMS: dict[str, dict[str, _Param]] = {
+    "rabbitmq": {
+        "prefix": _Param(
+            _matching(_RABBIT_NAME), "1 to 200 letters, digits, _ . - or :", names_place=True
+        ),
+        "prefetch": _Param(_integer(1, 65535), "an integer from 1 to 65535", names_place=False),
+    },
+    "nats": {
+        "stream": _Param(
+            _matching(_NATS_STREAM), "1 to 200 letters, digits, _ or -", names_place=True
+        ),
+        "subject_prefix": _Param(
+            _matching(_NATS_SUBJECT),
+            "dot-separated tokens of letters, digits, _ or -",
+            names_place=True,
+        ),
+        "replicas": _Param(
+            _integer(1, MAX_REPLICAS), f"an integer from 1 to {MAX_REPLICAS}", names_place=False
+        ),
+    },
+    "redis": {
+        "prefix": _Param(
+            _matching(_REDIS_PREFIX),
+            "1 to 200 characters, no braces or spaces",
+            names_place=True,
+        ),
+    },
+}
+# The clients' own URL parameters, passed on to them as they are (the client checks them).
+_CLIENT_PARAMS: dict[str, frozenset[str]] = {
+    "rabbitmq": frozenset(
+        {
+            "heartbeat",
+            "timeout",
+            "name",
+            "auth",
+            "cafile",
+            "capath",
+            "cadata",
+            "keyfile",
+            "certfile",
+            "no_verify_ssl",
+            "interleave",
+            "happy_eyeballs_delay",
+        }
+    ),
+    "nats": frozenset(),
+    "redis": frozenset(
+        {
+            "socket_timeout",
+            "socket_connect_timeout",
+            "socket_read_size",
+            "socket_keepalive",
+            "retry_on_timeout",
+            "max_connections",
+            "health_check_interval",
+            "ssl_check_hostname",
+            "ssl_cert_reqs",
+            "ssl_ca_certs",
+            "ssl_ca_path",
+            "ssl_certfile",
+            "ssl_keyfile",
+            "ssl_min_version",
+            "timeout",
+            "protocol",
+            "client_name",
+        }
+    ),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class QueuePlace:
+    """Where a queue URL's jobs are, whatever its credentials and tuning: the broker's kind,
+    its servers (``host:port``, lower-case, the default port filled in; a set, so the order of
+    a seed list does not matter), ``path`` (RabbitMQ's vhost, default ``/``; Redis's database
+    number, default ``0``; empty for NATS), and the settings that name the jobs' place
+    (``prefix``; NATS's ``stream`` and ``subject_prefix``), sorted by name."""
+
+    kind: str
+    hosts: frozenset[str]
+    path: str
+    names: tuple[tuple[str, str], ...]
+
+
 @dataclass(frozen=True, slots=True)
 class QueueTarget:
-    """A resolved queue setting. ``url`` may hold a password: it is left out of ``repr``;
-    ``location`` is the URL without it, safe to log and to record in the database."""
+    """A resolved queue setting. ``url`` (as given) and ``client_url`` (what the client
+    connects to: jobfence's parameters removed) may hold a password: both are left out of
+    ``repr``; ``location`` is the URL without it and without tuning settings, safe to log and
+    to record in the database (:func:`parse_queue_url` of a location gives the same
+    :attr:`place`)."""
 
     kind: str
     location: str | None
     backend: Backend | None
     url: str | None = field(default=None, repr=False)
+    client_url: str | None = field(default=None, repr=False)
+    hosts: tuple[str, ...] = ()
+    path: str = ""
+    settings: BrokerSettings = BrokerSettings()
 
     @property
     def external(self) -> bool:
         return self.kind != POSTGRESQL
+
+    @property
+    def place(self) -> QueuePlace:
+        """Where this URL's jobs are: see :class:`QueuePlace`."""
+        names: tuple[tuple[str, str], ...] = ()
+        for name, param in _PARAMS.get(self.kind, {}).items():
+            if param.names_place:
+                names += ((name, str(getattr(self.settings, name))),)
+        return QueuePlace(self.kind, frozenset(self.hosts), self.path, tuple(sorted(names)))
 
     def describe(self) -> str:
         if not self.external:
@@ -122,8 +287,12 @@ POSTGRESQL_QUEUE = QueueTarget(kind=POSTGRESQL, location=None, backend=None)
 
 
 def parse_queue_url(url: str | None) -> QueueTarget:
-    """Resolve a queue URL (None, empty or ``postgresql``: the PostgreSQL queue); a scheme
-    that is not in the registry raises :class:`~jobfence.errors.ConfigError`."""
+    """Resolve a queue URL (None, empty or ``postgresql``: the PostgreSQL queue) into a
+    :class:`QueueTarget`, or refuse it with one :class:`~jobfence.errors.ConfigError` that
+    names what is wrong and never shows the password: a scheme that is not in the registry, a
+    server without a host or with a bad port, a seed list (``nats://a:4222,nats://b:4222``,
+    NATS only), a bad path, and a query parameter this kind of broker does not take, given
+    twice, or with a value out of its range."""
     text = (url or "").strip()
     if not text or text.lower() == POSTGRESQL:
         return POSTGRESQL_QUEUE
@@ -141,17 +310,133 @@ def parse_queue_url(url: str | None) -> QueueTarget:
             f"{ENV_QUEUE_URL}: {redact_url(text)!r} is not a queue URL this jobfence knows: "
             f"use one of {_SCHEMES}, or leave it unset for the PostgreSQL queue"
         )
+    if backend.kind == "memory":
+        return QueueTarget(
+            kind=backend.kind, location=f"{scheme}://", backend=backend, url=text, client_url=text
+        )
+
+    def refuse(why: str) -> ConfigError:
+        return ConfigError(f"{ENV_QUEUE_URL}: {redact_url(text)!r}: {why}")
+
+    servers_text, _, query = text.partition("?")
+    if "://" in query:
+        raise refuse("the parameters go once, after the last server of the list")
+    if "#" in text:
+        raise refuse("a queue URL has no #fragment (percent-encode # in a password as %23)")
+    parts = [part.strip() for part in servers_text.split(",")]
+    if len(parts) > 1 and backend.kind != "nats":
+        raise refuse("a list of servers separated by commas is for nats:// only; give one server")
+    hosts, shown, path = _parse_servers(scheme, parts, refuse)
+    place_path = _place_path(backend.kind, path, refuse)
+    settings, client_query = _parse_query(backend.kind, query, refuse)
+    names = [
+        f"{name}={quote(str(getattr(settings, name)), safe='')}"
+        for name, param in _PARAMS[backend.kind].items()
+        if param.names_place and _given(query, name)
+    ]
+    location = ",".join(shown) + path + (f"?{'&'.join(names)}" if names else "")
+    client = ",".join(parts) + (f"?{client_query}" if client_query else "")
+    return QueueTarget(
+        kind=backend.kind,
+        location=location,
+        backend=backend,
+        url=text,
+        client_url=client,
+        hosts=tuple(hosts),
+        path=place_path,
+        settings=settings,
+    )
+
+
+def _parse_servers(
+    scheme: str, parts: list[str], refuse: Callable[[str], ConfigError]
+) -> tuple[list[str], list[str], str]:
+    """Each server of a URL (several in a NATS seed list): its ``host:port`` (default port
+    filled in), how it is shown (without credentials), and the URL's path."""
+    hosts: list[str] = []
+    shown: list[str] = []
+    path = ""
+    for part in parts:
+        part_scheme, _, rest = part.partition("://")
+        if part_scheme.lower() != scheme or not rest:
+            raise refuse(f"each server of the list must be a {scheme}:// URL, got {part!r}")
+        try:
+            split = urlsplit(part)
+            port = split.port
+        except ValueError as exc:
+            raise refuse(f"not a valid URL ({exc})") from None
+        host = (split.hostname or "").lower()
+        if not host:
+            raise refuse(f"no host (write it as {scheme}://HOST:PORT)")
+        bracketed = f"[{host}]" if ":" in host else host
+        hosts.append(f"{bracketed}:{port or _DEFAULT_PORTS[scheme]}")
+        shown.append(f"{scheme}://{bracketed}{f':{port}' if port else ''}")
+        if len(parts) > 1 and split.path not in ("", "/"):
+            raise refuse(f"a {scheme}:// server has no path")
+        path = split.path
+    return hosts, shown, path
+
+
+def _place_path(kind: str, path: str, refuse: Callable[[str], ConfigError]) -> str:
+    """What a URL's path names: RabbitMQ's vhost (default ``/``), Redis's database number
+    (default ``0``); a NATS URL has none."""
+    if kind == "rabbitmq":
+        return unquote(path[1:]) if len(path) > 1 else "/"
+    if kind == "redis":
+        number = path[1:] if path.startswith("/") else path
+        if number and not re.fullmatch(r"[0-9]{1,5}", number):
+            raise refuse(
+                f"the path is the Redis database number, an integer from 0 to 99999, got {number!r}"
+            )
+        return str(int(number or "0"))
+    if path not in ("", "/"):
+        raise refuse("a nats:// URL has no path")
+    return ""
+
+
+def _given(query: str, name: str) -> bool:
+    return any(key == name for key, _ in parse_qsl(query, keep_blank_values=True))
+
+
+def _parse_query(
+    kind: str, query: str, refuse: Callable[[str], ConfigError]
+) -> tuple[BrokerSettings, str]:
+    """The jobfence settings in a broker URL's query, checked, and the rest of the query (the
+    client's own parameters) to pass on."""
+    ours = _PARAMS[kind]
+    theirs = _CLIENT_PARAMS[kind]
+    values: dict[str, str | int] = {}
+    passed: list[tuple[str, str]] = []
+    seen: set[str] = set()
     try:
-        split = urlsplit(text)
-        port = split.port
-    except ValueError as exc:
-        raise ConfigError(
-            f"{ENV_QUEUE_URL}: {redact_url(text)!r} is not a valid URL ({exc})"
-        ) from None
-    host = split.hostname or ""
-    shown = f"[{host}]" if ":" in host else host
-    location = f"{scheme}://{shown}{f':{port}' if port else ''}{split.path}"
-    return QueueTarget(kind=backend.kind, location=location, backend=backend, url=text)
+        pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
+    except ValueError:
+        raise refuse("the query is not name=value pairs separated by &") from None
+    for name, value in pairs:
+        if name in seen:
+            raise refuse(f"the parameter {name!r} is given twice")
+        seen.add(name)
+        param = ours.get(name)
+        if param is not None:
+            try:
+                values[name] = param.parse(value)
+            except ValueError:
+                raise refuse(
+                    f"the parameter {name!r} must be {param.allowed}, got {value!r}"
+                ) from None
+        elif kind == "redis" and name == "db":
+            raise refuse("the Redis database number goes in the path (redis://HOST:PORT/N)")
+        elif name in theirs:
+            passed.append((name, value))
+        else:
+            accepted = ", ".join(sorted(ours)) or "none"
+            client = f"; the client's own: {', '.join(sorted(theirs))}" if theirs else ""
+            raise refuse(
+                f"unknown parameter {name!r} for a {kind} queue URL "
+                f"(jobfence's: {accepted}{client})"
+            )
+    settings = BrokerSettings(**values)  # type: ignore[arg-type]
+    return settings, urlencode(passed)
 
 
 def _factory(target: QueueTarget) -> QueueFactory:
@@ -190,15 +475,25 @@ async def open_queue(target: QueueTarget, pool: AsyncConnectionPool[Any]) -> Que
         return MemoryQueue(poll_interval_seconds=0.2)
     factory = _factory(target)
     assert target.url is not None
+    bound = asyncio.timeout(OPEN_TIMEOUT_SECONDS)
     try:
         # Bounded: some clients keep retrying an unreachable server for minutes.
-        return await asyncio.wait_for(factory(target.url), OPEN_TIMEOUT_SECONDS)
-    except TimeoutError:
+        async with bound:
+            return await factory(target.url)
+    except TimeoutError as exc:
+        if not bound.expired():  # a client's own timeout (nats-py's subclasses TimeoutError)
+            reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+            raise ConfigError(
+                f"cannot open {target.describe()}: {redact_url(target.url, reason)}"
+            ) from None
         raise ConfigError(
-            f"cannot open {target.describe()}: no answer within {OPEN_TIMEOUT_SECONDS:g}s"
+            f"cannot open {target.describe()}: the broker did not connect and set up its "
+            f"queues within {OPEN_TIMEOUT_SECONDS:g}s"
         ) from None
     except ConfigError as exc:
-        raise ConfigError(redact_url(target.url, str(exc))) from None
+        raise ConfigError(
+            redact_url(target.url, f"cannot open {target.describe()}: {exc}")
+        ) from None
     except Exception as exc:
         reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
         raise ConfigError(
@@ -266,7 +561,8 @@ def add_queue_url_option(parser: argparse.ArgumentParser) -> None:
         "--queue-url",
         default=None,
         metavar="URL",
-        help="the queue: amqp://, amqps://, nats://, redis:// or rediss:// for a broker"
+        help="the queue: amqp://, amqps://, nats:// (or a comma-separated seed list), redis://"
+        " or rediss:// for a broker, its settings as query parameters (?replicas=3)"
         " (default: JOBFENCE_QUEUE_URL, else the PostgreSQL queue in the jobfence database;"
         " prefer the variable: a flag shows in the process list)",
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Awaitable, Callable
 from typing import ParamSpec, TypeVar
 
@@ -13,11 +14,14 @@ T = TypeVar("T")
 
 
 def unavailable_on(
-    broker: str, errors: tuple[type[BaseException], ...]
+    broker: str,
+    errors: tuple[type[BaseException], ...],
+    *,
+    also: Callable[[Exception], bool] | None = None,
 ) -> Callable[[Callable[P, Awaitable[T]]], Callable[P, Awaitable[T]]]:
     """Decorate a port method: ``errors`` (a dropped or refused connection, a timeout, and a
-    ``RuntimeError`` saying the connection or channel is closed) become ``QueueUnavailable``
-    with the original as ``__cause__``."""
+    ``RuntimeError`` saying the connection or channel is closed), and any other error ``also``
+    says yes to, become ``QueueUnavailable`` with the original as ``__cause__``."""
 
     def decorate(method: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
         @functools.wraps(method)
@@ -32,10 +36,37 @@ def unavailable_on(
                 if "closed" not in str(exc).lower():
                     raise
                 raise QueueUnavailable(f"{broker} unreachable: {_text(exc)}") from exc
+            except Exception as exc:
+                if also is None or not also(exc):
+                    raise
+                raise QueueUnavailable(f"{broker} unreachable: {_text(exc)}") from exc
 
         return wrapper
 
     return decorate
+
+
+class _HeldBack(logging.Filter):
+    """Drops a client's log records that start with one of ``prefixes`` (each repeats an error
+    the adapter raises itself), unless that logger is at DEBUG."""
+
+    def __init__(self, prefixes: tuple[str, ...]) -> None:
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if logging.getLogger(record.name).isEnabledFor(logging.DEBUG):
+            return True
+        return not str(record.msg).startswith(self.prefixes)
+
+
+def hold_back(logger: str, prefixes: tuple[str, ...]) -> None:
+    """Hold back the records of the client logger ``logger`` that start with one of
+    ``prefixes``: errors the adapter raises as its own exception (one line at start-up, or the
+    worker's outage lines), which the client would log a second time. Once per logger."""
+    target = logging.getLogger(logger)
+    if not any(isinstance(f, _HeldBack) for f in target.filters):
+        target.addFilter(_HeldBack(prefixes))
 
 
 def _text(exc: BaseException) -> str:
@@ -44,4 +75,4 @@ def _text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
-__all__ = ["unavailable_on"]
+__all__ = ["hold_back", "unavailable_on"]

@@ -43,6 +43,8 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import logging
+import random
 import re
 import time
 from collections.abc import Sequence
@@ -54,7 +56,7 @@ from psycopg import AsyncConnection
 
 from jobfence.adapters._shared import check_prior_attempts, receipt_of, refuse_delay, refuse_tx
 from jobfence.adapters._unavailable import unavailable_on
-from jobfence.errors import ConfigError
+from jobfence.errors import ConfigError, QueueUnavailable
 from jobfence.model import Delivery, Message
 from jobfence.ports import QueueCapabilities, QueueSize
 
@@ -71,12 +73,39 @@ try:
         StorageType,
         StreamConfig,
     )
-    from nats.js.errors import NotFoundError
+    from nats.js.errors import (
+        APIError,
+        BadRequestError,
+        NoStreamResponseError,
+        NotFoundError,
+        ServiceUnavailableError,
+    )
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("jobfence.adapters.nats needs nats-py: pip install 'jobfence[nats]'") from exc
 
+log = logging.getLogger("jobfence.adapters.nats")
+
+# JetStream's API errors while a cluster has no leader for the stream, its consumer or its own
+# metadata (a server died, an election is under way): "no suitable peers" (10005), "not
+# assigned to this server" (10007), "temporarily unavailable" (10008), "can not handle request"
+# (10009), stream or consumer "offline" (10118, 10119).
+_NO_LEADER_CODES = frozenset({10005, 10007, 10008, 10009, 10118, 10119})
+
+
+def _no_leader(exc: BaseException) -> bool:
+    """True when the cluster cannot serve the request now: nobody answers it ("no
+    responders": the stream or consumer has no leader during an election, or a publish finds
+    no stream), JetStream is "temporarily unavailable" (503), or one of the codes above."""
+    if isinstance(
+        exc, ServiceUnavailableError | NoStreamResponseError | nats.errors.NoRespondersError
+    ):
+        return True
+    return isinstance(exc, APIError) and exc.err_code in _NO_LEADER_CODES
+
+
 # nats-py's errors for a closed, reconnecting or stale connection, no server to reach, and a
-# request or flush that timed out: the broker is unreachable (D7).
+# request or flush that timed out: the broker is unreachable (D7); so is a cluster with no
+# leader for the request (:func:`_no_leader`).
 _unavailable = unavailable_on(
     "NATS",
     (
@@ -89,6 +118,7 @@ _unavailable = unavailable_on(
         ConnectionError,
         TimeoutError,
     ),
+    also=_no_leader,
 )
 
 _H_CONSUMER = "Jobfence-Consumer"
@@ -104,6 +134,18 @@ _HEADER_SAFE = "!\"#$&'()*+,-./:;<=>?@[\\]^_`{|}~"
 _WAIT_SLICE_SECONDS = 1.0
 # How long the server gets to answer a no-wait pull request.
 _NO_WAIT_ANSWER_SECONDS = 5.0
+# How long opening the adapter waits for its stream (a fresh cluster electing its leaders,
+# workers started together racing to create it): below jobfence.queues' bound on an open.
+_STREAM_READY_SECONDS = 10.0
+# The JetStream error code of a create whose stream exists with another configuration.
+_STREAM_NAME_IN_USE = 10058
+
+
+async def _client_error(exc: Exception) -> None:
+    """nats-py's error callback: each failed reconnection attempt and each lost connection.
+    The worker logs an outage itself (about two lines: went away, back), so these stay at
+    DEBUG; nats-py's default logs each at ERROR with a traceback."""
+    log.debug("NATS client: %s: %s", type(exc).__name__, exc)
 
 
 @dataclass(slots=True)
@@ -170,22 +212,84 @@ class NatsQueue:
     async def _jetstream(self) -> JetStreamContext:
         async with self._connect_lock:
             if self._js is None:
-                self._nc = await nats.connect(self._url.split(","), name="jobfence")
+                self._nc = await nats.connect(
+                    [server.strip() for server in self._url.split(",")],
+                    name="jobfence",
+                    error_cb=_client_error,
+                )
+                # Once connected, never give up reconnecting (nats-py closes the client for
+                # good after 60 failed attempts, 2 minutes): an outage ends when the server is
+                # back, however long it lasted. The first connection keeps the bound above.
+                self._nc.options["max_reconnect_attempts"] = -1
                 js = self._nc.jetstream()
                 try:
-                    await js.stream_info(self._stream)
-                except NotFoundError:
-                    await js.add_stream(
-                        StreamConfig(
-                            name=self._stream,
-                            subjects=[f"{self._subject_prefix}.>"],
-                            storage=StorageType.FILE,
-                            retention=RetentionPolicy.WORK_QUEUE,
-                            num_replicas=self._replicas,
-                        )
-                    )
+                    await self._ensure_stream(js)
+                except BaseException:
+                    nc, self._nc = self._nc, None
+                    with contextlib.suppress(Exception):
+                        await nc.close()
+                    raise
                 self._js = js
             return self._js
+
+    async def _ensure_stream(self, js: JetStreamContext) -> None:
+        """The stream, created when missing. On a fresh cluster the stream's creation can go
+        unanswered or meet no leader (workers started together race to create it, servers are
+        still electing): retried with backoff for up to ``_STREAM_READY_SECONDS``, an existing
+        stream (whoever created it) being success; then one ``QueueUnavailable`` saying what
+        did not answer."""
+        config = StreamConfig(
+            name=self._stream,
+            subjects=[f"{self._subject_prefix}.>"],
+            storage=StorageType.FILE,
+            retention=RetentionPolicy.WORK_QUEUE,
+            num_replicas=self._replicas,
+        )
+        give_up = time.monotonic() + _STREAM_READY_SECONDS
+        pause = 0.1
+        while True:
+            try:
+                try:
+                    info = await js.stream_info(self._stream)
+                except NotFoundError:
+                    await js.add_stream(config)
+                    return
+                self._check_replicas(info.config.num_replicas or 1)
+                return
+            except BadRequestError as exc:
+                if exc.err_code != _STREAM_NAME_IN_USE:
+                    raise  # created meanwhile with other settings: its info is asked next
+                last: BaseException = exc
+            except (nats.errors.TimeoutError, TimeoutError) as exc:
+                last = exc
+            except Exception as exc:
+                if not _no_leader(exc):
+                    raise
+                last = exc
+            if time.monotonic() + pause > give_up:
+                raise QueueUnavailable(
+                    f"NATS JetStream did not create or confirm the stream {self._stream} "
+                    f"({self._replicas} replica(s)) within {_STREAM_READY_SECONDS:g}s; last "
+                    f"answer: {type(last).__name__}: {last}"
+                ) from last
+            await asyncio.sleep(pause * random.uniform(0.5, 1.0))
+            pause = min(pause * 2, 2.0)
+
+    def _check_replicas(self, replicas: int) -> None:
+        """A WARNING when the existing stream keeps fewer copies than this adapter asks for:
+        ``replicas`` applies when the stream is created, and the stream was created before."""
+        if replicas < self._replicas:
+            log.warning(
+                "the NATS stream %s has %d replica(s), fewer than the %d asked for (replicas=%d): "
+                "it was created before with fewer; losing a server can stall its jobs; raise it "
+                "with nats stream edit %s --replicas %d",
+                self._stream,
+                replicas,
+                self._replicas,
+                self._replicas,
+                self._stream,
+                self._replicas,
+            )
 
     def _subject(self, queue: str) -> str:
         if not _SUBJECT_TOKEN.match(queue):
@@ -309,6 +413,10 @@ class NatsQueue:
         await self._jetstream()
         assert self._nc is not None
         nc = self._nc
+        if nc.is_reconnecting:
+            # nats-py would buffer the request and let it go unanswered: say the server is away,
+            # so that the worker logs one outage (went away, back) instead of idling.
+            raise nats.errors.ConnectionReconnectingError
         inbox = nc.new_inbox()
         sub = await nc.subscribe(inbox)
         request: dict[str, Any] = {"batch": batch}
@@ -333,10 +441,17 @@ class NatsQueue:
                 try:
                     msg = await sub.next_msg(timeout=max(give_up - time.monotonic(), 0.001))
                 except (TimeoutError, nats.errors.TimeoutError):
+                    log.debug(
+                        "a pull request on %s got no closing answer within %.1fs",
+                        queue,
+                        answer_within,
+                    )
                     break
                 status = (msg.headers or {}).get("Status")
                 if status == "100":  # idle heartbeat
                     continue
+                if status == "503":  # no responders: the consumer has no leader now
+                    raise nats.errors.NoRespondersError
                 if status is not None or not msg.reply:
                     break  # 404 no messages, 408 request timeout, 409 and the like
                 got.append(self._delivery(queue, msg, lease_deadline))
@@ -466,24 +581,40 @@ class NatsQueue:
 
 async def open_queue(url: str) -> NatsQueue:
     """The factory ``JOBFENCE_QUEUE_URL=nats://...`` uses (``jobfence.queues``): the adapter,
-    connected to JetStream with its stream, so a bad or unreachable URL fails here.
+    connected to JetStream with its stream, so a bad or unreachable URL fails here. ``url`` may
+    be a seed list (``nats://a:4222,nats://b:4222``) and carry the ``stream``,
+    ``subject_prefix`` and ``replicas`` parameters (:func:`jobfence.queues.parse_queue_url`).
 
-    A first connection without reconnects checks that a server answers: the client would
-    otherwise keep retrying (and logging each failure) for minutes."""
+    A first connection that tries each server at most twice checks that one answers: the
+    client would otherwise keep retrying (and logging each failure) for minutes."""
+
+    from jobfence.queues import parse_queue_url
+
+    target = parse_queue_url(url)
+    assert target.client_url is not None
+    servers = target.client_url.split(",")
 
     async def quiet(exc: Exception) -> None:
         return None
 
+    # Each server of a seed list is tried (twice at most): one that is down does not fail the
+    # start-up while another answers.
     probe = await nats.connect(
-        url.split(","),
+        servers,
         name="jobfence",
-        allow_reconnect=False,
         connect_timeout=5,
-        max_reconnect_attempts=0,
+        max_reconnect_attempts=1,
+        reconnect_time_wait=1,
         error_cb=quiet,
     )
     await probe.close()
-    queue = NatsQueue(url)
+    settings = target.settings
+    queue = NatsQueue(
+        target.client_url,
+        stream=settings.stream,
+        subject_prefix=settings.subject_prefix,
+        replicas=settings.replicas,
+    )
     try:
         await queue._jetstream()
     except BaseException:

@@ -60,6 +60,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
+from urllib.parse import unquote, urlsplit
 
 from psycopg import AsyncConnection
 
@@ -69,7 +70,7 @@ from jobfence.adapters._shared import (
     refuse_delay,
     refuse_tx,
 )
-from jobfence.adapters._unavailable import unavailable_on
+from jobfence.adapters._unavailable import hold_back, unavailable_on
 from jobfence.errors import ConfigError
 from jobfence.model import Delivery, Message
 from jobfence.ports import QueueCapabilities, QueueSize
@@ -79,7 +80,7 @@ try:
     import aiormq.abc
     from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractQueue
     from aiormq import spec
-    from aiormq.exceptions import AMQPConnectionError, ChannelNotFoundEntity
+    from aiormq.exceptions import AMQPConnectionError, ChannelNotFoundEntity, InvalidFrameError
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "jobfence.adapters.rabbitmq needs aio-pika: pip install 'jobfence[rabbitmq]'"
@@ -88,6 +89,9 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 # A lost or refused connection (aiormq's AMQPConnectionError, the socket's ConnectionError), a
 # timeout, or aio-pika's "closed" RuntimeError: the broker is unreachable (D7).
 _unavailable = unavailable_on("RabbitMQ", (AMQPConnectionError, ConnectionError, TimeoutError))
+# aiormq logs a refused or failed connection at ERROR before raising it; the adapter raises it
+# (one line at start-up, or the worker's outage lines), so the client's line is held back.
+hold_back("aiormq.connection", ("error when creating transport",))
 
 _H_CONSUMER = "x-jobfence-consumer"
 _H_JOB_ID = "x-jobfence-job-id"
@@ -114,6 +118,26 @@ def _lost(conn: AbstractConnection) -> bool:
         return True
     transport = conn.transport
     return transport is None or transport.connection.is_closed
+
+
+async def _connect(url: str) -> AbstractConnection:
+    """``aio_pika.connect(url)``, with the broker's refusal of the URL's virtual host said so:
+    RabbitMQ answers an unknown (or forbidden) vhost by closing the connection, which aiormq
+    reports as an ``InvalidFrameError`` showing a frame object's repr."""
+    try:
+        return await aio_pika.connect(url)
+    except InvalidFrameError as exc:
+        if "Connection.Close" not in str(exc) or "OpenOk" not in str(exc):
+            raise
+        path = urlsplit(url).path
+        vhost = unquote(path[1:]) if len(path) > 1 else "/"
+        user = unquote(urlsplit(url).username or "guest")
+        raise ConfigError(
+            f"RabbitMQ refused the virtual host {vhost!r}: it does not exist, or the user "
+            f"{user!r} has no permission on it (rabbitmqctl add_vhost {vhost}; rabbitmqctl "
+            f"set_permissions -p {vhost} {user} '.*' '.*' '.*'); the vhost is the URL's path, "
+            "percent-encoded: amqp://HOST:5672/%2F for the default one"
+        ) from None
 
 
 def _short(value: str | None) -> str | None:
@@ -281,7 +305,7 @@ class RabbitMQQueue:
                     if self._conn is not None:
                         with contextlib.suppress(Exception):
                             await self._conn.close()
-                    self._conn = await aio_pika.connect(self._url)
+                    self._conn = await _connect(self._url)
                 self._channel = await self._conn.channel(publisher_confirms=True)
                 self._declared.clear()
             return self._channel
@@ -746,8 +770,15 @@ class RabbitMQQueue:
 
 async def open_queue(url: str) -> RabbitMQQueue:
     """The factory ``JOBFENCE_QUEUE_URL=amqp://...`` uses (``jobfence.queues``): the adapter,
-    connected (with its confirming channel), so a bad or unreachable URL fails here."""
-    queue = RabbitMQQueue(url)
+    connected (with its confirming channel), so a bad or unreachable URL fails here. The URL's
+    ``prefix`` and ``prefetch`` parameters set the adapter's
+    (:func:`jobfence.queues.parse_queue_url` reads them)."""
+    from jobfence.queues import parse_queue_url
+
+    target = parse_queue_url(url)
+    assert target.client_url is not None
+    settings = target.settings
+    queue = RabbitMQQueue(target.client_url, prefix=settings.prefix, prefetch=settings.prefetch)
     try:
         await queue._open_channel()
     except BaseException:

@@ -495,8 +495,13 @@ def _pairs(raw: Sequence[Any]) -> dict[bytes, bytes]:
 
 async def open_queue(url: str) -> RedisStreamsQueue:
     """The factory ``JOBFENCE_QUEUE_URL=redis://...`` uses (``jobfence.queues``): the adapter,
-    with the server answering a PING, so a bad or unreachable URL fails here."""
-    queue = RedisStreamsQueue(url)
+    with the server answering a PING, so a bad or unreachable URL fails here. The URL's
+    ``prefix`` parameter sets the adapter's (:func:`jobfence.queues.parse_queue_url` reads it)."""
+    from jobfence.queues import parse_queue_url
+
+    target = parse_queue_url(url)
+    assert target.client_url is not None
+    queue = RedisStreamsQueue(target.client_url, prefix=target.settings.prefix)
     try:
         await queue._redis.ping()
     except BaseException:
