@@ -32,11 +32,11 @@ import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 from jobfence.config import ENV_QUEUE_URL
 from jobfence.errors import ConfigError
-from jobfence.outbox import POSTGRESQL, queue_setting, record_queue
+from jobfence.outbox import POSTGRESQL, QueueSetting, broker_queues, queue_setting, record_queue
 from jobfence.ports import QueuePort
 
 if TYPE_CHECKING:
@@ -117,8 +117,66 @@ class QueueTarget:
             return "the PostgreSQL queue"
         return f"the {self.kind} queue at {self.location}"
 
+    @property
+    def place(self) -> str:
+        """Where this queue's messages go, as :func:`queue_place` writes it."""
+        return queue_place(self.kind, self.url if self.url is not None else self.location)
+
 
 POSTGRESQL_QUEUE = QueueTarget(kind=POSTGRESQL, location=None, backend=None)
+
+# The settings a queue URL may carry that name where messages go, with their defaults (the
+# adapters' constructor arguments of the same names). Any other setting only tunes a client.
+PLACE_SETTINGS: dict[str, dict[str, str]] = {
+    "rabbitmq": {"prefix": "jobfence"},
+    "nats": {"stream": "JOBFENCE", "subject_prefix": "jobfence"},
+    "redis": {"prefix": "jobfence"},
+}
+_DEFAULT_PORTS = {"amqp": 5672, "amqps": 5671, "nats": 4222, "redis": 6379, "rediss": 6379}
+
+
+def queue_place(kind: str, url: str | None) -> str:
+    """What names where the messages of a ``kind`` queue at ``url`` go, written so that two
+    URLs give the same string exactly when they name the same place: the kind; the servers'
+    hosts and ports (default ports filled in; a NATS seed list as a set, in any order); the
+    RabbitMQ virtual host or the Redis database number; and the :data:`PLACE_SETTINGS` (prefix,
+    stream, subject prefix). Never the user or the password, nor a setting that only tunes a
+    client (replicas, prefetch, timeouts). The PostgreSQL queue is ``postgresql``."""
+    if kind == POSTGRESQL:
+        return POSTGRESQL
+    if kind == "memory":
+        return "memory://"
+    text = (url or "").strip()
+    scheme = text.partition("://")[0].lower()
+    servers: set[str] = set()
+    path = ""
+    query: dict[str, list[str]] = {}
+    for piece in (p.strip() for p in text.split(",")):
+        if not piece:
+            continue
+        split = urlsplit(piece if "://" in piece else f"{scheme}://{piece}")
+        try:
+            port = split.port
+        except ValueError:
+            port = None
+        host = (split.hostname or "").lower()
+        shown = f"[{host}]" if ":" in host else host
+        servers.add(f"{shown}:{port or _DEFAULT_PORTS.get(split.scheme.lower(), '')}")
+        path = split.path or path
+        if split.query:
+            query = parse_qs(split.query)
+    where = ""
+    if kind == "rabbitmq":
+        vhost = unquote(path[1:]) if len(path) > 1 else ""
+        where = vhost or "/"
+    elif kind == "redis":
+        number = path.strip("/") or (query.get("db") or ["0"])[-1]
+        where = number.strip() or "0"
+    named = [
+        f"{name}={(query.get(name) or [default])[-1]}"
+        for name, default in sorted(PLACE_SETTINGS.get(kind, {}).items())
+    ]
+    return f"{kind}://{','.join(sorted(servers))}/{where}?{'&'.join(named)}"
 
 
 def parse_queue_url(url: str | None) -> QueueTarget:
@@ -188,6 +246,10 @@ async def open_queue(target: QueueTarget, pool: AsyncConnectionPool[Any]) -> Que
         from jobfence.adapters.memory import MemoryQueue
 
         return MemoryQueue(poll_interval_seconds=0.2)
+    return await _open_broker(target)
+
+
+async def _open_broker(target: QueueTarget) -> QueuePort:
     factory = _factory(target)
     assert target.url is not None
     try:
@@ -206,41 +268,128 @@ async def open_queue(target: QueueTarget, pool: AsyncConnectionPool[Any]) -> Que
         ) from None
 
 
-async def adopt_queue(
-    conn: AsyncConnection[Any], target: QueueTarget, *, switch: bool = False
-) -> None:
-    """Check that ``target`` is where this database's producers send jobs
-    (``jobfence.settings``), so that nothing is left where no worker reads it.
+def _recorded(current: QueueSetting) -> str:
+    if not current.external:
+        return "the PostgreSQL queue"
+    return f"the {current.kind} queue at {current.location or '?'} (through the outbox)"
 
-    A database still on its default PostgreSQL queue moves to ``target``'s broker the first
-    time a command starts with it (refused while the PostgreSQL queue holds messages). Any
-    other disagreement is refused (:class:`~jobfence.errors.ConfigError`), unless ``switch``
-    (``jobfence migrate --queue-url``), which moves the database to ``target`` (refused while
-    the queue it leaves holds messages)."""
+
+def _same_place(current: QueueSetting, target: QueueTarget) -> bool:
+    if current.kind != target.kind:
+        return False
+    if not current.external:
+        return True
+    return queue_place(current.kind, current.location) == target.place
+
+
+async def adopt_queue(conn: AsyncConnection[Any], target: QueueTarget) -> None:
+    """Check that ``target`` is where this database's jobs go (``jobfence.settings``), so
+    that nothing is published or consumed where the others do not look.
+
+    The kind and the place (:func:`queue_place`: servers, virtual host, database number,
+    prefix, stream) must both match; any difference is refused with a
+    :class:`~jobfence.errors.ConfigError` naming both queues (never a password), and nothing
+    changes. Only :func:`move_queue` (``jobfence migrate --queue-url URL``) changes the record.
+    """
     current = await queue_setting(conn)
-    if current.kind == target.kind:
-        if target.external and current.location != target.location:
-            await record_queue(conn, target.kind, target.location)
+    if _same_place(current, target):
         return
-    if switch or (not current.external and target.external):
-        await record_queue(conn, target.kind, target.location)
-        log.info(
-            "this database's jobs now go to %s%s",
-            target.describe(),
-            " through the outbox" if target.external else "",
-        )
-        return
-    where = (
-        f"the {current.kind} queue at {current.location or '?'} (through the outbox)"
-        if current.external
-        else "the PostgreSQL queue"
-    )
+    same_kind = current.external and current.kind == target.kind
     raise ConfigError(
-        f"this database's jobs go to {where}, but this command was given "
-        f"{target.describe()}: set {ENV_QUEUE_URL} (or --queue-url) to that queue, or move "
-        "the database with `jobfence migrate --queue-url URL` (postgresql for the PostgreSQL "
-        "queue)"
+        redact_url(
+            target.url or "",
+            f"this database's jobs go to {_recorded(current)}, but this command was given "
+            f"{target.describe()}{' (another address of that broker)' if same_kind else ''}:"
+            f" nothing was changed. Set {ENV_QUEUE_URL} (or --queue-url) to the queue the"
+            " database records, or move the database with `jobfence migrate --queue-url URL`"
+            " (postgresql for the PostgreSQL queue)",
+        )
     )
+
+
+async def _left_behind(
+    conn: AsyncConnection[Any], current: QueueSetting, leaving_url: str | None
+) -> int:
+    """How many messages the broker this database leaves still holds."""
+    if leaving_url is not None:
+        leaving = parse_queue_url(leaving_url)
+        if not _same_place(current, leaving):
+            raise ConfigError(
+                f"--from-queue-url names {leaving.describe()}, but this database's jobs go to "
+                f"{_recorded(current)}: give that queue's URL, the one the move leaves"
+            )
+    else:
+        leaving = parse_queue_url(current.location)
+    try:
+        queue = await _open_broker(leaving)
+    except ConfigError as exc:
+        raise ConfigError(
+            f"{exc}. A move first counts what the queue it leaves still holds: give that "
+            "queue's full URL (with its password) with --from-queue-url URL"
+        ) from None
+    try:
+        return await queue.backlog(await broker_queues(conn))
+    except Exception as exc:
+        reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+        raise ConfigError(
+            f"cannot count what {leaving.describe()} still holds: "
+            f"{redact_url(leaving.url or '', reason)}"
+        ) from None
+    finally:
+        await queue.close()
+
+
+async def move_queue(
+    conn: AsyncConnection[Any],
+    target: QueueTarget,
+    *,
+    leaving_url: str | None = None,
+    new_address: bool = False,
+) -> bool:
+    """The one step that changes where this database's jobs go (``jobfence migrate
+    --queue-url URL``). Returns False when ``target`` is already the recorded place.
+
+    Refused (:class:`~jobfence.errors.ConfigError`, nothing changed) for ``memory://`` (it
+    lives inside one process), for another address of the broker kind already recorded unless
+    ``new_address`` confirms it, for a broker that cannot be opened, and while the queue it
+    leaves still holds messages: the PostgreSQL queue's table, the outbox when moving back to
+    PostgreSQL, or the broker (:meth:`~jobfence.ports.QueuePort.backlog`, opened with
+    ``leaving_url``, else with the recorded location, which has no password)."""
+    if target.kind == "memory":
+        raise ConfigError(
+            "memory:// lives inside one process: it is never recorded in a database (give a"
+            " broker's URL, or postgresql)"
+        )
+    current = await queue_setting(conn)
+    if _same_place(current, target):
+        if current.location != target.location:
+            await record_queue(conn, target.kind, target.location)
+        return False
+    if current.external and current.kind == target.kind and not new_address:
+        raise ConfigError(
+            f"{target.describe()} is another address of the {target.kind} broker this "
+            f"database's jobs go to ({current.location or '?'}): what the queue there still "
+            "holds would be left where no worker reads it. Once its workers emptied it (jobfence"
+            " worker APP --until empty) and stopped, confirm the move with --new-address"
+        )
+    if target.external:  # a bad or unreachable URL is refused before anything changes
+        await (await _open_broker(target)).close()
+    if current.external and current.kind != "memory":
+        left = await _left_behind(conn, current, leaving_url)
+        if left:
+            raise ConfigError(
+                f"the {current.kind} queue at {current.location or '?'} still holds {left}"
+                " message(s): run its workers until it"
+                " is empty (jobfence worker APP --until empty), stop them, then move"
+            )
+    await record_queue(conn, target.kind, target.location)
+    log.info(
+        "this database's jobs now go to %s%s (they went to %s)",
+        target.describe(),
+        " through the outbox" if target.external else "",
+        _recorded(current),
+    )
+    return True
 
 
 @contextlib.asynccontextmanager
