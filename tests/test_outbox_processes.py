@@ -244,7 +244,7 @@ async def test_the_queue_url_variable_is_read_and_a_missing_adapter_names_its_ex
     assert await scalar(conn, "SELECT count(*) FROM jobfence.bulk_replays") == 0
 
 
-async def test_a_cli_replay_on_a_broker_writes_the_outbox_and_the_database_follows_the_broker(
+async def test_a_cli_replay_on_a_broker_the_database_moved_to_writes_the_outbox(
     database_url: str, conn: psycopg.AsyncConnection[Any]
 ) -> None:
     cur = await conn.execute(
@@ -255,9 +255,17 @@ async def test_a_cli_replay_on_a_broker_writes_the_outbox_and_the_database_follo
     )
     row = await cur.fetchone()
     assert row is not None
-    done = await asyncio.to_thread(
-        _run, database_url, "dead-letters", "replay", str(row[0]), "--queue-url", "amqp://broker/"
-    )
+    replay = ["dead-letters", "replay", str(row[0]), "--queue-url", "amqp://broker/"]
+    # Not moved by the replay: refused, nothing changed.
+    refused = await asyncio.to_thread(_run, database_url, *replay)
+    assert refused.returncode == 2, refused
+    assert "this database's jobs go to the PostgreSQL queue" in refused.stderr
+    assert (await queue_setting(conn)).kind == "postgresql"
+    assert await scalar(conn, "SELECT status FROM core.dead_letters") == "pending_review"
+
+    moved = await asyncio.to_thread(_run, database_url, "migrate", "--queue-url", "amqp://broker/")
+    assert moved.returncode == 0, moved
+    done = await asyncio.to_thread(_run, database_url, *replay)
     assert done.returncode == 0, done
     assert (await queue_setting(conn)).kind == "rabbitmq"
     cur = await conn.execute("SELECT job_id FROM jobfence.outbox")

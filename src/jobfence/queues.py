@@ -397,13 +397,14 @@ async def queue_from_env(
     pool: AsyncConnectionPool[Any], *, url: str | None = None
 ) -> AsyncIterator[QueuePort]:
     """The queue of a command: ``url``, else ``JOBFENCE_QUEUE_URL``, else the PostgreSQL queue.
-    Opened (a broker connected, so a bad or unreachable URL fails here), checked against this
-    database's setting (:func:`adopt_queue`), and closed on exit."""
+    Checked against this database's record first (:func:`adopt_queue`: a queue elsewhere is
+    refused before anything connects to it), then opened (a broker connected, so a bad or
+    unreachable URL fails here), and closed on exit."""
     target = parse_queue_url(url if url is not None else queue_url_from_env())
+    async with pool.connection() as conn:
+        await adopt_queue(conn, target)
     queue = await open_queue(target, pool)
     try:
-        async with pool.connection() as conn:
-            await adopt_queue(conn, target)
         yield queue
     finally:
         await queue.close()
