@@ -560,9 +560,7 @@ class QueueConformance:
         assert await env.queue.size([QUEUE, OTHER_QUEUE]) == QueueSize(due=3, total=total + 1)
         assert await env.queue.size(["conformance.nobody"]) == QueueSize(due=0, total=0)
 
-    async def test_backlog_counts_every_message_held_until_it_is_acked(
-        self, env: QueueEnv
-    ) -> None:
+    async def test_backlog_counts_every_message_held_until_it_is_acked(self, env: QueueEnv) -> None:
         """What a move away from this queue would leave: ready, scheduled and leased messages
         of every queue, or of the queues named where the adapter cannot list them."""
         lists = env.queue.capabilities.lists_queues

@@ -211,12 +211,15 @@ def test_a_queue_url_with_an_unknown_scheme_is_refused_at_start_up(
     )
 
 
-def test_an_unreachable_broker_is_refused_at_start_up_without_its_password(
-    database_url: str,
+async def test_an_unreachable_broker_is_refused_at_start_up_without_its_password(
+    database_url: str, conn: psycopg.AsyncConnection[Any]
 ) -> None:
     port = _free_port()  # nothing listens there
     url = f"redis://app:{PASSWORD}@127.0.0.1:{port}/0"
-    done = _run(database_url, "worker", "pointsapp:app", "--queue-url", url)
+    await record_queue(conn, "redis", f"redis://127.0.0.1:{port}/0")
+    done = await asyncio.to_thread(
+        _run, database_url, "worker", "pointsapp:app", "--queue-url", url
+    )
     _assert_refused(
         done,
         f"cannot open the redis queue at redis://127.0.0.1:{port}/0: ConnectionError",
@@ -227,6 +230,7 @@ def test_an_unreachable_broker_is_refused_at_start_up_without_its_password(
 async def test_the_queue_url_variable_is_read_and_a_missing_adapter_names_its_extra(
     database_url: str, conn: psycopg.AsyncConnection[Any]
 ) -> None:
+    await record_queue(conn, "nats", "nats://127.0.0.1:4222")
     done = await asyncio.to_thread(
         _run,
         database_url,
@@ -239,8 +243,8 @@ async def test_the_queue_url_variable_is_read_and_a_missing_adapter_names_its_ex
     assert "pip install 'jobfence[nats]'" in done.stderr
     assert "jobfence_test_adapter_not_installed is not installed" in done.stderr
     assert PASSWORD not in done.stderr and DECODED not in done.stderr
-    # Refused before anything changed: no bulk run, and jobs still go to PostgreSQL.
-    assert (await queue_setting(conn)).kind == "postgresql"
+    # Refused before anything changed: no bulk run.
+    assert (await queue_setting(conn)).kind == "nats"
     assert await scalar(conn, "SELECT count(*) FROM jobfence.bulk_replays") == 0
 
 

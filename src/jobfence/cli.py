@@ -429,26 +429,7 @@ def _add_outbox_relay_parser(sub: Any) -> None:
     p.set_defaults(func=_cmd_outbox_relay)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="jobfence",
-        description="Exactly-one-effect queue consumers on PostgreSQL. The database is "
-        "JOBFENCE_DATABASE_URL (required by every command but demo), e.g. "
-        "postgresql://user@127.0.0.1:5432/dbname, or 'embedded': an embedded PostgreSQL in "
-        "JOBFENCE_EMBEDDED_DIR (./.jobfence/pgdata), needs pip install 'jobfence[embedded]'.",
-    )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
-    parser.add_argument(
-        "--version", action="version", version=f"jobfence {_version()}", help="print the version"
-    )
-    parser.add_argument(
-        "--log-format",
-        choices=("text", "json"),
-        default=None,
-        help="log lines as text or one JSON object each (default: JOBFENCE_LOG_FORMAT, or text)",
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _add_migrate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("migrate", help="apply the schema migrations (idempotent, locked)")
     p.add_argument(
         "--print-sql",
@@ -478,6 +459,29 @@ def build_parser() -> argparse.ArgumentParser:
         " (another host, port, virtual host, database number or prefix)",
     )
     p.set_defaults(func=_cmd_migrate)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="jobfence",
+        description="Exactly-one-effect queue consumers on PostgreSQL. The database is "
+        "JOBFENCE_DATABASE_URL (required by every command but demo), e.g. "
+        "postgresql://user@127.0.0.1:5432/dbname, or 'embedded': an embedded PostgreSQL in "
+        "JOBFENCE_EMBEDDED_DIR (./.jobfence/pgdata), needs pip install 'jobfence[embedded]'.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
+    parser.add_argument(
+        "--version", action="version", version=f"jobfence {_version()}", help="print the version"
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default=None,
+        help="log lines as text or one JSON object each (default: JOBFENCE_LOG_FORMAT, or text)",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    _add_migrate_parser(sub)
 
     p = sub.add_parser("worker", help="run the consumers of MODULE:APP")
     p.add_argument("app", help="the jobfence.App to run, as MODULE:ATTRIBUTE")
