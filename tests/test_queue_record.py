@@ -249,10 +249,14 @@ async def test_migrate_away_from_a_rabbitmq_holding_20_published_jobs_is_refused
             return await scalar(conn, "SELECT count(*) FROM jobfence.outbox") == 0
 
         await wait_until(published, timeout=60, message="the relay to publish the 20 jobs")
+        before = await _settings(conn)
+        # A relay still running would go on publishing to RabbitMQ after the move.
+        running = _error(await _run(database_url, name, "migrate", "--queue-url", nats_url))
+        assert "an outbox relay is publishing to the rabbitmq queue at amqp://" in running
+        assert await _settings(conn) == before
     finally:
         relay.send_signal(signal.SIGTERM)
         await asyncio.wait_for(relay.wait(), 30)
-    before = await _settings(conn)
 
     refused = await _run(database_url, name, "migrate", "--queue-url", nats_url)
 

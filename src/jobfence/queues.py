@@ -34,9 +34,19 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
+import psycopg
+
 from jobfence.config import ENV_QUEUE_URL
 from jobfence.errors import ConfigError
-from jobfence.outbox import POSTGRESQL, QueueSetting, broker_queues, queue_setting, record_queue
+from jobfence.outbox import (
+    POSTGRESQL,
+    RELAY_LOCK_KEY,
+    QueueSetting,
+    broker_queues,
+    queue_setting,
+    record_queue,
+)
+from jobfence.outbox import SQL as OUTBOX_SQL
 from jobfence.ports import QueuePort
 
 if TYPE_CHECKING:
@@ -339,6 +349,33 @@ async def _left_behind(
         await queue.close()
 
 
+@contextlib.asynccontextmanager
+async def _no_relay_publishing(
+    conn: AsyncConnection[Any], current: QueueSetting
+) -> AsyncIterator[None]:
+    """Leaving a broker: hold the outbox relay's lock while the broker is counted and the
+    record changes, so that no relay publishes to it after the count; refused while a relay
+    holds it (it would go on publishing to the broker left behind)."""
+    if not current.external:
+        yield
+        return
+    cur = await conn.execute(OUTBOX_SQL["outbox_try_lock"], {"key": RELAY_LOCK_KEY})
+    row = await cur.fetchone()
+    if row is None or not row[0]:
+        raise ConfigError(
+            f"an outbox relay is publishing to {_recorded(current)}: stop it (jobfence"
+            " outbox-relay, and the workers' own relay: restart them with --no-outbox-relay)"
+            " before the move, or it goes on publishing there"
+        )
+    try:
+        yield
+    finally:
+        # (In a failed transaction the lock stays until the session ends: move_queue is
+        # meant for an autocommit connection.)
+        with contextlib.suppress(psycopg.Error):
+            await conn.execute(OUTBOX_SQL["outbox_unlock"], {"key": RELAY_LOCK_KEY})
+
+
 async def move_queue(
     conn: AsyncConnection[Any],
     target: QueueTarget,
@@ -347,7 +384,8 @@ async def move_queue(
     new_address: bool = False,
 ) -> bool:
     """The one step that changes where this database's jobs go (``jobfence migrate
-    --queue-url URL``). Returns False when ``target`` is already the recorded place.
+    --queue-url URL``), on an autocommit connection. Returns False, changing nothing, when
+    ``target`` already names the recorded place.
 
     Refused (:class:`~jobfence.errors.ConfigError`, nothing changed) for ``memory://`` (it
     lives inside one process), for another address of the broker kind already recorded unless
@@ -362,8 +400,6 @@ async def move_queue(
         )
     current = await queue_setting(conn)
     if _same_place(current, target):
-        if current.location != target.location:
-            await record_queue(conn, target.kind, target.location)
         return False
     if current.external and current.kind == target.kind and not new_address:
         raise ConfigError(
@@ -374,15 +410,16 @@ async def move_queue(
         )
     if target.external:  # a bad or unreachable URL is refused before anything changes
         await (await _open_broker(target)).close()
-    if current.external and current.kind != "memory":
-        left = await _left_behind(conn, current, leaving_url)
-        if left:
-            raise ConfigError(
-                f"the {current.kind} queue at {current.location or '?'} still holds {left}"
-                " message(s): run its workers until it"
-                " is empty (jobfence worker APP --until empty), stop them, then move"
-            )
-    await record_queue(conn, target.kind, target.location)
+    async with _no_relay_publishing(conn, current):
+        if current.external and current.kind != "memory":
+            left = await _left_behind(conn, current, leaving_url)
+            if left:
+                raise ConfigError(
+                    f"the {current.kind} queue at {current.location or '?'} still holds {left}"
+                    " message(s): run its workers until it is empty (jobfence worker APP"
+                    " --until empty), stop them, then move"
+                )
+        await record_queue(conn, target.kind, target.location)
     log.info(
         "this database's jobs now go to %s%s (they went to %s)",
         target.describe(),
