@@ -23,14 +23,17 @@ from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 import pytest
+from psycopg.conninfo import make_conninfo
 
 import pointsapp
 from brokers import delete_everything, make_queue
 from jobfence import ConfigError
+from jobfence.adapters.memory import MemoryQueue
 from jobfence.model import Message
-from jobfence.outbox import queue_setting, record_queue
+from jobfence.outbox import OutboxRelay, broker_queues, queue_setting, record_queue
 from jobfence.queues import BACKENDS, parse_queue_url, queue_place
 from support import scalar, wait_until
+from test_roles import documented_grants
 
 TESTS_DIR = Path(__file__).parent
 CLI = TESTS_DIR / "broker_cli.py"
@@ -449,3 +452,33 @@ def test_another_place_for_another_host_port_vhost_database_or_prefix(a: str, b:
 
 def _place(url: str) -> str:
     return queue_place(BACKENDS[url.partition("://")[0]].kind, url)
+
+
+# -- what the move counts on a broker that cannot list its queues ----------------------------
+
+
+async def test_the_runtime_roles_relay_writes_down_each_queue_it_publishes_to_without_a_grant(
+    database_url: str, conn: psycopg.AsyncConnection[Any]
+) -> None:
+    """RabbitMQ cannot list its queues, so the move counts those the relay published to; the
+    relay writes them down through a function, with the documented grants and no more."""
+    role = f"jobfence_app_{uuid.uuid4().hex[:10]}"
+    await conn.execute(documented_grants(role))  # type: ignore[arg-type]
+    try:
+        await record_queue(conn, "rabbitmq", "amqp://broker/")
+        app = pointsapp.build_app()
+        for n in range(3):
+            await app.enqueue(conn, "award_points", {"account_id": 1, "points": 1}, job_id=f"b{n}")
+        queue = MemoryQueue()
+        role_url = make_conninfo(database_url, user=role)
+        async with await psycopg.AsyncConnection.connect(role_url, autocommit=True) as relay_conn:
+            await OutboxRelay(role_url, queue).run_round(relay_conn)
+        assert await queue.backlog([]) == 3
+        assert await broker_queues(conn) == [pointsapp.QUEUE]
+        # Forgotten once the database moves on.
+        await queue.close()
+        await record_queue(conn, "nats", "nats://broker:4222")
+        assert await broker_queues(conn) == []
+    finally:
+        await conn.execute(f'DROP OWNED BY "{role}"')  # type: ignore[arg-type]
+        await conn.execute(f'DROP ROLE "{role}"')  # type: ignore[arg-type]
