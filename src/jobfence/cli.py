@@ -66,8 +66,9 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
-# The migration that creates jobfence.settings: a migrate that applies it starts the record.
-_SETTINGS_MIGRATION = 13
+# A migrate that applies the first migration creates the database's jobfence schema: nothing
+# was ever enqueued there, so an exported JOBFENCE_QUEUE_URL is its first setup.
+_FIRST_MIGRATION = 1
 
 
 async def _cmd_migrate(args: argparse.Namespace) -> int:
@@ -96,9 +97,9 @@ async def _cmd_migrate(args: argparse.Namespace) -> int:
             print(f"already up to date (version {schema.latest_version():04d})")
         if target is None:
             return 0
-        fresh = any(m.version == _SETTINGS_MIGRATION for m in applied)
+        fresh = any(m.version == _FIRST_MIGRATION for m in applied)
         if args.queue_url is not None or fresh:
-            # The explicit move, or the first setup of a database this very run created.
+            # The explicit move, or the first setup of the schema this very run created.
             moved = await move_queue(
                 conn, target, leaving_url=args.from_queue_url, new_address=args.new_address
             )
