@@ -285,11 +285,18 @@ def _recorded(current: QueueSetting) -> str:
 
 
 def _same_place(current: QueueSetting, target: QueueTarget) -> bool:
+    """Whether ``target`` names the queue the database records: the same kind and, for a
+    broker, the same :attr:`QueueTarget.place` as the recorded location's (a location the
+    parser refuses names no place a command can be given)."""
     if current.kind != target.kind:
         return False
     if not current.external:
         return True
-    return queue_place(current.kind, current.location) == target.place
+    try:
+        recorded = parse_queue_url(current.location).place if current.location else None
+    except ConfigError:
+        return False
+    return recorded is not None and recorded == target.place
 
 
 async def adopt_queue(conn: AsyncConnection[Any], target: QueueTarget) -> None:
