@@ -75,7 +75,8 @@ async def _cmd_migrate(args: argparse.Namespace) -> int:
     if args.print_sql:
         sys.stdout.write(schema.render_sql())
         return 0
-    from jobfence.queues import adopt_queue, move_queue, parse_queue_url, queue_url_from_env
+    from jobfence.queue_record import adopt_queue, move_queue
+    from jobfence.queues import parse_queue_url, queue_url_from_env
 
     if args.queue_url is None and (args.from_queue_url is not None or args.new_address):
         raise JobfenceError("--from-queue-url and --new-address go with --queue-url URL (a move)")

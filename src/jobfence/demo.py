@@ -27,7 +27,8 @@ from jobfence.model import JobMeta, Message
 from jobfence.outbox import OutboxRelaySettings
 from jobfence.ports import QueuePort
 from jobfence.producer import publish_async
-from jobfence.queues import QueueTarget, adopt_queue, open_queue, parse_queue_url
+from jobfence.queue_record import adopt_queue
+from jobfence.queues import QueueTarget, open_queue, parse_queue_url
 from jobfence.retry import RetryPolicy
 from jobfence.schema import migrate
 from jobfence.worker import Worker

@@ -177,7 +177,7 @@ async def queue_setting(conn: AsyncConnection[Any]) -> QueueSetting:
 async def record_queue(conn: AsyncConnection[Any], kind: str, location: str | None) -> str:
     """Make ``kind`` where this database's producers send jobs; returns the kind before.
 
-    The low-level write under :func:`jobfence.queues.move_queue` (which also checks a broker
+    The low-level write under :func:`jobfence.queue_record.move_queue` (which also checks a broker
     left behind): moving away from a queue is refused (:class:`~jobfence.errors.ConfigError`)
     while that queue still holds messages in this database (the PostgreSQL queue's table, or
     the outbox), and ``memory`` is never recorded."""

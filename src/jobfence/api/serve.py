@@ -130,10 +130,11 @@ async def serve(
 
 async def _adopt(conn: object, options: ServeOptions) -> None:
     """Replays publish where this database's jobs go: the queue given must be the one the
-    database records (jobfence.queues.adopt_queue), or the API refuses to start."""
+    database records (jobfence.queue_record.adopt_queue), or the API refuses to start."""
     from psycopg import AsyncConnection
 
-    from jobfence.queues import adopt_queue, parse_queue_url
+    from jobfence.queue_record import adopt_queue
+    from jobfence.queues import parse_queue_url
 
     assert isinstance(conn, AsyncConnection)
     await adopt_queue(conn, parse_queue_url(options.queue_url))
