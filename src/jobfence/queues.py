@@ -19,6 +19,9 @@ Each adapter module exposes one factory, the signature :data:`QueueFactory` name
 It connects (and declares what it needs on the broker), raising on a bad or unreachable URL;
 the caller closes the queue. Whatever it raises becomes one :class:`~jobfence.errors.ConfigError`
 line at start-up, with the URL's password replaced by ``***``.
+
+Whether the queue a command is given is the one its database records, and the one step that
+moves a database to another queue: :mod:`jobfence.queue_record`.
 """
 
 from __future__ import annotations
