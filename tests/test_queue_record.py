@@ -214,6 +214,12 @@ async def test_moving_to_another_address_of_the_same_broker_needs_new_address_an
     assert moved.returncode == 0, moved
     setting = await queue_setting(conn)
     assert (setting.kind, setting.location) == ("redis", parse_queue_url(db5).location)
+    # The same place again (another spelling of it) changes nothing.
+    after = await _settings(conn)
+    again = await _run(database_url, name, "migrate", "--queue-url", f"{db5}?socket_timeout=5")
+    assert again.returncode == 0, again
+    assert again.stdout.splitlines()[-1].startswith("jobs already go to the redis queue at ")
+    assert await _settings(conn) == after
 
 
 # -- a move away from a broker that still holds jobs -----------------------------------------
