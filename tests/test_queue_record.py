@@ -482,3 +482,33 @@ async def test_the_runtime_roles_relay_writes_down_each_queue_it_publishes_to_wi
     finally:
         await conn.execute(f'DROP OWNED BY "{role}"')  # type: ignore[arg-type]
         await conn.execute(f'DROP ROLE "{role}"')  # type: ignore[arg-type]
+
+
+async def test_from_queue_url_must_name_the_broker_the_move_leaves(
+    database_url: str,
+    conn: psycopg.AsyncConnection[Any],
+    redis_url: str,
+    name: str,
+    cleanup: list[tuple[str, str]],
+) -> None:
+    db0, db3 = _with_path(redis_url, "/0"), _with_path(redis_url, "/3")
+    cleanup.append(("redis", db0))
+    assert (await _run(database_url, name, "migrate", "--queue-url", db0)).returncode == 0
+    before = await _settings(conn)
+
+    wrong = _error(
+        await _run(
+            database_url, name, "migrate", "--queue-url", "postgresql", "--from-queue-url", db3
+        )
+    )
+    assert f"--from-queue-url names {parse_queue_url(db3).describe()}, but" in wrong, wrong
+    assert await _settings(conn) == before
+    alone = _error(await _run(database_url, name, "migrate", "--from-queue-url", db0))
+    assert "--from-queue-url and --new-address go with --queue-url URL" in alone
+
+    moved = await _run(
+        database_url, name, "migrate", "--queue-url", "postgresql", "--from-queue-url", db0
+    )
+    assert moved.returncode == 0, moved
+    assert moved.stdout.splitlines()[-1] == "jobs go to the PostgreSQL queue"
+    assert (await queue_setting(conn)).kind == "postgresql"

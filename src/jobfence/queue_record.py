@@ -87,13 +87,19 @@ async def _left_behind(
     """How many messages the broker this database leaves still holds."""
     if leaving_url is not None:
         leaving = parse_queue_url(leaving_url)
-        if not _same_place(current, leaving):
+        unknown = leaving.kind == current.kind and not current.location  # no address recorded
+        if not unknown and not _same_place(current, leaving):
             raise ConfigError(
                 f"--from-queue-url names {leaving.describe()}, but this database's jobs go to "
                 f"{_recorded(current)}: give that queue's URL, the one the move leaves"
             )
-    else:
+    elif current.location:
         leaving = parse_queue_url(current.location)
+    else:
+        raise ConfigError(
+            f"this database records the {current.kind} queue without its address: a move first"
+            " counts what that queue still holds, so give its URL with --from-queue-url URL"
+        )
     try:
         queue = await open_broker(leaving)
     except ConfigError as exc:
