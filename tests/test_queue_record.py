@@ -512,3 +512,19 @@ async def test_from_queue_url_must_name_the_broker_the_move_leaves(
     assert moved.returncode == 0, moved
     assert moved.stdout.splitlines()[-1] == "jobs go to the PostgreSQL queue"
     assert (await queue_setting(conn)).kind == "postgresql"
+
+
+async def test_a_hostile_recorded_location_is_refused_in_one_line(
+    database_url: str, conn: psycopg.AsyncConnection[Any], redis_url: str, name: str
+) -> None:
+    hostile = "redis://h:6379/0\njobfence: error: all good\x1b[2J" + "x" * 1000
+    await conn.execute(
+        "UPDATE jobfence.settings SET queue_kind = 'redis', queue_location = %s", (hostile,)
+    )
+    before = await _settings(conn)
+    done = await _run(database_url, name, "worker", "pointsapp:app", JOBFENCE_QUEUE_URL=redis_url)
+    line = _error(done)
+    assert "this database's jobs go to the redis queue at redis://h:6379/0\\njobfence" in line
+    assert "\x1b" not in done.stderr and "all good" not in done.stderr.replace(line, "")
+    assert len(line) < 1000
+    assert await _settings(conn) == before

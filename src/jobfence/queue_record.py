@@ -35,10 +35,18 @@ from jobfence.queues import QueueTarget, open_broker, parse_queue_url, redact_ur
 log = logging.getLogger("jobfence.queues")
 
 
+def _shown(location: str | None) -> str:
+    """A recorded location as one line: control characters escaped, at most 300 characters."""
+    if not location:
+        return "?"
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in location)
+    return text if len(text) <= 300 else f"{text[:300]}..."
+
+
 def _recorded(current: QueueSetting) -> str:
     if not current.external:
         return "the PostgreSQL queue"
-    return f"the {current.kind} queue at {current.location or '?'} (through the outbox)"
+    return f"the {current.kind} queue at {_shown(current.location)} (through the outbox)"
 
 
 def _same_place(current: QueueSetting, target: QueueTarget) -> bool:
@@ -174,7 +182,7 @@ async def move_queue(
     if current.external and current.kind == target.kind and not new_address:
         raise ConfigError(
             f"{target.describe()} is another address of the {target.kind} broker this "
-            f"database's jobs go to ({current.location or '?'}): what the queue there still "
+            f"database's jobs go to ({_shown(current.location)}): what the queue there still "
             "holds would be left where no worker reads it. Once its workers emptied it (jobfence"
             " worker APP --until empty) and stopped, confirm the move with --new-address"
         )
@@ -185,7 +193,7 @@ async def move_queue(
             left = await _left_behind(conn, current, leaving_url)
             if left:
                 raise ConfigError(
-                    f"the {current.kind} queue at {current.location or '?'} still holds {left}"
+                    f"the {current.kind} queue at {_shown(current.location)} still holds {left}"
                     " message(s): run its workers until it is empty (jobfence worker APP"
                     " --until empty), stop them, then move"
                 )
