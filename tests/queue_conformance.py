@@ -560,6 +560,27 @@ class QueueConformance:
         assert await env.queue.size([QUEUE, OTHER_QUEUE]) == QueueSize(due=3, total=total + 1)
         assert await env.queue.size(["conformance.nobody"]) == QueueSize(due=0, total=0)
 
+    async def test_backlog_counts_every_message_held_until_it_is_acked(self, env: QueueEnv) -> None:
+        """What a move away from this queue would leave: ready, scheduled and leased messages
+        of every queue, or of the queues named where the adapter cannot list them."""
+        lists = env.queue.capabilities.lists_queues
+        assert await env.queue.backlog([QUEUE, OTHER_QUEUE]) == 0
+        for name in ("leased", "ready"):
+            await env.queue.publish(message(name))
+        if env.queue.capabilities.delayed_publish:
+            await env.queue.publish(message("scheduled"), delay_seconds=env.delay_seconds)
+        await env.queue.publish(message("elsewhere", queue=OTHER_QUEUE))
+        (leased,) = await env.receive(max_messages=1)
+        assert leased.message.job_id == "leased"
+        held = 4 if env.queue.capabilities.delayed_publish else 3
+
+        assert await env.queue.backlog([QUEUE, OTHER_QUEUE]) == held
+        assert await env.queue.backlog([QUEUE]) == (held if lists else held - 1)
+        assert await env.queue.backlog([]) == (held if lists else 0)
+
+        assert await env.queue.ack(leased) is True
+        assert await env.queue.backlog([QUEUE, OTHER_QUEUE]) == held - 1
+
     async def test_receive_with_wait_returns_as_soon_as_a_message_is_published(
         self, env: QueueEnv
     ) -> None:

@@ -33,11 +33,11 @@ TESTS_DIR = Path(__file__).parent
 REPR = re.compile(r"<[A-Za-z_][\w.]*[ >]|0x[0-9a-f]{6,}")
 
 
-def _relay(database_url: str, queue_url: str) -> subprocess.CompletedProcess[str]:
-    """``jobfence outbox-relay`` with ``queue_url``: it opens the queue at start-up."""
+def _move(database_url: str, queue_url: str) -> subprocess.CompletedProcess[str]:
+    """``jobfence migrate --queue-url`` (the move): it opens the new queue before it records it."""
     return subprocess.run(
-        [sys.executable, "-m", "jobfence.cli", "outbox-relay"],
-        env={**os.environ, "JOBFENCE_DATABASE_URL": database_url, "JOBFENCE_QUEUE_URL": queue_url},
+        [sys.executable, "-m", "jobfence.cli", "migrate", "--queue-url", queue_url],
+        env={**os.environ, "JOBFENCE_DATABASE_URL": database_url},
         capture_output=True,
         text=True,
         timeout=90,
@@ -53,7 +53,7 @@ async def test_an_unknown_rabbitmq_vhost_is_said_so_in_one_line(
     database_url: str, amqp_url: str
 ) -> None:
     vhost = f"jftest-{uuid.uuid4().hex[:8]}"
-    done = await asyncio.to_thread(_relay, database_url, _with_path(amqp_url, f"/{vhost}"))
+    done = await asyncio.to_thread(_move, database_url, _with_path(amqp_url, f"/{vhost}"))
     assert done.returncode == 2, done
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, done.stderr
@@ -71,7 +71,7 @@ async def test_a_refused_rabbitmq_port_prints_one_line_and_no_client_error(
     port = free_port()
     parts = urlsplit(amqp_url)
     url = urlunsplit(parts._replace(netloc=f"app:s3cret-pw@127.0.0.1:{port}"))
-    done = await asyncio.to_thread(_relay, database_url, url)
+    done = await asyncio.to_thread(_move, database_url, url)
     assert done.returncode == 2, done
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, done.stderr
@@ -186,7 +186,7 @@ async def test_a_stream_nats_cannot_create_fails_the_start_up_saying_what_did_no
     lone.start()
     try:
         lone.wait_ready()
-        done = await asyncio.to_thread(_relay, database_url, f"{lone.url}?replicas=3")
+        done = await asyncio.to_thread(_move, database_url, f"{lone.url}?replicas=3")
     finally:
         lone.kill()
     assert done.returncode == 2, done

@@ -43,9 +43,10 @@ class FixedClock:
 
 @pytest.fixture
 async def external(conn: psycopg.AsyncConnection[Any]) -> psycopg.AsyncConnection[Any]:
-    """This database's queue is external (the memory queue), and the points app's tables."""
+    """This database's queue is external (a RabbitMQ the tests stand in for with the memory
+    queue), and the points app's tables."""
     await conn.execute(pointsapp.SCHEMA_SQL)
-    await record_queue(conn, "memory", "memory://")
+    await record_queue(conn, "rabbitmq", "amqp://broker/")
     return conn
 
 
@@ -339,7 +340,7 @@ async def test_moving_back_is_refused_while_the_outbox_holds_jobs(
     await app.enqueue(external, AWARD, {"account_id": 1, "points": 1}, job_id="waiting")
     with pytest.raises(ConfigError, match=r"outbox still holds 1 message"):
         await record_queue(external, "postgresql", None)
-    assert (await queue_setting(external)).kind == "memory"
+    assert (await queue_setting(external)).kind == "rabbitmq"
     assert (await outbox_counts(external)).waiting == 1
 
 
@@ -382,7 +383,7 @@ async def test_a_producer_racing_the_move_to_a_broker_writes_the_outbox_never_th
         await psycopg.AsyncConnection.connect(database_url) as mover,
         await psycopg.AsyncConnection.connect(database_url) as producer,
     ):
-        await record_queue(mover, "memory", "memory://")  # in mover's open transaction
+        await record_queue(mover, "rabbitmq", "amqp://broker/")  # in mover's open transaction
         enqueue = asyncio.create_task(
             app.enqueue(producer, AWARD, {"account_id": 1, "points": 1}, job_id="racer")
         )

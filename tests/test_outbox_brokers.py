@@ -90,6 +90,8 @@ async def test_an_unreachable_broker_fails_the_worker_at_start_up_without_its_pa
 ) -> None:
     port = _free_port()
     url = f"{SCHEMES[kind]}://app:{PASSWORD}@127.0.0.1:{port}/"
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        await record_queue(conn, kind, parse_queue_url(url).location)
     env = {**os.environ, "JOBFENCE_DATABASE_URL": database_url, "JOBFENCE_QUEUE_URL": url}
     env["PYTHONPATH"] = os.path.dirname(__file__)
     done = await asyncio.to_thread(

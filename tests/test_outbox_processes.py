@@ -211,12 +211,15 @@ def test_a_queue_url_with_an_unknown_scheme_is_refused_at_start_up(
     )
 
 
-def test_an_unreachable_broker_is_refused_at_start_up_without_its_password(
-    database_url: str,
+async def test_an_unreachable_broker_is_refused_at_start_up_without_its_password(
+    database_url: str, conn: psycopg.AsyncConnection[Any]
 ) -> None:
     port = _free_port()  # nothing listens there
     url = f"redis://app:{PASSWORD}@127.0.0.1:{port}/0"
-    done = _run(database_url, "worker", "pointsapp:app", "--queue-url", url)
+    await record_queue(conn, "redis", f"redis://127.0.0.1:{port}/0")
+    done = await asyncio.to_thread(
+        _run, database_url, "worker", "pointsapp:app", "--queue-url", url
+    )
     _assert_refused(
         done,
         f"cannot open the redis queue at redis://127.0.0.1:{port}/0: ConnectionError",
@@ -227,6 +230,7 @@ def test_an_unreachable_broker_is_refused_at_start_up_without_its_password(
 async def test_the_queue_url_variable_is_read_and_a_missing_adapter_names_its_extra(
     database_url: str, conn: psycopg.AsyncConnection[Any]
 ) -> None:
+    await record_queue(conn, "nats", "nats://127.0.0.1:4222")
     done = await asyncio.to_thread(
         _run,
         database_url,
@@ -239,12 +243,12 @@ async def test_the_queue_url_variable_is_read_and_a_missing_adapter_names_its_ex
     assert "pip install 'jobfence[nats]'" in done.stderr
     assert "jobfence_test_adapter_not_installed is not installed" in done.stderr
     assert PASSWORD not in done.stderr and DECODED not in done.stderr
-    # Refused before anything changed: no bulk run, and jobs still go to PostgreSQL.
-    assert (await queue_setting(conn)).kind == "postgresql"
+    # Refused before anything changed: no bulk run.
+    assert (await queue_setting(conn)).kind == "nats"
     assert await scalar(conn, "SELECT count(*) FROM jobfence.bulk_replays") == 0
 
 
-async def test_a_cli_replay_on_a_broker_writes_the_outbox_and_the_database_follows_the_broker(
+async def test_a_cli_replay_on_a_broker_the_database_moved_to_writes_the_outbox(
     database_url: str, conn: psycopg.AsyncConnection[Any]
 ) -> None:
     cur = await conn.execute(
@@ -255,9 +259,17 @@ async def test_a_cli_replay_on_a_broker_writes_the_outbox_and_the_database_follo
     )
     row = await cur.fetchone()
     assert row is not None
-    done = await asyncio.to_thread(
-        _run, database_url, "dead-letters", "replay", str(row[0]), "--queue-url", "amqp://broker/"
-    )
+    replay = ["dead-letters", "replay", str(row[0]), "--queue-url", "amqp://broker/"]
+    # Not moved by the replay: refused, nothing changed.
+    refused = await asyncio.to_thread(_run, database_url, *replay)
+    assert refused.returncode == 2, refused
+    assert "this database's jobs go to the PostgreSQL queue" in refused.stderr
+    assert (await queue_setting(conn)).kind == "postgresql"
+    assert await scalar(conn, "SELECT status FROM core.dead_letters") == "pending_review"
+
+    moved = await asyncio.to_thread(_run, database_url, "migrate", "--queue-url", "amqp://broker/")
+    assert moved.returncode == 0, moved
+    done = await asyncio.to_thread(_run, database_url, *replay)
     assert done.returncode == 0, done
     assert (await queue_setting(conn)).kind == "rabbitmq"
     cur = await conn.execute("SELECT job_id FROM jobfence.outbox")

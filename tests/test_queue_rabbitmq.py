@@ -25,6 +25,7 @@ class TestRabbitMQConformance(BrokerConformance):
         delayed_retry=False,
         exact_stale_ack=False,
         exact_size=False,
+        lists_queues=False,
     )
 
     @pytest.fixture

@@ -270,6 +270,17 @@ async def test_a_nats_seed_list_with_replicas_starts_the_worker_command(
         "JOBFENCE_QUEUE_URL": url,
         "PYTHONPATH": str(TESTS_DIR),
     }
+    # The one explicit step that moves the database to the broker, then the worker.
+    moved = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "jobfence.cli", "migrate", "--queue-url", url],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert moved.returncode == 0, moved.stderr
     log = tmp_path / "worker.log"
     proc = _start_worker(env, log)
     try:

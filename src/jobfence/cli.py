@@ -66,14 +66,27 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+# A migrate that applies the first migration creates the database's jobfence schema: nothing
+# was ever enqueued there, so an exported JOBFENCE_QUEUE_URL is its first setup.
+_FIRST_MIGRATION = 1
+
+
 async def _cmd_migrate(args: argparse.Namespace) -> int:
     if args.print_sql:
         sys.stdout.write(schema.render_sql())
         return 0
-    from jobfence.queues import adopt_queue, parse_queue_url
+    from jobfence.queue_record import adopt_queue, move_queue
+    from jobfence.queues import parse_queue_url, queue_url_from_env
 
-    # A bad queue URL is refused before anything is applied.
-    target = parse_queue_url(args.queue_url) if args.queue_url is not None else None
+    if args.queue_url is None and (args.from_queue_url is not None or args.new_address):
+        raise JobfenceError("--from-queue-url and --new-address go with --queue-url URL (a move)")
+    # A bad queue URL is refused before anything is applied. --queue-url is the move; an
+    # exported JOBFENCE_QUEUE_URL alone is checked against the record (main() has put the
+    # flag into the variable, so look at the flag).
+    given = args.queue_url if args.queue_url is not None else queue_url_from_env()
+    target = parse_queue_url(given) if given is not None else None
+    if args.from_queue_url is not None:
+        parse_queue_url(args.from_queue_url)
     url = db.resolve_database_url()
     await db.check_connection(url)
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
@@ -83,9 +96,18 @@ async def _cmd_migrate(args: argparse.Namespace) -> int:
                 print(f"applied {m.version:04d}_{m.name}")
         else:
             print(f"already up to date (version {schema.latest_version():04d})")
-        if target is not None:
-            await adopt_queue(conn, target, switch=True)
-            print(f"jobs go to {target.describe()}")
+        if target is None:
+            return 0
+        fresh = any(m.version == _FIRST_MIGRATION for m in applied)
+        if args.queue_url is not None or fresh:
+            # The explicit move, or the first setup of the schema this very run created.
+            moved = await move_queue(
+                conn, target, leaving_url=args.from_queue_url, new_address=args.new_address
+            )
+            print(f"jobs {'go' if moved else 'already go'} to {target.describe()}")
+        else:
+            await adopt_queue(conn, target)
+            print(f"jobs go to {target.describe()}, as JOBFENCE_QUEUE_URL says")
     return 0
 
 
@@ -409,6 +431,38 @@ def _add_outbox_relay_parser(sub: Any) -> None:
     p.set_defaults(func=_cmd_outbox_relay)
 
 
+def _add_migrate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("migrate", help="apply the schema migrations (idempotent, locked)")
+    p.add_argument(
+        "--print-sql",
+        action="store_true",
+        help="print the migrations as one SQL script instead of applying them",
+    )
+    p.add_argument(
+        "--queue-url",
+        default=None,
+        metavar="URL",
+        help="move this database's jobs to this queue: a broker's URL (producers then write"
+        " the outbox), or postgresql for the PostgreSQL queue; refused while the queue left"
+        " behind still holds messages. Without it, an exported JOBFENCE_QUEUE_URL is only"
+        " checked against the database's queue (recorded on a database this run creates)",
+    )
+    p.add_argument(
+        "--from-queue-url",
+        default=None,
+        metavar="URL",
+        help="the broker the move leaves, with its password, to count what it still holds"
+        " (default: its recorded address, which has no password)",
+    )
+    p.add_argument(
+        "--new-address",
+        action="store_true",
+        help="confirm a move to another address of the broker kind the database is on"
+        " (another host, port, virtual host, database number or prefix)",
+    )
+    p.set_defaults(func=_cmd_migrate)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jobfence",
@@ -429,21 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("migrate", help="apply the schema migrations (idempotent, locked)")
-    p.add_argument(
-        "--print-sql",
-        action="store_true",
-        help="print the migrations as one SQL script instead of applying them",
-    )
-    p.add_argument(
-        "--queue-url",
-        default=None,
-        metavar="URL",
-        help="also record where this database's jobs go: a broker's URL (producers then write"
-        " the outbox), or postgresql for the PostgreSQL queue; refused while the queue left"
-        " behind still holds messages",
-    )
-    p.set_defaults(func=_cmd_migrate)
+    _add_migrate_parser(sub)
 
     p = sub.add_parser("worker", help="run the consumers of MODULE:APP")
     p.add_argument("app", help="the jobfence.App to run, as MODULE:ATTRIBUTE")

@@ -27,7 +27,8 @@ from jobfence.model import JobMeta, Message
 from jobfence.outbox import OutboxRelaySettings
 from jobfence.ports import QueuePort
 from jobfence.producer import publish_async
-from jobfence.queues import QueueTarget, adopt_queue, open_queue, parse_queue_url
+from jobfence.queue_record import adopt_queue
+from jobfence.queues import QueueTarget, open_queue, parse_queue_url
 from jobfence.retry import RetryPolicy
 from jobfence.schema import migrate
 from jobfence.worker import Worker
@@ -157,22 +158,18 @@ async def _open_queue(
     target: QueueTarget, pool: AsyncConnectionPool[Any], conn: AsyncConnection[Any], out: Any
 ) -> QueuePort:
     """The demo's queue, emptied of an earlier run's jobs: the PostgreSQL one polled often (the
-    retries are seconds apart), or the broker, checked against the database's setting."""
+    retries are seconds apart), or the broker, which must be the one the database records
+    (``jobfence migrate --queue-url URL`` moves it there first)."""
     await conn.execute("DELETE FROM jobfence_queue.messages WHERE queue = %s", (QUEUE,))
     await conn.execute("DELETE FROM jobfence.outbox WHERE queue = %s", (QUEUE,))
     await conn.commit()
     print(f"queue: {target.describe()}", file=out)
-    queue = (
+    await adopt_queue(conn, target)  # the demo never moves its database: migrate does
+    return (
         await open_queue(target, pool)
         if target.external
         else PgQueue(pool, poll_interval_seconds=0.1)
     )
-    try:
-        await adopt_queue(conn, target)
-    except BaseException:
-        await queue.close()
-        raise
-    return queue
 
 
 async def run_demo(

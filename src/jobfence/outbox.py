@@ -156,7 +156,7 @@ async def outbox_counts(conn: AsyncConnection[Any], *, clock: Clock | None = Non
 @dataclass(frozen=True, slots=True)
 class QueueSetting:
     """``kind`` is ``postgresql`` (the queue table in this database) or an external broker's
-    kind (``rabbitmq``, ``nats``, ``redis``, ``memory``); ``location`` its URL without the
+    kind (``rabbitmq``, ``nats``, ``redis``); ``location`` its URL without the
     password, for people."""
 
     kind: str
@@ -177,15 +177,27 @@ async def queue_setting(conn: AsyncConnection[Any]) -> QueueSetting:
 async def record_queue(conn: AsyncConnection[Any], kind: str, location: str | None) -> str:
     """Make ``kind`` where this database's producers send jobs; returns the kind before.
 
-    Moving away from a queue is refused (:class:`~jobfence.errors.ConfigError`) while that
-    queue still holds messages: the PostgreSQL queue's table, or the outbox."""
+    The low-level write under :func:`jobfence.queue_record.move_queue` (which also checks a broker
+    left behind): moving away from a queue is refused (:class:`~jobfence.errors.ConfigError`)
+    while that queue still holds messages in this database (the PostgreSQL queue's table, or
+    the outbox), and ``memory`` is never recorded."""
     try:
         cur = await conn.execute(SQL["queue_set"], {"kind": kind, "location": location})
-    except psycopg.errors.ObjectNotInPrerequisiteState as exc:
+    except (
+        psycopg.errors.ObjectNotInPrerequisiteState,
+        psycopg.errors.InvalidParameterValue,
+    ) as exc:
         raise ConfigError(exc.diag.message_primary or str(exc)) from None
     row = await cur.fetchone()
     assert row is not None
     return str(row[0])
+
+
+async def broker_queues(conn: AsyncConnection[Any]) -> list[str]:
+    """The queues the outbox relay published to on this database's broker (what a move away
+    from a broker that cannot list its queues counts)."""
+    cur = await conn.execute(SQL["broker_queues"])
+    return [str(row[0]) for row in await cur.fetchall()]
 
 
 # -- the relay --------------------------------------------------------------------------------

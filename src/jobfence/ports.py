@@ -43,6 +43,10 @@ class QueueCapabilities:
     # it counts the messages ready in the queue plus those this adapter instance holds or
     # scheduled; other clients' leases and scheduled messages are not seen.
     exact_size: bool = True
+    # True: ``backlog`` counts every queue this adapter's place holds (it can list them) and
+    # ignores the names it is given. False: it counts the queues it is given (RabbitMQ: AMQP
+    # has no way to list a virtual host's queues).
+    lists_queues: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +134,15 @@ class QueuePort(Protocol):
 
     async def size(self, queues: Sequence[str]) -> QueueSize:
         """How many messages are due now and held in total (due, scheduled or leased)."""
+
+    async def backlog(self, queues: Sequence[str]) -> int:
+        """Every message this queue still holds, whoever holds it (ready, scheduled, leased):
+        what a move of the database away from it would leave behind.
+
+        An adapter that can list its queues (``capabilities.lists_queues``) counts all of them
+        and ignores ``queues``; one that cannot counts the queues named. Where
+        ``capabilities.exact_size`` is False, messages other clients hold under a lease are not
+        seen (they count again once given back)."""
 
     async def close(self) -> None: ...
 

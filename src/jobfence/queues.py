@@ -23,6 +23,9 @@ is parsed). It connects (and declares what it needs on the broker), raising on a
 unreachable URL; the caller closes the queue. Whatever it raises becomes one
 :class:`~jobfence.errors.ConfigError` line at start-up, with the URL's password replaced by
 ``***``.
+
+Whether the queue a command is given is the one its database records, and the one step that
+moves a database to another queue: :mod:`jobfence.queue_record`.
 """
 
 from __future__ import annotations
@@ -41,11 +44,10 @@ from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit
 
 from jobfence.config import ENV_QUEUE_URL
 from jobfence.errors import ConfigError
-from jobfence.outbox import POSTGRESQL, queue_setting, record_queue
+from jobfence.outbox import POSTGRESQL
 from jobfence.ports import QueuePort
 
 if TYPE_CHECKING:
-    from psycopg import AsyncConnection
     from psycopg_pool import AsyncConnectionPool
 
 log = logging.getLogger("jobfence.queues")
@@ -473,6 +475,11 @@ async def open_queue(target: QueueTarget, pool: AsyncConnectionPool[Any]) -> Que
         from jobfence.adapters.memory import MemoryQueue
 
         return MemoryQueue(poll_interval_seconds=0.2)
+    return await open_broker(target)
+
+
+async def open_broker(target: QueueTarget) -> QueuePort:
+    """A broker's adapter, connected (``open_queue`` for a broker target)."""
     factory = _factory(target)
     assert target.url is not None
     bound = asyncio.timeout(OPEN_TIMEOUT_SECONDS)
@@ -501,55 +508,21 @@ async def open_queue(target: QueueTarget, pool: AsyncConnectionPool[Any]) -> Que
         ) from None
 
 
-async def adopt_queue(
-    conn: AsyncConnection[Any], target: QueueTarget, *, switch: bool = False
-) -> None:
-    """Check that ``target`` is where this database's producers send jobs
-    (``jobfence.settings``), so that nothing is left where no worker reads it.
-
-    A database still on its default PostgreSQL queue moves to ``target``'s broker the first
-    time a command starts with it (refused while the PostgreSQL queue holds messages). Any
-    other disagreement is refused (:class:`~jobfence.errors.ConfigError`), unless ``switch``
-    (``jobfence migrate --queue-url``), which moves the database to ``target`` (refused while
-    the queue it leaves holds messages)."""
-    current = await queue_setting(conn)
-    if current.kind == target.kind:
-        if target.external and current.location != target.location:
-            await record_queue(conn, target.kind, target.location)
-        return
-    if switch or (not current.external and target.external):
-        await record_queue(conn, target.kind, target.location)
-        log.info(
-            "this database's jobs now go to %s%s",
-            target.describe(),
-            " through the outbox" if target.external else "",
-        )
-        return
-    where = (
-        f"the {current.kind} queue at {current.location or '?'} (through the outbox)"
-        if current.external
-        else "the PostgreSQL queue"
-    )
-    raise ConfigError(
-        f"this database's jobs go to {where}, but this command was given "
-        f"{target.describe()}: set {ENV_QUEUE_URL} (or --queue-url) to that queue, or move "
-        "the database with `jobfence migrate --queue-url URL` (postgresql for the PostgreSQL "
-        "queue)"
-    )
-
-
 @contextlib.asynccontextmanager
 async def queue_from_env(
     pool: AsyncConnectionPool[Any], *, url: str | None = None
 ) -> AsyncIterator[QueuePort]:
     """The queue of a command: ``url``, else ``JOBFENCE_QUEUE_URL``, else the PostgreSQL queue.
-    Opened (a broker connected, so a bad or unreachable URL fails here), checked against this
-    database's setting (:func:`adopt_queue`), and closed on exit."""
+    Checked against this database's record first (:func:`adopt_queue`: a queue elsewhere is
+    refused before anything connects to it), then opened (a broker connected, so a bad or
+    unreachable URL fails here), and closed on exit."""
+    from jobfence.queue_record import adopt_queue
+
     target = parse_queue_url(url if url is not None else queue_url_from_env())
+    async with pool.connection() as conn:
+        await adopt_queue(conn, target)
     queue = await open_queue(target, pool)
     try:
-        async with pool.connection() as conn:
-            await adopt_queue(conn, target)
         yield queue
     finally:
         await queue.close()

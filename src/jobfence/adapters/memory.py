@@ -202,6 +202,10 @@ class MemoryQueue:
         held = [e for e in self._entries.values() if e.message.queue in wanted]
         return QueueSize(due=sum(1 for e in held if e.run_at <= now), total=len(held))
 
+    async def backlog(self, queues: Sequence[str]) -> int:
+        """Every message this queue holds, of every queue (``queues`` is not needed)."""
+        return len(self._entries)
+
     async def close(self) -> None:
         """Wake any waiting receiver, which returns what is due (usually nothing)."""
         self._closed = True

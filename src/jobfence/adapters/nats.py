@@ -569,6 +569,17 @@ class NatsQueue:
             total += (info.num_pending or 0) + (info.num_ack_pending or 0)
         return QueueSize(due=due, total=total)
 
+    @_unavailable
+    async def backlog(self, queues: Sequence[str]) -> int:
+        """Every message in the stream, of every queue (work-queue retention: an acked message
+        is gone; a leased or nak'ed one is still there). ``queues`` is not needed."""
+        js = await self._jetstream()
+        try:
+            info = await js.stream_info(self._stream)
+        except NotFoundError:
+            return 0
+        return int(info.state.messages or 0)
+
     async def close(self) -> None:
         """Close the connection; a waiting receiver returns an empty list."""
         if self._closed:

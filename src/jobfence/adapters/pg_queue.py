@@ -284,6 +284,14 @@ class PgQueue:
         assert row is not None
         return QueueSize(due=int(row[0]), total=int(row[1]))
 
+    async def backlog(self, queues: Sequence[str]) -> int:
+        """Every message in the table, of every queue (``queues`` is not needed)."""
+        async with self._pool.connection() as conn:
+            cur = await conn.execute(SQL["backlog"])
+            row = await cur.fetchone()
+        assert row is not None
+        return int(row[0])
+
     def _ensure_listener(self) -> None:
         if self._listener is None or self._listener.done():
             self._listener = asyncio.create_task(self._listen(), name="jobfence-pg-queue-listen")

@@ -82,6 +82,10 @@ SELECT count(*) FILTER (WHERE run_at <= coalesce(%(now)s::timestamptz, now())) A
 FROM jobfence_queue.messages
 WHERE queue = ANY(%(queues)s::text[]);
 
+-- name: backlog
+-- Every message of every queue in the table, whoever holds it: what a move away would leave.
+SELECT count(*) FROM jobfence_queue.messages;
+
 -- name: depth
 -- For /metrics: messages per queue by state, by the database clock. due: receivable now (new,
 -- a retry whose time came, or a lease that ran out); scheduled: waiting for its time, held by

@@ -261,6 +261,7 @@ class RabbitMQQueue:
         delayed_retry=False,
         exact_stale_ack=False,
         exact_size=False,
+        lists_queues=False,
     )
 
     def __init__(
@@ -710,6 +711,13 @@ class RabbitMQQueue:
             due += ready + buffered
             total += ready + buffered + held
         return QueueSize(due=due, total=total)
+
+    async def backlog(self, queues: Sequence[str]) -> int:
+        """The messages of ``queues``: ready, plus what this instance holds or buffers. AMQP
+        cannot list a virtual host's queues (``capabilities.lists_queues`` is False), and its
+        queue declare does not count what other clients hold unacked (``exact_size`` False):
+        stop the workers first, and what they held is ready again and counted."""
+        return (await self.size(queues)).total
 
     async def _ready(self, name: str) -> int:
         """Messages ready in queue ``name`` (0 when it does not exist), on a channel of its own

@@ -203,6 +203,11 @@ def _text(fields: dict[bytes, bytes], name: bytes) -> str | None:
     return None if value is None else value.decode()
 
 
+def _glob_escape(text: str) -> str:
+    """``text`` matched literally in a Redis ``SCAN MATCH`` pattern."""
+    return "".join(f"\\{c}" if c in "*?[]\\" else c for c in text)
+
+
 class RedisStreamsQueue:
     """The Redis Streams queue adapter.
 
@@ -470,6 +475,16 @@ class RedisStreamsQueue:
             total += length
             due += length - pending + expired
         return QueueSize(due=due, total=total)
+
+    @_unavailable
+    async def backlog(self, queues: Sequence[str]) -> int:
+        """Every entry of every stream under this adapter's prefix (an acked entry is deleted;
+        a leased one is still there). ``queues`` is not needed: the streams are found by name."""
+        pattern = f"{_glob_escape(self._prefix)}:{{*}}:stream"
+        total = 0
+        async for key in self._redis.scan_iter(match=pattern, count=500, _type="stream"):
+            total += int(await self._redis.xlen(key))
+        return total
 
     async def close(self) -> None:
         """Leave the consumer group if this instance holds nothing, and close the connections;

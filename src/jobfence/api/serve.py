@@ -86,15 +86,15 @@ async def serve(
         lend_checked=True,
     )
     try:
+        if sock is None:  # checked before the queue is opened: one elsewhere is not touched
+            async with pool.connection() as conn:
+                await schema.ensure_migrated(conn)
+                await _adopt(conn, options)
         queue = await open_queue(parse_queue_url(options.queue_url), pool)
     except BaseException:
         await pool.close()
         raise
     try:
-        if sock is None:
-            async with pool.connection() as conn:
-                await schema.ensure_migrated(conn)
-                await _adopt(conn, options)
         app = create_app(pool=pool, queue=queue, settings=settings)
         # log_config=None: uvicorn's lines go through the handlers configured in main().
         port = options.port if sock is None else sock.getsockname()[1]
@@ -129,10 +129,12 @@ async def serve(
 
 
 async def _adopt(conn: object, options: ServeOptions) -> None:
-    """Replays publish where this database's jobs go (see jobfence.queues.adopt_queue)."""
+    """Replays publish where this database's jobs go: the queue given must be the one the
+    database records (jobfence.queue_record.adopt_queue), or the API refuses to start."""
     from psycopg import AsyncConnection
 
-    from jobfence.queues import adopt_queue, parse_queue_url
+    from jobfence.queue_record import adopt_queue
+    from jobfence.queues import parse_queue_url
 
     assert isinstance(conn, AsyncConnection)
     await adopt_queue(conn, parse_queue_url(options.queue_url))
@@ -196,11 +198,11 @@ async def serve_workers(
     await db.check_connection(url)
     pool = await db.open_pool(url, max_size=1, name="jobfence-api-start")
     try:
-        # A bad or unreachable queue is refused here, before any worker starts.
-        await (await open_queue(parse_queue_url(options.queue_url), pool)).close()
         async with pool.connection() as conn:
             await schema.ensure_migrated(conn)
             await _adopt(conn, options)
+        # A bad or unreachable queue is refused here, before any worker starts.
+        await (await open_queue(parse_queue_url(options.queue_url), pool)).close()
     finally:
         await pool.close()
     # Bound, never listening: it holds the port (the one chosen, for port 0) while the

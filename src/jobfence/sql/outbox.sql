@@ -64,8 +64,12 @@ LIMIT %(limit)s
 FOR UPDATE SKIP LOCKED;
 
 -- name: outbox_delete_sent
--- Rows the broker confirmed: gone, so the table never grows with history.
-DELETE FROM jobfence.outbox WHERE id = ANY(%(ids)s::bigint[]);
+-- Rows the broker confirmed: gone, so the table never grows with history. Their queues are
+-- written down (once each) for the check of a move away from this broker (migration 0017).
+WITH sent AS (
+    DELETE FROM jobfence.outbox WHERE id = ANY(%(ids)s::bigint[]) RETURNING queue
+)
+SELECT jobfence.note_broker_queues(array_agg(DISTINCT queue)) FROM sent;
 
 -- name: outbox_mark_failed
 -- A publish that failed: the row stays, due again after the relay's backoff.
@@ -104,6 +108,10 @@ SELECT pg_advisory_unlock(%(key)s::bigint);
 
 -- name: queue_setting
 SELECT queue_kind, queue_location FROM jobfence.settings;
+
+-- name: broker_queues
+-- The queues the outbox relay published to on this database's broker (migration 0017).
+SELECT queue FROM jobfence.broker_queues ORDER BY queue;
 
 -- name: queue_set
 -- Switches where jobs go (see jobfence.set_queue in migration 0013); returns the kind before.
