@@ -254,3 +254,25 @@ async def test_an_http_loopback_api_url_needs_no_permission() -> None:
     assert relay.settings.lost_answer_wait_seconds == 10.0 + 5.0, "timeout plus the margin"
     with pytest.raises(ConfigError, match="JOBFENCE_BETTERSTACK_ALLOW_HTTP must be 1 or 0"):
         alert_config_from_env({"JOBFENCE_BETTERSTACK_ALLOW_HTTP": "maybe"})
+
+
+@pytest.mark.parametrize(
+    ("token", "message"),
+    [
+        pytest.param("   ", "is blank", id="blank"),
+        pytest.param(TOKEN + "\n", "contains a space, a line break", id="final-newline"),
+        pytest.param("tok en-secret-9", "contains a space, a line break", id="inner-space"),
+    ],
+)
+def test_alert_relay_refuses_a_token_that_cannot_be_one_naming_the_variable(
+    database_url: str, server: FakeBetterStack, token: str, message: str
+) -> None:
+    env = relay_env(database_url, server, JOBFENCE_BETTERSTACK_TOKEN=token)
+    result = run_relay(env)
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"jobfence: error: JOBFENCE_BETTERSTACK_TOKEN {message}"), last
+    assert (token.strip() or token) not in result.stdout + result.stderr.replace(
+        "JOBFENCE_BETTERSTACK_TOKEN", ""
+    )
+    assert server.requests == []

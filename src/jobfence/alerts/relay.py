@@ -237,6 +237,18 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def _token_problem(token: str) -> str | None:
+    """Why ``token`` cannot be a Better Stack API token (never quoting it); None when it can."""
+    if not token.strip():
+        return "is blank: set it to the Better Stack Uptime API token"
+    if any(ch.isspace() or not ch.isprintable() for ch in token):
+        return (
+            "contains a space, a line break or another control character (a token has none; "
+            "was it read from a file with its final newline?)"
+        )
+    return None
+
+
 def _plural(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
@@ -320,6 +332,9 @@ class AlertRelay:
                 f"{ENV_BETTERSTACK_TOKEN} is not set: the alert relay needs a Better Stack "
                 "Uptime API token"
             )
+        token_problem = _token_problem(config.token)
+        if token_problem is not None:
+            raise ConfigError(f"{ENV_BETTERSTACK_TOKEN} {token_problem}")
         if not config.requester_email:
             raise ConfigError(
                 f"{ENV_BETTERSTACK_REQUESTER_EMAIL} is not set: with a token, Better Stack "
