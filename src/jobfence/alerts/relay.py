@@ -3,8 +3,10 @@
 Each round, on its own database connection, under a session advisory lock (one active relay
 per database; another one stands by):
 
-1. **group**: outbox rows join their key's open group while they fall inside its window
-   (``(queue, consumer, error_class)``, window starting at the first one's ``created_at``); a
+1. **group**: outbox rows are filed under their alert key (``outbox_classify``: one key per
+   queue for consumers that are not registered, ``(queue, consumer, '*')`` for a consumer's
+   error classes beyond ``max_error_classes``), then join their key's open group while they
+   fall inside its window (window starting at the first one's ``created_at``); a
    group whose window is over is closed, its members counted, and its alert row created with
    a fresh dedup key;
 2. **escalate** (D4): a closed group whose window ended ``escalate_after`` ago gets one
@@ -18,7 +20,10 @@ per database; another one stands by):
    confirmed by ``GET /api/v3/incidents/{id}`` when what we know is older than
    ``state_max_age``), a dead letters alert is merged into it (counted) and an escalation
    escalates it (``POST .../escalate``, once per incident); only a key without one (none yet,
-   or the last one resolved, by a person or by us) gets a new incident. Network errors,
+   or the last one resolved, by a person or by us) gets a new incident, unless
+   ``max_new_incidents`` opened within ``incident_period`` (or a storm alert was counted
+   within it): then it is counted on the one storm incident (opened for it if needed).
+   Network errors,
    timeouts, 429 (honouring ``Retry-After``) and 5xx are retried with backoff, pausing all
    deliveries meanwhile; other 4xx are logged, counted and the alert is marked failed;
 4. **resolve**: a key whose dead letters were all replayed or discarded has its incident
@@ -188,7 +193,7 @@ class RelayStats:
             f"retries {sum(self.retried.values())}, cancelled {sum(self.cancelled.values())}, "
             f"found already open {self.found_existing}, opened {self.opened}, "
             f"merged {self.merged}, updates {self.updated}, resolved {self.resolved}, "
-            f"escalated {self.escalated}"
+            f"escalated {self.escalated}, storms {self.storms}"
         )
 
 
@@ -412,12 +417,16 @@ class AlertRelay:
         relay = cls(conninfo, sink, settings=settings, heartbeat=heartbeat, metrics=metrics)
         relay._owned = [sink, *([heartbeat] if heartbeat else [])]
         log.info(
-            "alert relay: Better Stack at %s, group window %s, escalation %s",
+            "alert relay: Better Stack at %s, group window %s, escalation %s, at most %d new "
+            "incidents per %s, %d error classes per consumer",
             sink.origin,
             _duration(settings.group_window_seconds),
             "off"
             if settings.escalate_after_seconds is None
             else f"after {_duration(settings.escalate_after_seconds)}",
+            settings.max_new_incidents,
+            _duration(settings.incident_period_seconds),
+            settings.max_error_classes,
         )
         return relay
 
@@ -1003,6 +1012,8 @@ class AlertRelay:
         self.stats.opened += 1
         if alert.storm:
             self.stats.storms += 1
+            if self._metrics is not None:
+                self._metrics.incident_action("storm")
         if self._metrics is not None:
             self._metrics.alert_sent(alert.kind)
             self._metrics.incident_action("opened")
