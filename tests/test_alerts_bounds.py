@@ -28,10 +28,12 @@ from alert_helpers import (
     fast_settings,
     make_relay,
     running,
+    sink_for,
+    wait_for_alerts,
     wait_rounds,
     write_dead_letter,
 )
-from fake_betterstack import FakeBetterStack
+from fake_betterstack import INCIDENTS, FakeBetterStack, stall
 from jobfence import App, HardFailure, JobMeta, Message, PgQueue, Worker, discard_dead_letter
 from jobfence.adapters.pg_queue import publish_on
 from jobfence.alerts import RelaySettings, alert_counts
@@ -344,6 +346,39 @@ async def test_a_class_gets_its_own_incident_again_once_a_slot_is_free(
     assert await scalar(conn, "SELECT count(*) FROM core.dead_letters") == 4
     assert all(r["consumer"] == CONSUMER and r["queue"] == QUEUE for r in await incidents(conn))
     assert HARD not in {r["error_class"] for r in await incidents(conn)}
+
+
+async def test_a_storm_incident_whose_create_answer_was_lost_is_found_and_kept_as_the_storm(
+    database_url: str, conn: AsyncConnection[Any], server: FakeBetterStack
+) -> None:
+    """The storm decision is committed before its request: the attempt after a lost answer
+    looks the dedup key up and records the incident it finds as the storm, so the next key is
+    counted on it instead of opening another."""
+    server.script("POST", INCIDENTS, [stall(0.0), stall(1.0)])
+    await write_dead_letter(conn, "a-1", error_class="A")
+    await write_dead_letter(conn, "b-1", error_class="B")
+    clock = MovableClock()
+    relay = make_relay(
+        database_url,
+        server,
+        clock=clock,
+        sink=sink_for(server, timeout_seconds=0.3),
+        settings=fast_settings(
+            group_window_seconds=1.0, max_new_incidents=1, lost_answer_wait_seconds=0.3 + 1.5
+        ),
+    )
+    async with running(relay):
+        clock.advance(seconds=2)
+        await wait_for_alerts(conn, "sent", 2, timeout=20)
+        await write_dead_letter(conn, "c-1", error_class="C")
+        clock.advance(seconds=2)
+        await wait_for_alerts(conn, "sent", 3, timeout=20)
+    assert [r["scope"] for r in await incidents(conn)] == ["error_class", "storm"]
+    assert len(server.incident_list()) == 2, "no second storm incident"
+    outcomes = sorted(r["outcome"] for r in await alert_rows(conn))
+    assert outcomes == ["found", "merged", "opened"]
+    assert await scalar(conn, "SELECT count(*) FROM jobfence.alerts WHERE storm") == 1
+    await assert_each_dead_letter_counted_once(conn, server, 3)
 
 
 def test_the_bounds_are_configured_by_environment_and_checked() -> None:

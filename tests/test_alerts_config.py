@@ -276,3 +276,41 @@ def test_alert_relay_refuses_a_token_that_cannot_be_one_naming_the_variable(
         "JOBFENCE_BETTERSTACK_TOKEN", ""
     )
     assert server.requests == []
+
+
+def test_alert_relay_flags_override_the_bound_variables(
+    database_url: str, server: FakeBetterStack, tmp_path: Path
+) -> None:
+    env = relay_env(
+        database_url,
+        server,
+        JOBFENCE_ALERT_MAX_NEW_INCIDENTS="7",
+        JOBFENCE_ALERT_MAX_ERROR_CLASSES="4",
+        JOBFENCE_ALERT_INCIDENT_PERIOD="5m",
+    )
+    log = tmp_path / "relay.log"
+    args = ["--poll-seconds", "0.05", "--max-new-incidents", "2", "--incident-period", "1h"]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "jobfence.cli", "alert-relay", *args],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 30
+        while "alert relay active" not in log.read_text() and time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    text = log.read_text()
+    assert "at most 2 new incidents per 1h, 4 error classes per consumer" in text, text
+    assert "escalated 0, storms 0" in text
+    bad = run_relay({**env, "JOBFENCE_ALERT_MAX_NEW_INCIDENTS": "many"})
+    assert bad.returncode == 2
+    assert "JOBFENCE_ALERT_MAX_NEW_INCIDENTS must be a whole number" in bad.stderr

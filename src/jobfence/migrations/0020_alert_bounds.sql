@@ -36,9 +36,8 @@ DROP INDEX jobfence.alert_outbox_ungrouped_idx;
 CREATE INDEX alert_outbox_ungrouped_idx
     ON jobfence.alert_outbox (queue, key_consumer, key_error_class, scope, created_at)
     WHERE group_id IS NULL AND scope IS NOT NULL;
--- A key's dead letters (resolution, the classes a consumer has at a time).
-CREATE INDEX alert_outbox_key_idx
-    ON jobfence.alert_outbox (queue, key_consumer, key_error_class, scope);
+-- A key's pending dead letters are found through core.dead_letters' indexes on pending rows
+-- (the review backlog), then their outbox rows by primary key: no scan of the history.
 
 ALTER TABLE jobfence.alert_groups
     ADD COLUMN scope text NOT NULL DEFAULT 'error_class',

@@ -38,11 +38,12 @@ WITH batch AS (
 ), consumers AS (
     SELECT DISTINCT queue, consumer FROM batch WHERE NOT unknown
 ), active AS (
-    SELECT DISTINCT o.queue, o.key_consumer AS consumer, o.key_error_class AS error_class
+    -- From the pending dead letters only (an index scan of the review backlog, not history).
+    SELECT DISTINCT d.queue, d.consumer, d.error_class
     FROM consumers c
-    JOIN jobfence.alert_outbox o
-      ON o.queue = c.queue AND o.key_consumer = c.consumer AND o.scope = 'error_class'
-    JOIN core.dead_letters d ON d.id = o.dead_letter_id AND d.status = 'pending_review'
+    JOIN core.dead_letters d
+      ON d.queue = c.queue AND d.status = 'pending_review' AND d.consumer = c.consumer
+    JOIN jobfence.alert_outbox o ON o.dead_letter_id = d.id AND o.scope = 'error_class'
 ), active_count AS (
     SELECT queue, consumer, count(*) AS n FROM active GROUP BY queue, consumer
 ), fresh AS (
@@ -432,19 +433,32 @@ RETURNING i.id;
 UPDATE jobfence.alert_incidents i
 SET state = 'resolving', resolve_requested_at = coalesce(%(now)s::timestamptz, now()),
     resolve_next_at = coalesce(%(now)s::timestamptz, now()), resolve_error = NULL
+-- One branch per scope (CASE runs only the incident's own), each an index scan of the
+-- pending dead letters (the review backlog), never of the history.
 WHERE i.state = 'open'
-  AND (i.scope = 'storm'
-       OR NOT EXISTS (SELECT 1 FROM jobfence.alert_outbox o
-                      JOIN core.dead_letters d ON d.id = o.dead_letter_id
-                      WHERE o.queue = i.queue AND o.key_consumer = i.consumer
-                        AND o.key_error_class = i.error_class AND o.scope = i.scope
-                        AND d.status = 'pending_review'))
-  AND (i.scope <> 'storm'
-       OR NOT EXISTS (SELECT 1 FROM jobfence.alerts a
-                      JOIN jobfence.alert_outbox o ON o.group_id = a.group_id
-                      JOIN core.dead_letters d ON d.id = o.dead_letter_id
-                      WHERE a.incident_id = i.incident_id AND a.kind = 'dead_letters'
-                        AND d.status = 'pending_review'))
+  AND NOT (CASE i.scope
+      WHEN 'error_class' THEN EXISTS (
+          SELECT 1 FROM core.dead_letters d
+          JOIN jobfence.alert_outbox o ON o.dead_letter_id = d.id AND o.scope = 'error_class'
+          WHERE d.queue = i.queue AND d.error_class = i.error_class
+            AND d.consumer = i.consumer AND d.status = 'pending_review')
+      WHEN 'other_error_classes' THEN EXISTS (
+          SELECT 1 FROM core.dead_letters d
+          JOIN jobfence.alert_outbox o
+            ON o.dead_letter_id = d.id AND o.scope = 'other_error_classes'
+          WHERE d.queue = i.queue AND d.consumer = i.consumer AND d.status = 'pending_review')
+      WHEN 'unknown_consumers' THEN EXISTS (
+          SELECT 1 FROM core.dead_letters d
+          JOIN jobfence.alert_outbox o
+            ON o.dead_letter_id = d.id AND o.scope = 'unknown_consumers'
+          WHERE d.queue = i.queue AND d.status = 'pending_review')
+      ELSE EXISTS (
+          SELECT 1 FROM jobfence.alerts a
+          JOIN jobfence.alert_outbox o ON o.group_id = a.group_id
+          JOIN core.dead_letters d ON d.id = o.dead_letter_id
+          WHERE a.incident_id = i.incident_id AND a.kind = 'dead_letters'
+            AND d.status = 'pending_review')
+      END)
 RETURNING i.id;
 
 -- name: incident_resolve_claim
@@ -466,18 +480,30 @@ FROM next
 WHERE i.id = next.id
 RETURNING i.id, i.incident_id, i.queue, i.consumer, i.error_class, i.dead_letters,
           i.resolve_attempts,
-          CASE WHEN i.scope = 'storm' THEN
-              (SELECT count(*) FROM jobfence.alerts a
-               JOIN jobfence.alert_outbox o ON o.group_id = a.group_id
-               JOIN core.dead_letters d ON d.id = o.dead_letter_id
-               WHERE a.incident_id = i.incident_id AND a.kind = 'dead_letters'
-                 AND d.status = 'pending_review')
-          ELSE
-              (SELECT count(*) FROM jobfence.alert_outbox o
-               JOIN core.dead_letters d ON d.id = o.dead_letter_id
-               WHERE o.queue = i.queue AND o.key_consumer = i.consumer
-                 AND o.key_error_class = i.error_class AND o.scope = i.scope
-                 AND d.status = 'pending_review')
+          CASE i.scope
+              WHEN 'error_class' THEN (
+                  SELECT count(*) FROM core.dead_letters d
+                  JOIN jobfence.alert_outbox o
+                    ON o.dead_letter_id = d.id AND o.scope = 'error_class'
+                  WHERE d.queue = i.queue AND d.error_class = i.error_class
+                    AND d.consumer = i.consumer AND d.status = 'pending_review')
+              WHEN 'other_error_classes' THEN (
+                  SELECT count(*) FROM core.dead_letters d
+                  JOIN jobfence.alert_outbox o
+                    ON o.dead_letter_id = d.id AND o.scope = 'other_error_classes'
+                  WHERE d.queue = i.queue AND d.consumer = i.consumer
+                    AND d.status = 'pending_review')
+              WHEN 'unknown_consumers' THEN (
+                  SELECT count(*) FROM core.dead_letters d
+                  JOIN jobfence.alert_outbox o
+                    ON o.dead_letter_id = d.id AND o.scope = 'unknown_consumers'
+                  WHERE d.queue = i.queue AND d.status = 'pending_review')
+              ELSE (
+                  SELECT count(*) FROM jobfence.alerts a
+                  JOIN jobfence.alert_outbox o ON o.group_id = a.group_id
+                  JOIN core.dead_letters d ON d.id = o.dead_letter_id
+                  WHERE a.incident_id = i.incident_id AND a.kind = 'dead_letters'
+                    AND d.status = 'pending_review')
           END AS still_pending;
 
 -- name: incident_resolve_cancel
