@@ -119,9 +119,10 @@ async def test_unknown_consumers_and_error_classes_beyond_five_do_not_multiply_i
 ) -> None:
     """The scenario that opened 26 incidents: a 5 s window, 50 hard failures of one group, 20
     jobs for made-up consumers ghost_1..ghost_20 and 5 exception classes made at run time,
-    all through a real worker. Now: one incident for the hard failures, four for the first
-    new classes, one for the classes beyond five, one for every unknown consumer of the
-    queue: 7, and each dead letter counted on exactly one of them."""
+    all through a real worker (and two messages whose consumer name cannot be stored). Now:
+    one incident for the hard failures, four for the first new classes, one for the classes
+    beyond five, one for every unknown consumer of the queue: 7, and each dead letter counted
+    on exactly one of them."""
     app = hostile_app()
     for n in range(50):
         await app.enqueue(conn, "charge", {"n": n, "kind": "hard"}, job_id=f"hard-{n}")
@@ -129,13 +130,21 @@ async def test_unknown_consumers_and_error_classes_beyond_five_do_not_multiply_i
         await app.enqueue(conn, "charge", {"n": n, "kind": "dynamic"}, job_id=f"dyn-{n}")
     for n in range(1, 21):
         await publish_on(conn, Message(BOUNDS_QUEUE, f"ghost_{n}", f"ghost-{n}", b"{}"))
+    # Names no consumer can have (a line break, 300 characters): kept whole as
+    # UnfenceableMessage dead letters, and filed under the same key of the queue.
+    for n, name in enumerate(["ghost\nFORGED CRITICAL line", "g" * 300]):
+        await conn.execute(
+            "INSERT INTO jobfence_queue.messages (queue, consumer, job_id, body)"
+            " VALUES (%s, %s, %s, %s)",
+            (BOUNDS_QUEUE, name, f"unfenceable-{n}", b"{}"),
+        )
     queue = PgQueue(pool, poll_interval_seconds=0.05)
     try:
         worker = Worker(app, pool, queue, poll_seconds=0.05)
         stats = await asyncio.wait_for(worker.run(until="empty"), timeout=60)
     finally:
         await queue.close()
-    assert stats.outcomes == {"dead_lettered": 55, "poison": 20}
+    assert stats.outcomes == {"dead_lettered": 55, "poison": 22}
 
     clock = MovableClock()
     relay = make_relay(
@@ -147,7 +156,7 @@ async def test_unknown_consumers_and_error_classes_beyond_five_do_not_multiply_i
         await wait_until(lambda: settled(conn), message="every alert handled")
         await wait_rounds(relay, 2)
 
-    rows = await assert_each_dead_letter_counted_once(conn, server, 75)
+    rows = await assert_each_dead_letter_counted_once(conn, server, 77)
     assert len(server.posts()) == 7
     by_scope: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
@@ -161,13 +170,13 @@ async def test_unknown_consumers_and_error_classes_beyond_five_do_not_multiply_i
     assert (unknown["queue"], unknown["consumer"], unknown["dead_letters"]) == (
         BOUNDS_QUEUE,
         "*",
-        20,
+        22,
     )
     [other] = by_scope["other_error_classes"]
     assert (other["consumer"], other["error_class"], other["dead_letters"]) == ("charge", "*", 1)
     assert sorted(r["dead_letters"] for r in by_scope["error_class"]) == [1, 1, 1, 1, 50]
     names = sorted(post.json()["name"] for post in server.posts())
-    assert f"jobfence: 20 dead letters on {BOUNDS_QUEUE} (unknown consumers)" in names
+    assert f"jobfence: 22 dead letters on {BOUNDS_QUEUE} (unknown consumers)" in names
     assert f"jobfence: 1 dead letter on {BOUNDS_QUEUE}/charge (other error classes)" in names
     assert not any("ghost_" in name for name in names)
 
@@ -329,20 +338,34 @@ async def test_a_class_gets_its_own_incident_again_once_a_slot_is_free(
         clock=clock,
         settings=fast_settings(group_window_seconds=1.0, max_error_classes=2),
     )
-    first = await write_dead_letter(conn, "c1", error_class="First")
-    await write_dead_letter(conn, "c2", error_class="Second")
-    await write_dead_letter(conn, "c3", error_class="Third")
+    written = [
+        await write_dead_letter(conn, f"c{n}", error_class=name)
+        for n, name in enumerate(["First", "Second", "Third"])
+    ]
+    first = written[0]
     assert first is not None
     async with running(relay):
         clock.advance(seconds=2)
         await wait_until(lambda: settled(conn), message="every alert handled")
         assert sorted(r["error_class"] for r in await incidents(conn)) == ["*", "First", "Second"]
         await discard_dead_letter(pool, first, reason="handled", resolved_by="ops")
-        await write_dead_letter(conn, "c4", error_class="Fourth")
+        written.append(await write_dead_letter(conn, "c4", error_class="Fourth"))
         clock.advance(seconds=2)
         await wait_until(lambda: settled(conn), message="the fourth handled")
-    keys = [(r["error_class"], r["state"]) for r in await incidents(conn)]
-    assert ("Fourth", "open") in keys
+        keys = [(r["error_class"], r["state"]) for r in await incidents(conn)]
+        assert ("Fourth", "open") in keys
+        assert ("*", "open") in keys, "Third still pending: its collapsed incident stays open"
+
+        # The collapsed incident resolves like any other once its dead letters are handled.
+        for dead_letter_id in written[1:]:
+            assert dead_letter_id is not None
+            await discard_dead_letter(pool, dead_letter_id, reason="handled", resolved_by="ops")
+
+        async def all_resolved() -> bool:
+            return {r["state"] for r in await incidents(conn)} == {"resolved"}
+
+        await wait_until(all_resolved, message="every incident resolved")
+    assert len(server.calls("resolve")) == 4
     assert await scalar(conn, "SELECT count(*) FROM core.dead_letters") == 4
     assert all(r["consumer"] == CONSUMER and r["queue"] == QUEUE for r in await incidents(conn))
     assert HARD not in {r["error_class"] for r in await incidents(conn)}

@@ -112,6 +112,14 @@ class RelaySettings:
     of an incident's state is refreshed from Better Stack when it is older than
     ``state_max_age_seconds`` and a decision depends on it; a growing count is reported as a
     comment at most once per ``update_interval_seconds``.
+
+    Bounds on what a producer can page (docs/operations.md, "Bounded incidents"): a consumer's
+    error classes get their own key up to ``max_error_classes`` at a time (a class counts while
+    one of its dead letters is pending review), the others share ``(queue, consumer, '*')``;
+    dead letters of unknown consumers share ``(queue, '*', '*')``; at most
+    ``max_new_incidents`` new incidents open per ``incident_period_seconds`` (a sliding
+    window), beyond which one storm incident counts every alert that would have opened one,
+    until a whole period passes without such an alert.
     """
 
     group_window_seconds: float = 60.0
