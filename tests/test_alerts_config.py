@@ -254,3 +254,63 @@ async def test_an_http_loopback_api_url_needs_no_permission() -> None:
     assert relay.settings.lost_answer_wait_seconds == 10.0 + 5.0, "timeout plus the margin"
     with pytest.raises(ConfigError, match="JOBFENCE_BETTERSTACK_ALLOW_HTTP must be 1 or 0"):
         alert_config_from_env({"JOBFENCE_BETTERSTACK_ALLOW_HTTP": "maybe"})
+
+
+@pytest.mark.parametrize(
+    ("token", "message"),
+    [
+        pytest.param("   ", "is blank", id="blank"),
+        pytest.param(TOKEN + "\n", "contains a space, a line break", id="final-newline"),
+        pytest.param("tok en-secret-9", "contains a space, a line break", id="inner-space"),
+    ],
+)
+def test_alert_relay_refuses_a_token_that_cannot_be_one_naming_the_variable(
+    database_url: str, server: FakeBetterStack, token: str, message: str
+) -> None:
+    env = relay_env(database_url, server, JOBFENCE_BETTERSTACK_TOKEN=token)
+    result = run_relay(env)
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"jobfence: error: JOBFENCE_BETTERSTACK_TOKEN {message}"), last
+    assert (token.strip() or token) not in result.stdout + result.stderr.replace(
+        "JOBFENCE_BETTERSTACK_TOKEN", ""
+    )
+    assert server.requests == []
+
+
+def test_alert_relay_flags_override_the_bound_variables(
+    database_url: str, server: FakeBetterStack, tmp_path: Path
+) -> None:
+    env = relay_env(
+        database_url,
+        server,
+        JOBFENCE_ALERT_MAX_NEW_INCIDENTS="7",
+        JOBFENCE_ALERT_MAX_ERROR_CLASSES="4",
+        JOBFENCE_ALERT_INCIDENT_PERIOD="5m",
+    )
+    log = tmp_path / "relay.log"
+    args = ["--poll-seconds", "0.05", "--max-new-incidents", "2", "--incident-period", "1h"]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "jobfence.cli", "alert-relay", *args],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 30
+        while "alert relay active" not in log.read_text() and time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    text = log.read_text()
+    assert "at most 2 new incidents per 1h, 4 error classes per consumer" in text, text
+    assert "escalated 0, storms 0" in text
+    bad = run_relay({**env, "JOBFENCE_ALERT_MAX_NEW_INCIDENTS": "many"})
+    assert bad.returncode == 2
+    assert "JOBFENCE_ALERT_MAX_NEW_INCIDENTS must be a whole number" in bad.stderr

@@ -285,10 +285,14 @@ async def test_401_and_422_are_not_retried_but_counted_logged_and_marked_failed(
     errors_logged = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     refused = [m for m in errors_logged if "REFUSED and not retried" in m]
     assert len(refused) == 2
-    assert [m for m in errors_logged if m not in refused] == [
-        "alert relay: the heartbeat reports FAILURE: 1 alert refused for good, oldest waiting "
+    # The two windows end a few milliseconds apart: a round closes one of them, or (on a busy
+    # machine, a round slower than that gap) both at once.
+    [turned] = [m for m in errors_logged if m not in refused]
+    assert turned in [
+        f"alert relay: the heartbeat reports FAILURE: {n} refused for good, oldest waiting "
         "none (bound 10m). See the runbook dead-letter-replay"
-    ]
+        for n in ("1 alert", "2 alerts")
+    ], turned
     assert TOKEN not in caplog.text
     counts = await alert_counts(conn)
     assert (counts.pending, counts.failed) == (0, 2)

@@ -9,6 +9,7 @@ import hashlib
 import hmac
 import json
 import logging
+import secrets
 import signal
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -543,3 +544,127 @@ async def test_a_cached_token_gets_401_over_http_once_it_expires(
             return True
 
         await wait_until(refused, timeout=10, interval=0.2, message="the token to expire")
+
+
+# -- Time claims: RFC 7519 NumericDates of a sane range ------------------------------------------
+
+
+def token_with(**claims: Any) -> str:
+    """A token signed with the test secret, ``claims`` written as given (no exp added)."""
+    payload: dict[str, Any] = {"sub": "alice", "permissions": list(ALL_PERMISSIONS)}
+    payload |= claims
+    return jwt.encode(payload, SECRET, algorithm="HS256")
+
+
+@pytest.mark.parametrize(
+    ("claims", "detail"),
+    [
+        pytest.param({"exp": "9999999999"}, "exp claim must be a JSON number", id="exp-string"),
+        pytest.param({"exp": 1e300}, "exp claim is out of range", id="exp-1e300"),
+        pytest.param({"exp": 10**400}, "exp claim is out of range", id="exp-huge-int"),
+        pytest.param({"exp": float("nan")}, "exp claim is out of range", id="exp-nan"),
+        pytest.param({"exp": float("inf")}, "exp claim is out of range", id="exp-inf"),
+        pytest.param({"exp": float("-inf")}, "exp claim is out of range", id="exp-minus-inf"),
+        pytest.param({"exp": True}, "exp claim must be a JSON number", id="exp-bool"),
+        pytest.param({"exp": None}, "the token has no exp claim", id="exp-null"),
+        pytest.param({"exp": [9999999999]}, "exp claim must be a JSON number", id="exp-list"),
+        pytest.param({"exp": 32_503_680_001}, "exp claim is out of range", id="exp-after-3000"),
+        pytest.param({"nbf": "0"}, "nbf claim must be a JSON number", id="nbf-string"),
+        pytest.param({"nbf": -1}, "nbf claim is out of range", id="nbf-negative"),
+        pytest.param({"iat": 1e300}, "iat claim is out of range", id="iat-1e300"),
+        pytest.param({"iat": "now"}, "iat claim must be a JSON number", id="iat-string"),
+        pytest.param({"iat": "FUTURE"}, "not valid yet (its iat", id="iat-future"),
+    ],
+)
+async def test_time_claims_of_the_wrong_type_or_out_of_range_are_refused(
+    api: Api, claims: dict[str, Any], detail: str
+) -> None:
+    """A string, a boolean, null, NaN, an infinity, 1e300 or a date after the year 3000 in
+    exp, nbf or iat: 401 with a problem that names the claim, never a token that lives for
+    ever (PyJWT alone takes int() of them: "9999999999" and 1e300 would pass)."""
+    now = int(time.time())
+    claims = {"exp": now + 300} | claims
+    if claims.get("iat") == "FUTURE":
+        claims["iat"] = now + 600
+    response = await api.client.get(PREFIX, headers=bearer(token_with(**claims)))
+    problem = assert_problem(response, 401, type="urn:jobfence:problem:unauthorized")
+    assert detail in problem["detail"]
+    assert 'error="invalid_token"' in response.headers["www-authenticate"]
+
+
+async def test_time_claims_may_be_integers_or_fractions_of_seconds(api: Api) -> None:
+    now = time.time()
+    for claims in (
+        {"exp": int(now) + 300},
+        {"exp": now + 300.5, "nbf": now - 1.25, "iat": now - 0.5},
+        {"exp": 32_503_680_000, "nbf": 0, "iat": 0},  # the bounds themselves
+    ):
+        response = await api.client.get(PREFIX, headers=bearer(token_with(**claims)))
+        assert response.status_code == 200, (claims, response.text)
+
+
+# -- The shared secret's entropy ------------------------------------------------------------------
+
+
+WEAK_SECRETS = [
+    pytest.param(" " * 40, "is only whitespace", id="40-spaces"),
+    pytest.param("\t \n" * 12, "is only whitespace", id="whitespace-mix"),
+    pytest.param("a" * 40, "shorter piece repeated", id="one-character"),
+    pytest.param("ab" * 20, "shorter piece repeated", id="two-alternating"),
+    pytest.param("0123456789abcdef" * 2, "shorter piece repeated", id="hex-digits-twice"),
+    pytest.param("x" * 30 + "-secret-2", "too little entropy", id="padded-word"),
+    pytest.param("é" * 15 + "x", "too short", id="15-characters-31-bytes"),
+]
+
+
+@pytest.mark.parametrize(("secret", "message"), WEAK_SECRETS)
+def test_a_secret_without_real_entropy_is_refused_naming_the_variable(
+    secret: str, message: str
+) -> None:
+    with pytest.raises(ConfigError) as raised:
+        ApiSettings.from_env({"JOBFENCE_JWT_SECRET": secret})
+    text = str(raised.value)
+    assert text.startswith("JOBFENCE_JWT_SECRET ") and message in text, text
+    assert secret not in text
+
+
+@pytest.mark.parametrize(
+    "secret",
+    [
+        pytest.param(SECRET, id="the-tests-secret"),
+        pytest.param(secrets.token_hex(32), id="openssl-rand-hex-32"),
+        pytest.param(secrets.token_hex(16), id="openssl-rand-hex-16"),
+        pytest.param(secrets.token_urlsafe(32), id="openssl-rand-base64-32"),
+        pytest.param(" " + secrets.token_hex(16) + " ", id="spaces-around-kept"),
+    ],
+)
+def test_random_secrets_of_32_bytes_or_more_are_accepted(secret: str) -> None:
+    assert ApiSettings.from_env({"JOBFENCE_JWT_SECRET": secret}).jwt_secret == secret
+
+
+async def test_jobfence_api_refuses_a_secret_of_40_spaces_in_one_line_without_printing_it(
+    database_url: str, tmp_path: Path
+) -> None:
+    proc = ApiProcess(database_url, tmp_path, JOBFENCE_JWT_SECRET=" " * 40)
+    try:
+        assert await proc.wait_exit() == 2
+        lines = proc.output().strip().splitlines()
+        assert len(lines) == 1, lines
+        assert lines[0].startswith("jobfence: error: JOBFENCE_JWT_SECRET is only whitespace"), lines
+        assert " " * 10 not in lines[0]
+    finally:
+        proc.cleanup()
+
+
+async def test_jobfence_api_refuses_a_repeated_secret_without_printing_it(
+    database_url: str, tmp_path: Path
+) -> None:
+    weak = "hunter2!" * 5
+    proc = ApiProcess(database_url, tmp_path, JOBFENCE_JWT_SECRET=weak)
+    try:
+        assert await proc.wait_exit() == 2
+        output = proc.output()
+        assert "jobfence: error: JOBFENCE_JWT_SECRET is a shorter piece repeated" in output
+        assert "hunter2" not in output
+    finally:
+        proc.cleanup()

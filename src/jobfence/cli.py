@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import importlib
 import logging
 import os
@@ -16,7 +17,7 @@ import psycopg
 
 from jobfence import cli_dead_letters, db, runtime, schema
 from jobfence.app import App
-from jobfence.errors import JobfenceError
+from jobfence.errors import ConfigError, JobfenceError
 from jobfence.queues import add_queue_url_option
 
 if TYPE_CHECKING:
@@ -311,6 +312,12 @@ async def _cmd_alert_relay(args: argparse.Namespace) -> int:
     from jobfence.config import alert_config_from_env
 
     config = alert_config_from_env()
+    overrides = {
+        name: getattr(args, name)
+        for name in ("max_error_classes", "max_new_incidents", "incident_period_seconds")
+        if getattr(args, name) is not None
+    }
+    config = dataclasses.replace(config, **overrides)
     url = db.resolve_database_url()
     if args.retry_failed:
         await db.check_connection(url)
@@ -401,6 +408,15 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _duration_arg(text: str) -> float:
+    from jobfence.config import parse_duration
+
+    try:
+        return parse_duration(text, name="the duration")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
@@ -413,6 +429,48 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+def _add_alert_relay_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "alert-relay",
+        help="deliver dead-letter alerts to Better Stack (needs JOBFENCE_BETTERSTACK_TOKEN)",
+    )
+    p.add_argument(
+        "--poll-seconds", type=_positive_float, default=1.0, help="idle wait between rounds (1)"
+    )
+    p.add_argument(
+        "--retry-failed",
+        action="store_true",
+        help="queue the alerts Better Stack refused (401, 422...) for delivery again, and exit",
+    )
+    p.add_argument(
+        "--max-error-classes",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="error classes of a consumer with an incident of their own at a time; the others "
+        "share one (JOBFENCE_ALERT_MAX_ERROR_CLASSES, 5)",
+    )
+    p.add_argument(
+        "--max-new-incidents",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="new incidents per --incident-period; beyond, one alert storm incident counts the "
+        "rest (JOBFENCE_ALERT_MAX_NEW_INCIDENTS, 10)",
+    )
+    p.add_argument(
+        "--incident-period",
+        dest="incident_period_seconds",
+        type=_duration_arg,
+        default=None,
+        metavar="DURATION",
+        help="the period of --max-new-incidents, such as 600, 10m or 1h "
+        "(JOBFENCE_ALERT_INCIDENT_PERIOD, 10m)",
+    )
+    _add_metrics_options(p)
+    p.set_defaults(func=_cmd_alert_relay)
 
 
 def _add_outbox_relay_parser(sub: Any) -> None:
@@ -584,20 +642,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_queue_url_option(p)
     p.set_defaults(func=_cmd_api)
 
-    p = sub.add_parser(
-        "alert-relay",
-        help="deliver dead-letter alerts to Better Stack (needs JOBFENCE_BETTERSTACK_TOKEN)",
-    )
-    p.add_argument(
-        "--poll-seconds", type=_positive_float, default=1.0, help="idle wait between rounds (1)"
-    )
-    p.add_argument(
-        "--retry-failed",
-        action="store_true",
-        help="queue the alerts Better Stack refused (401, 422...) for delivery again, and exit",
-    )
-    _add_metrics_options(p)
-    p.set_defaults(func=_cmd_alert_relay)
+    _add_alert_relay_parser(sub)
 
     _add_outbox_relay_parser(sub)
     cli_dead_letters.add_parser(sub)  # jobfence dead-letters ...: its commands set func

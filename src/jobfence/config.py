@@ -213,6 +213,9 @@ ENV_BETTERSTACK_ALLOW_HTTP = "JOBFENCE_BETTERSTACK_ALLOW_HTTP"
 ENV_ALERT_STATE_MAX_AGE = "JOBFENCE_ALERT_STATE_MAX_AGE"
 ENV_ALERT_UPDATE_INTERVAL = "JOBFENCE_ALERT_UPDATE_INTERVAL"
 ENV_ALERT_DELIVERY_BOUND = "JOBFENCE_ALERT_DELIVERY_BOUND"
+ENV_ALERT_MAX_ERROR_CLASSES = "JOBFENCE_ALERT_MAX_ERROR_CLASSES"
+ENV_ALERT_MAX_NEW_INCIDENTS = "JOBFENCE_ALERT_MAX_NEW_INCIDENTS"
+ENV_ALERT_INCIDENT_PERIOD = "JOBFENCE_ALERT_INCIDENT_PERIOD"
 DEFAULT_BETTERSTACK_API_URL = "https://uptime.betterstack.com"
 NOTIFY_CHANNELS = ("call", "sms", "email", "push")
 DEFAULT_NOTIFY = frozenset({"email", "push"})
@@ -241,6 +244,19 @@ class AlertConfig:
     state_max_age_seconds: float = 60.0
     update_interval_seconds: float = 600.0
     delivery_bound_seconds: float = 600.0
+    max_error_classes: int = 5
+    max_new_incidents: int = 10
+    incident_period_seconds: float = 600.0
+
+
+def _count_or(env: Mapping[str, str], name: str, default: int) -> int:
+    """A whole number from 1 to 1,000,000 (unset: ``default``)."""
+    text = _optional(env, name)
+    if text is None:
+        return default
+    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= 1_000_000:
+        raise ConfigError(f"{name} must be a whole number from 1 to 1000000, got {text!r}")
+    return int(text)
 
 
 def parse_duration(text: str, *, name: str) -> float:
@@ -340,4 +356,7 @@ def alert_config_from_env(environ: Mapping[str, str] | None = None) -> AlertConf
         state_max_age_seconds=_duration_or(env, ENV_ALERT_STATE_MAX_AGE, 60.0),
         update_interval_seconds=_duration_or(env, ENV_ALERT_UPDATE_INTERVAL, 600.0),
         delivery_bound_seconds=_duration_or(env, ENV_ALERT_DELIVERY_BOUND, 600.0),
+        max_error_classes=_count_or(env, ENV_ALERT_MAX_ERROR_CLASSES, 5),
+        max_new_incidents=_count_or(env, ENV_ALERT_MAX_NEW_INCIDENTS, 10),
+        incident_period_seconds=_duration_or(env, ENV_ALERT_INCIDENT_PERIOD, 600.0),
     )

@@ -176,6 +176,7 @@ INCIDENT_ACTIONS = (
     "resolved",
     "resolved_by_person",
     "escalated",
+    "storm",
 )
 
 
@@ -188,7 +189,8 @@ class PrometheusAlertMetrics:
     rate_limited, server_error, or rejected for a 4xx that is not retried);
     ``jobfence_alerts_pending`` is how many alerts wait to be delivered, as the relay last saw.
     ``jobfence_alert_incidents_total{action}`` counts incident lifecycle steps (opened, merged,
-    updated, resolved, resolved_by_person, escalated); ``jobfence_alerts_refused`` is how many
+    updated, resolved, resolved_by_person, escalated, and storm: an alert storm incident opened,
+    also counted as opened); ``jobfence_alerts_refused`` is how many
     alerts and resolves Better Stack refused for good (waiting for ``--retry-failed``);
     ``jobfence_alert_relay_heartbeat_ok`` is 1 while the relay's heartbeat reports success, 0
     while it reports failure.

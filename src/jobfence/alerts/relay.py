@@ -3,8 +3,10 @@
 Each round, on its own database connection, under a session advisory lock (one active relay
 per database; another one stands by):
 
-1. **group**: outbox rows join their key's open group while they fall inside its window
-   (``(queue, consumer, error_class)``, window starting at the first one's ``created_at``); a
+1. **group**: outbox rows are filed under their alert key (``outbox_classify``: one key per
+   queue for consumers that are not registered, ``(queue, consumer, '*')`` for a consumer's
+   error classes beyond ``max_error_classes``), then join their key's open group while they
+   fall inside its window (window starting at the first one's ``created_at``); a
    group whose window is over is closed, its members counted, and its alert row created with
    a fresh dedup key;
 2. **escalate** (D4): a closed group whose window ended ``escalate_after`` ago gets one
@@ -18,7 +20,10 @@ per database; another one stands by):
    confirmed by ``GET /api/v3/incidents/{id}`` when what we know is older than
    ``state_max_age``), a dead letters alert is merged into it (counted) and an escalation
    escalates it (``POST .../escalate``, once per incident); only a key without one (none yet,
-   or the last one resolved, by a person or by us) gets a new incident. Network errors,
+   or the last one resolved, by a person or by us) gets a new incident, unless
+   ``max_new_incidents`` opened within ``incident_period`` (or a storm alert was counted
+   within it): then it is counted on the one storm incident (opened for it if needed).
+   Network errors,
    timeouts, 429 (honouring ``Retry-After``) and 5xx are retried with backoff, pausing all
    deliveries meanwhile; other 4xx are logged, counted and the alert is marked failed;
 4. **resolve**: a key whose dead letters were all replayed or discarded has its incident
@@ -41,7 +46,7 @@ import ipaddress
 import logging
 import random
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -71,6 +76,16 @@ log = logging.getLogger("jobfence.alerts")
 # Session advisory lock of the active relay ("jfalerts"); distinct from the migration lock.
 RELAY_LOCK_KEY = 0x6A66616C65727473
 MAX_GROUPING_PASSES = 100
+#: Outbox rows filed under their alert key per statement (repeated until none is left).
+CLASSIFY_BATCH = 1000
+#: The error classes of dead letters whose consumer is not one of the application's (or whose
+#: identifiers could not be stored as named): their consumer name is the producer's choice, so
+#: they are filed under one key per queue, whatever the name.
+UNKNOWN_CONSUMER_CLASSES = ("UnknownConsumer", "UnfenceableMessage")
+#: The consumer and error class of a key that stands for many (unknown consumers, the error
+#: classes beyond the limit, the storm).
+ANY = "*"
+STORM_BREAKDOWN_KEYS = 10
 SAMPLE_DEAD_LETTERS = 5
 MAX_NAME_CHARS = 200
 MAX_SUMMARY_CHARS = 300
@@ -97,6 +112,14 @@ class RelaySettings:
     of an incident's state is refreshed from Better Stack when it is older than
     ``state_max_age_seconds`` and a decision depends on it; a growing count is reported as a
     comment at most once per ``update_interval_seconds``.
+
+    Bounds on what a producer can page (docs/operations.md, "Bounded incidents"): a consumer's
+    error classes get their own key up to ``max_error_classes`` at a time (a class counts while
+    one of its dead letters is pending review), the others share ``(queue, consumer, '*')``;
+    dead letters of unknown consumers share ``(queue, '*', '*')``; at most
+    ``max_new_incidents`` new incidents open per ``incident_period_seconds`` (a sliding
+    window), beyond which one storm incident counts every alert that would have opened one,
+    until a whole period passes without such an alert.
     """
 
     group_window_seconds: float = 60.0
@@ -112,6 +135,9 @@ class RelaySettings:
     update_interval_seconds: float = 600.0
     delivery_bound_seconds: float = 600.0
     lost_answer_wait_seconds: float = 15.0
+    max_error_classes: int = 5
+    max_new_incidents: int = 10
+    incident_period_seconds: float = 600.0
 
     def __post_init__(self) -> None:
         for name in (
@@ -125,6 +151,7 @@ class RelaySettings:
             "retry_cap_seconds",
             "retry_after_cap_seconds",
             "reconnect_cap_seconds",
+            "incident_period_seconds",
         ):
             value = getattr(self, name)
             if not 0 < value < float("inf"):
@@ -140,6 +167,10 @@ class RelaySettings:
             raise ConfigError("heartbeat_interval_seconds must be >= 0")
         if self.batch_size < 1:
             raise ConfigError("batch_size must be >= 1")
+        if self.max_error_classes < 1:
+            raise ConfigError(f"max_error_classes must be >= 1, got {self.max_error_classes}")
+        if self.max_new_incidents < 1:
+            raise ConfigError(f"max_new_incidents must be >= 1, got {self.max_new_incidents}")
 
 
 @dataclass
@@ -158,6 +189,7 @@ class RelayStats:
     resolved: int = 0
     resolved_by_person: int = 0
     escalated: int = 0
+    storms: int = 0
     state_checks: int = 0
     heartbeats: int = 0
     heartbeat_failures: int = 0
@@ -169,7 +201,7 @@ class RelayStats:
             f"retries {sum(self.retried.values())}, cancelled {sum(self.cancelled.values())}, "
             f"found already open {self.found_existing}, opened {self.opened}, "
             f"merged {self.merged}, updates {self.updated}, resolved {self.resolved}, "
-            f"escalated {self.escalated}"
+            f"escalated {self.escalated}, storms {self.storms}"
         )
 
 
@@ -181,6 +213,7 @@ class _Claimed:
     dedup_key: str
     dead_letters: int
     attempts: int
+    storm: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,6 +221,7 @@ class _Group:
     queue: str
     consumer: str
     error_class: str
+    scope: str
     window_start: datetime
     window_end: datetime
     dead_letters: int
@@ -235,6 +269,18 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def _token_problem(token: str) -> str | None:
+    """Why ``token`` cannot be a Better Stack API token (never quoting it); None when it can."""
+    if not token.strip():
+        return "is blank: set it to the Better Stack Uptime API token"
+    if any(ch.isspace() or not ch.isprintable() for ch in token):
+        return (
+            "contains a space, a line break or another control character (a token has none; "
+            "was it read from a file with its final newline?)"
+        )
+    return None
 
 
 def _plural(n: int, word: str) -> str:
@@ -320,6 +366,9 @@ class AlertRelay:
                 f"{ENV_BETTERSTACK_TOKEN} is not set: the alert relay needs a Better Stack "
                 "Uptime API token"
             )
+        token_problem = _token_problem(config.token)
+        if token_problem is not None:
+            raise ConfigError(f"{ENV_BETTERSTACK_TOKEN} {token_problem}")
         if not config.requester_email:
             raise ConfigError(
                 f"{ENV_BETTERSTACK_REQUESTER_EMAIL} is not set: with a token, Better Stack "
@@ -369,16 +418,23 @@ class AlertRelay:
             update_interval_seconds=config.update_interval_seconds,
             delivery_bound_seconds=config.delivery_bound_seconds,
             lost_answer_wait_seconds=config.timeout_seconds + LOST_ANSWER_MARGIN_SECONDS,
+            max_error_classes=config.max_error_classes,
+            max_new_incidents=config.max_new_incidents,
+            incident_period_seconds=config.incident_period_seconds,
         )
         relay = cls(conninfo, sink, settings=settings, heartbeat=heartbeat, metrics=metrics)
         relay._owned = [sink, *([heartbeat] if heartbeat else [])]
         log.info(
-            "alert relay: Better Stack at %s, group window %s, escalation %s",
+            "alert relay: Better Stack at %s, group window %s, escalation %s, at most %d new "
+            "incidents per %s, %d error classes per consumer",
             sink.origin,
             _duration(settings.group_window_seconds),
             "off"
             if settings.escalate_after_seconds is None
             else f"after {_duration(settings.escalate_after_seconds)}",
+            settings.max_new_incidents,
+            _duration(settings.incident_period_seconds),
+            settings.max_error_classes,
         )
         return relay
 
@@ -496,6 +552,17 @@ class AlertRelay:
     async def _group(self, conn: AsyncConnection[Any]) -> None:
         now = self._now()
         async with conn.transaction():
+            while True:
+                cur = await conn.execute(
+                    SQL["outbox_classify"],
+                    {
+                        "unknown_consumer_classes": list(UNKNOWN_CONSUMER_CLASSES),
+                        "max_error_classes": self.settings.max_error_classes,
+                        "limit": CLASSIFY_BATCH,
+                    },
+                )
+                if len(await cur.fetchall()) < CLASSIFY_BATCH:
+                    break
             for _ in range(MAX_GROUPING_PASSES):
                 await conn.execute(SQL["group_attach"])
                 cur = await conn.execute(SQL["group_close_due"], {"now": now})
@@ -561,7 +628,23 @@ class AlertRelay:
             if alert.kind == "escalation" and group.still_pending == 0:
                 await self._cancel(conn, alert)
                 return
-            current = await self._unresolved_incident(conn, alert.group_id)
+            current = None
+            if alert.kind == "escalation":
+                current = await self._unresolved_incident(
+                    conn, "incident_unresolved_of_group", alert.group_id
+                )
+            if current is None:
+                current = await self._unresolved_incident(
+                    conn, "incident_unresolved_for_key", alert.group_id
+                )
+            if current is None and (alert.storm or await self._storm_under_way(conn)):
+                # Beyond the cap of new incidents: counted on the storm incident instead.
+                current = await self._unresolved_incident(conn, "incident_unresolved_storm", None)
+                if current is None:
+                    if not alert.storm:
+                        await conn.execute(SQL["alert_mark_storm"], {"id": alert.id})
+                        alert = replace(alert, storm=True)
+                    request = await self._storm_request(conn, alert, group)
             if current is not None and alert.kind == "dead_letters":
                 await self._record_merged(conn, alert, current)
                 return
@@ -580,14 +663,28 @@ class AlertRelay:
             return
         await self._record_sent(conn, alert, incident_id, request, "opened")
 
+    async def _storm_under_way(self, conn: AsyncConnection[Any]) -> bool:
+        """Whether a new incident must not open now (see :class:`RelaySettings`)."""
+        cur = await conn.execute(
+            SQL["storm_under_way"],
+            {
+                "now": self._now(),
+                "period_seconds": self.settings.incident_period_seconds,
+                "max_new": self.settings.max_new_incidents,
+            },
+        )
+        row = await cur.fetchone()
+        return bool(row and row[0])
+
     async def _unresolved_incident(
-        self, conn: AsyncConnection[Any], group_id: int
+        self, conn: AsyncConnection[Any], query: str, group_id: int | None
     ) -> _Incident | None:
-        """The key's incident that is not resolved, its state confirmed by Better Stack when
-        what we know is older than ``state_max_age``; None when there is none (any more)."""
+        """The incident ``query`` finds that is not resolved (the key's, the one the group's
+        alert was counted on, the storm's), its state confirmed by Better Stack when what we
+        know is older than ``state_max_age``; None when there is none (any more)."""
         async with conn.cursor(row_factory=dict_row) as cur:
             await cur.execute(
-                SQL["incident_unresolved_for_key"],
+                SQL[query],
                 {
                     "group_id": group_id,
                     "now": self._now(),
@@ -820,12 +917,20 @@ class AlertRelay:
                 return
             total = int(row["dead_letters"])
             new = total - int(row["reported_dead_letters"])
-            content = (
-                f"jobfence: {_plural(total, 'dead letter')} so far on queue {row['queue']}, "
-                f"consumer {row['consumer']} ({row['error_class']}), {new} since the last "
-                "count. This incident stays open until every one is replayed or discarded "
-                "(runbook: dead-letter-replay); it is then resolved automatically."
-            )
+            if row["scope"] == "storm":
+                content = await self._storm_update(conn, str(row["incident_id"]), total, new)
+            else:
+                where = f"consumer {row['consumer']} ({row['error_class']})"
+                if row["scope"] == "unknown_consumers":
+                    where = "consumers that are not registered"
+                elif row["scope"] == "other_error_classes":
+                    where = f"consumer {row['consumer']} (other error classes)"
+                content = (
+                    f"jobfence: {_plural(total, 'dead letter')} so far on queue "
+                    f"{row['queue']}, {where}, {new} since the last count. This incident stays "
+                    "open until every one is replayed or discarded (runbook: "
+                    "dead-letter-replay); it is then resolved automatically."
+                )
             reported: int | None = total
             try:
                 await self._sink.comment_incident(str(row["incident_id"]), content)
@@ -842,6 +947,28 @@ class AlertRelay:
                 self.stats.updated += 1
                 if self._metrics is not None:
                     self._metrics.incident_action("updated")
+
+    async def _storm_update(
+        self, conn: AsyncConnection[Any], incident_id: str, total: int, new: int
+    ) -> str:
+        cur = await conn.execute(
+            SQL["storm_breakdown"], {"incident_id": incident_id, "limit": STORM_BREAKDOWN_KEYS}
+        )
+        rows = await cur.fetchall()
+        lines = [
+            f"jobfence: alert storm: {_plural(total, 'dead letter')} counted here so far, "
+            f"{new} since the last count. Largest keys:"
+        ]
+        lines += [
+            f"- queue {queue}, consumer {consumer}, error class {error_class}: "
+            f"{_plural(int(count), 'dead letter')} in {_plural(int(alerts), 'group')}"
+            for queue, consumer, error_class, _scope, count, alerts in rows
+        ]
+        lines.append(
+            "This incident stays open until every one is replayed or discarded (runbook: "
+            "dead-letter-replay); it is then resolved automatically."
+        )
+        return "\n".join(lines)
 
     async def _cancel(self, conn: AsyncConnection[Any], alert: _Claimed) -> None:
         """An escalation whose dead letters were all resolved before it went out (D4: never
@@ -866,7 +993,8 @@ class AlertRelay:
         outcome: str = "opened",
     ) -> None:
         """The alert opened ``incident_id`` (or found it opened by an earlier attempt): it
-        becomes the key's unresolved incident, in the same transaction."""
+        becomes the key's unresolved incident (the storm's, for a storm alert), in the same
+        transaction."""
         async with conn.transaction():
             await conn.execute(
                 SQL["alert_mark_sent"],
@@ -884,11 +1012,16 @@ class AlertRelay:
                     "incident_id": incident_id,
                     "alert_id": alert.id,
                     "dead_letters": alert.dead_letters,
+                    "storm": alert.storm,
                     "now": self._now(),
                 },
             )
         self.stats.sent[alert.kind] += 1
         self.stats.opened += 1
+        if alert.storm:
+            self.stats.storms += 1
+            if self._metrics is not None:
+                self._metrics.incident_action("storm")
         if self._metrics is not None:
             self._metrics.alert_sent(alert.kind)
             self._metrics.incident_action("opened")
@@ -1004,6 +1137,15 @@ class AlertRelay:
         )
         samples = await cur.fetchall()
         where = f"{group.queue}/{group.consumer}"
+        what = f"consumer {group.consumer} ({group.error_class})"
+        if group.scope == "unknown_consumers":
+            where = f"{group.queue} (unknown consumers)"
+            what = "consumers that are not registered (any name)"
+        elif group.scope == "other_error_classes":
+            what = (
+                f"consumer {group.consumer} (error classes beyond its first "
+                f"{self.settings.max_error_classes})"
+            )
         if escalation:
             count = group.still_pending
             delay = self.settings.escalate_after_seconds  # None: turned off after scheduling
@@ -1011,28 +1153,45 @@ class AlertRelay:
             dead = _plural(count, "dead letter")
             name = f"jobfence: {dead} still pending review after {after} on {where}"
             summary = (
-                f"Escalation: {dead} of queue {group.queue}, consumer {group.consumer} "
-                f"({group.error_class}) still pending review after {after}"
+                f"Escalation: {dead} of queue {group.queue}, {what} still pending review "
+                f"after {after}"
             )
             opening = (
-                f"{dead} of {group.dead_letters} in this group (queue {group.queue}, consumer "
-                f"{group.consumer}, error class {group.error_class}) are still pending review "
-                f"more than {after} after they were written. They were alerted once already; "
-                "this is the one escalation (D4)."
+                f"{dead} of {group.dead_letters} in this group (queue {group.queue}, {what}) "
+                f"are still pending review more than {after} after they were written. They "
+                "were alerted once already; this is the one escalation (D4)."
             )
         else:
             count = alert.dead_letters
             dead = _plural(count, "dead letter")
-            name = f"jobfence: {dead} on {where} ({group.error_class})"
-            summary = (
-                f"{dead} on queue {group.queue}, consumer {group.consumer}: {group.error_class}"
-            )
+            if group.scope == "error_class":
+                name = f"jobfence: {dead} on {where} ({group.error_class})"
+            elif group.scope == "other_error_classes":
+                name = f"jobfence: {dead} on {where} (other error classes)"
+            else:
+                name = f"jobfence: {dead} on {where}"
+            summary = f"{dead} on queue {group.queue}, {what}"
+            if group.scope == "error_class":
+                summary = (
+                    f"{dead} on queue {group.queue}, consumer {group.consumer}: {group.error_class}"
+                )
             opening = (
-                f"{dead} of queue {group.queue}, consumer {group.consumer}, error class "
-                f"{group.error_class}, written between {group.window_start.isoformat()} and "
+                f"{dead} of queue {group.queue}, {what}, written between "
+                f"{group.window_start.isoformat()} and "
                 f"{(group.last_created_at or group.window_start).isoformat()} (grouping "
                 f"window {_duration(self.settings.group_window_seconds)})."
             )
+            if group.scope == "unknown_consumers":
+                opening += (
+                    " Every consumer name that is not registered shares this one incident per "
+                    "queue: the name is the producer's choice."
+                )
+            elif group.scope == "other_error_classes":
+                opening += (
+                    f" The consumer already has {self.settings.max_error_classes} error classes "
+                    "with an incident of their own: the others share this one (their classes "
+                    "are in the lines below and in the dead letters)."
+                )
         lines = [
             opening,
             "",
@@ -1050,6 +1209,7 @@ class AlertRelay:
             "queue": group.queue,
             "consumer": group.consumer,
             "error_class": group.error_class,
+            "scope": group.scope,
             "dead_letters": str(count),
         }
         return IncidentRequest(
@@ -1058,6 +1218,57 @@ class AlertRelay:
             summary=_trim(summary, MAX_SUMMARY_CHARS),
             description="\n".join(lines).strip(),
             metadata=metadata,
+        )
+
+    async def _storm_request(
+        self, conn: AsyncConnection[Any], alert: _Claimed, group: _Group
+    ) -> IncidentRequest:
+        """The one incident that says an alert storm is under way, with the counts."""
+        s = self.settings
+        cur = await conn.execute(
+            SQL["storm_under_way"],
+            {
+                "now": self._now(),
+                "period_seconds": s.incident_period_seconds,
+                "max_new": s.max_new_incidents,
+            },
+        )
+        row = await cur.fetchone()
+        opened = int(row[1]) if row else 0
+        count = alert.dead_letters if alert.kind == "dead_letters" else group.still_pending
+        dead = _plural(count, "dead letter")
+        period = _duration(s.incident_period_seconds)
+        name = f"jobfence: alert storm: over {s.max_new_incidents} new incidents in {period}"
+        summary = (
+            f"Alert storm: {_plural(opened, 'incident')} opened in the last {period} (the cap "
+            f"is {s.max_new_incidents}); no new incident opens until {period} pass without "
+            "one. Every further group is counted here."
+        )
+        lines = [
+            summary,
+            "",
+            f"First counted here: {dead} of queue {group.queue}, consumer {group.consumer}, "
+            f"error class {group.error_class}. Each group counted later is added to this "
+            f"incident's count and reported in its comments (at most once per "
+            f"{_duration(s.update_interval_seconds)}), with the largest keys.",
+            "",
+            "The dead letters wait for review: replay or discard them (runbook: "
+            "dead-letter-replay); this incident is resolved once every one of them is.",
+        ]
+        return IncidentRequest(
+            dedup_key=alert.dedup_key,
+            name=_trim(name, MAX_NAME_CHARS),
+            summary=_trim(summary, MAX_SUMMARY_CHARS),
+            description="\n".join(lines),
+            metadata={
+                "jobfence_alert": "storm",
+                "queue": ANY,
+                "consumer": ANY,
+                "error_class": ANY,
+                "scope": "storm",
+                "dead_letters": str(count),
+                "new_incidents_in_period": str(opened),
+            },
         )
 
 

@@ -3,7 +3,10 @@
 A token is accepted when its signature verifies with ``JOBFENCE_JWT_SECRET`` (HS256) or
 ``JOBFENCE_JWT_PUBLIC_KEY`` (RS256 for an RSA key, ES256 for a P-256 key), it has not expired
 (``exp`` is required), and its ``iss`` and ``aud`` match ``JOBFENCE_JWT_ISSUER`` and
-``JOBFENCE_JWT_AUDIENCE`` when those are set. ``sub`` names the caller (recorded as
+``JOBFENCE_JWT_AUDIENCE`` when those are set. Its time claims (``exp``, ``nbf``, ``iat``) are
+RFC 7519 NumericDates: JSON numbers (integer or not), finite, from 0 to :data:`MAX_NUMERIC_DATE`
+(the year 3000); anything else (a string, ``1e300``, ``NaN``) is refused. The shared secret must
+pass :func:`secret_problem`. ``sub`` names the caller (recorded as
 ``resolved_by`` and ``requested_by``) and ``permissions`` is a list of strings.
 
 A client sends the same token with every request, so each process remembers the tokens it has
@@ -16,7 +19,9 @@ that failed is never remembered.
 
 from __future__ import annotations
 
+import math
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Annotated
@@ -39,6 +44,14 @@ PERMISSION_DISCARD = "core.dead_letters.discard"
 PERMISSIONS = (PERMISSION_READ, PERMISSION_REPLAY, PERMISSION_DISCARD)
 
 MIN_SECRET_BYTES = 32  # RFC 7518 3.2: an HS256 key as long as the hash output at least
+#: The least estimated entropy of a shared secret: its length in characters times the Shannon
+#: entropy of its characters' frequencies. A random secret of 32 bytes or more, written as hex
+#: or base64 (``openssl rand -hex 32``: about 240), is far above it; a run of one character,
+#: two characters alternating or a padded word is far below.
+MIN_SECRET_BITS = 80
+#: The latest time a token's ``exp``, ``nbf`` or ``iat`` may name: 3000-01-01T00:00:00Z.
+MAX_NUMERIC_DATE = 32_503_680_000
+TIME_CLAIMS = ("exp", "nbf", "iat")
 MAX_SUBJECT_CHARS = 500
 DEFAULT_ITEM_CACHE_BYTES = 64 * 1024 * 1024  # about 60,000 items of the benchmark's size
 _NO_KEY = (
@@ -104,13 +117,50 @@ class ApiSettings:
 _Key = str | rsa.RSAPublicKey | ec.EllipticCurvePublicKey
 
 
+def _estimated_bits(text: str) -> float:
+    """``len(text)`` times the Shannon entropy (bits) of its characters' frequencies."""
+    size = len(text)
+    counts = Counter(text).values()
+    return -sum(n * math.log2(n / size) for n in counts)
+
+
+def _repeated_piece(text: str) -> bool:
+    """Whether ``text`` is a shorter piece written twice or more (``abcabcabc``, ``xyxy``)."""
+    return any(text[period:] == text[:-period] for period in range(1, len(text) // 2 + 1))
+
+
+def secret_problem(secret: str) -> str | None:
+    """Why ``secret`` cannot be an HS256 key, in words that never quote it; None when it can.
+
+    The rule: at least :data:`MIN_SECRET_BYTES` bytes of UTF-8; not a shorter piece repeated;
+    at least :data:`MIN_SECRET_BITS` of estimated entropy (its length times the Shannon entropy
+    of its characters' frequencies: 40 spaces are 0 bits, ``ab`` written 20 times 40 bits)."""
+    size = len(secret.encode("utf-8", "surrogatepass"))
+    hint = "(for example `openssl rand -hex 32`)"
+    if size < MIN_SECRET_BYTES:
+        return f"is too short for HS256: use at least {MIN_SECRET_BYTES} bytes {hint}"
+    if not secret.strip():
+        return f"is only whitespace: use {MIN_SECRET_BYTES} random bytes or more {hint}"
+    if _repeated_piece(secret):
+        return (
+            f"is a shorter piece repeated, with no more entropy than the piece: use "
+            f"{MIN_SECRET_BYTES} random bytes or more {hint}"
+        )
+    bits = _estimated_bits(secret)
+    if bits < MIN_SECRET_BITS:
+        return (
+            f"has too little entropy for HS256: about {bits:.0f} bits estimated from its "
+            f"{len(set(secret))} distinct characters, under the minimum of {MIN_SECRET_BITS}: "
+            f"use {MIN_SECRET_BYTES} random bytes or more {hint}"
+        )
+    return None
+
+
 def _verifying_key(settings: ApiSettings) -> tuple[_Key, list[str]]:
     if settings.jwt_secret:
-        if len(settings.jwt_secret.encode()) < MIN_SECRET_BYTES:
-            raise ConfigError(
-                f"{config.ENV_JWT_SECRET} is too short for HS256: use at least "
-                f"{MIN_SECRET_BYTES} bytes (for example `openssl rand -hex 32`)"
-            )
+        problem = secret_problem(settings.jwt_secret)
+        if problem is not None:
+            raise ConfigError(f"{config.ENV_JWT_SECRET} {problem}")
         return settings.jwt_secret, ["HS256"]
     assert settings.jwt_public_key is not None
     try:
@@ -199,12 +249,16 @@ class TokenVerifier:
                 algorithms=self._algorithms,
                 issuer=self._issuer,
                 audience=self._audience,
-                options={"require": self._required, "verify_aud": self._audience is not None},
+                options={
+                    "require": self._required,
+                    "verify_aud": self._audience is not None,
+                    # Checked below, with their type and range: PyJWT takes int() of them,
+                    # which accepts the string "9999999999" and 1e300.
+                    "verify_exp": False,
+                    "verify_nbf": False,
+                    "verify_iat": False,
+                },
             )
-        except jwt.ExpiredSignatureError:
-            raise InvalidToken("the token has expired") from None
-        except jwt.ImmatureSignatureError:
-            raise InvalidToken("the token is not valid yet") from None
         except jwt.InvalidIssuerError:
             raise InvalidToken("the token's issuer is not accepted") from None
         except jwt.InvalidAudienceError:
@@ -217,6 +271,16 @@ class TokenVerifier:
             raise InvalidToken("the token's algorithm is not accepted") from None
         except jwt.InvalidTokenError:
             raise InvalidToken("the token is malformed or its claims are invalid") from None
+        times = {name: _numeric_date(claims, name) for name in TIME_CLAIMS}
+        now = time.time()
+        exp = times["exp"]
+        assert exp is not None  # required
+        if now >= exp:
+            raise InvalidToken("the token has expired")
+        for name in ("nbf", "iat"):
+            value = times[name]
+            if value is not None and value > now:
+                raise InvalidToken(f"the token is not valid yet (its {name} is in the future)")
         subject = claims.get("sub")
         if (
             not isinstance(subject, str)
@@ -231,8 +295,32 @@ class TokenVerifier:
         permissions = claims.get("permissions", [])
         if not isinstance(permissions, list) or not all(isinstance(p, str) for p in permissions):
             raise InvalidToken("the token's permissions claim must be a list of strings")
-        # PyJWT checked exp (a number) and refuses a token once now >= exp.
-        return Principal(subject=subject, permissions=frozenset(permissions)), float(claims["exp"])
+        return Principal(subject=subject, permissions=frozenset(permissions)), exp
+
+
+def _numeric_date(claims: Mapping[str, object], name: str) -> float | None:
+    """The claim as seconds since the epoch (None when absent), or :class:`InvalidToken`
+    when it is not an RFC 7519 NumericDate in the accepted range."""
+    if name not in claims:
+        return None
+    value = claims[name]
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        kind = "null" if value is None else type(value).__name__
+        kind = {"str": "a string", "bool": "a boolean", "list": "a list", "dict": "an object"}.get(
+            kind, kind
+        )
+        raise InvalidToken(
+            f"the token's {name} claim must be a JSON number of seconds since 1970 "
+            f"(RFC 7519 NumericDate), not {kind}"
+        )
+    if (isinstance(value, float) and not math.isfinite(value)) or not (
+        0 <= value <= MAX_NUMERIC_DATE
+    ):
+        raise InvalidToken(
+            f"the token's {name} claim is out of range: it must be a finite number of seconds "
+            f"from 0 to {MAX_NUMERIC_DATE} (3000-01-01T00:00:00Z)"
+        )
+    return float(value)
 
 
 def authenticate(verifier: TokenVerifier, authorization: str | None) -> Principal:

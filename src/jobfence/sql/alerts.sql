@@ -18,15 +18,73 @@ SELECT pg_try_advisory_lock(%(key)s::bigint);
 -- name: relay_unlock
 SELECT pg_advisory_unlock(%(key)s::bigint);
 
+-- name: outbox_classify
+-- Files the next outbox rows (in id order) under their alert key (migration 0020), so that
+-- nothing a producer chooses multiplies incidents:
+-- * a dead letter for a consumer that is not registered, or whose identifiers cannot be
+--   stored (unknown_consumer_classes), goes to its queue's one key (queue, '*', '*');
+-- * an error class of a consumer gets its own key while the consumer has fewer than
+--   max_error_classes classes with a dead letter pending review under their own key (the
+--   newcomers of this batch counted in order of their first dead letter); any other goes to
+--   the consumer's (queue, consumer, '*') key.
+WITH batch AS (
+    SELECT o.dead_letter_id, o.queue, o.consumer, o.error_class,
+           o.error_class = ANY(%(unknown_consumer_classes)s::text[]) AS unknown
+    FROM jobfence.alert_outbox o
+    WHERE o.scope IS NULL
+    ORDER BY o.dead_letter_id
+    LIMIT %(limit)s
+    FOR UPDATE
+), consumers AS (
+    SELECT DISTINCT queue, consumer FROM batch WHERE NOT unknown
+), active AS (
+    -- From the pending dead letters only (an index scan of the review backlog, not history).
+    SELECT DISTINCT d.queue, d.consumer, d.error_class
+    FROM consumers c
+    JOIN core.dead_letters d
+      ON d.queue = c.queue AND d.status = 'pending_review' AND d.consumer = c.consumer
+    JOIN jobfence.alert_outbox o ON o.dead_letter_id = d.id AND o.scope = 'error_class'
+), active_count AS (
+    SELECT queue, consumer, count(*) AS n FROM active GROUP BY queue, consumer
+), fresh AS (
+    SELECT b.queue, b.consumer, b.error_class,
+           row_number() OVER (PARTITION BY b.queue, b.consumer
+                              ORDER BY min(b.dead_letter_id)) AS rank
+    FROM batch b
+    WHERE NOT b.unknown
+      AND NOT EXISTS (SELECT 1 FROM active a
+                      WHERE a.queue = b.queue AND a.consumer = b.consumer
+                        AND a.error_class = b.error_class)
+    GROUP BY b.queue, b.consumer, b.error_class
+), decided AS (
+    SELECT b.dead_letter_id,
+           CASE WHEN b.unknown THEN 'unknown_consumers'
+                WHEN f.rank IS NULL THEN 'error_class'
+                WHEN f.rank + coalesce(ac.n, 0) <= %(max_error_classes)s THEN 'error_class'
+                ELSE 'other_error_classes' END AS scope
+    FROM batch b
+    LEFT JOIN fresh f
+      ON f.queue = b.queue AND f.consumer = b.consumer AND f.error_class = b.error_class
+    LEFT JOIN active_count ac ON ac.queue = b.queue AND ac.consumer = b.consumer
+)
+UPDATE jobfence.alert_outbox o
+SET scope = d.scope,
+    key_consumer = CASE WHEN d.scope = 'unknown_consumers' THEN '*' ELSE o.consumer END,
+    key_error_class = CASE WHEN d.scope = 'error_class' THEN o.error_class ELSE '*' END
+FROM decided d
+WHERE o.dead_letter_id = d.dead_letter_id
+RETURNING o.scope;
+
 -- name: group_attach
 -- Outbox rows join their key's open group when they were written before its window ends
 -- (a late committer written before window_start joins too: it has not been alerted yet).
 UPDATE jobfence.alert_outbox o
 SET group_id = g.id
 FROM jobfence.alert_groups g
-WHERE o.group_id IS NULL
+WHERE o.group_id IS NULL AND o.scope IS NOT NULL
   AND g.closed_at IS NULL
-  AND g.queue = o.queue AND g.consumer = o.consumer AND g.error_class = o.error_class
+  AND g.queue = o.queue AND g.consumer = o.key_consumer AND g.error_class = o.key_error_class
+  AND g.scope = o.scope
   AND o.created_at < g.window_end;
 
 -- name: group_close_due
@@ -61,13 +119,13 @@ RETURNING id;
 -- name: group_open_new
 -- Opens a group for every key with ungrouped rows and no open group; its window starts at the
 -- oldest of those rows.
-INSERT INTO jobfence.alert_groups (queue, consumer, error_class, window_start, window_end)
-SELECT o.queue, o.consumer, o.error_class, min(o.created_at),
+INSERT INTO jobfence.alert_groups (queue, consumer, error_class, scope, window_start, window_end)
+SELECT o.queue, o.key_consumer, o.key_error_class, o.scope, min(o.created_at),
        min(o.created_at) + make_interval(secs => %(window_seconds)s::double precision)
 FROM jobfence.alert_outbox o
-WHERE o.group_id IS NULL
-GROUP BY o.queue, o.consumer, o.error_class
-ON CONFLICT (queue, consumer, error_class) WHERE closed_at IS NULL DO NOTHING
+WHERE o.group_id IS NULL AND o.scope IS NOT NULL
+GROUP BY o.queue, o.key_consumer, o.key_error_class, o.scope
+ON CONFLICT (queue, consumer, error_class, scope) WHERE closed_at IS NULL DO NOTHING
 RETURNING id;
 
 -- name: escalation_schedule
@@ -131,11 +189,12 @@ UPDATE jobfence.alerts a
 SET attempts = a.attempts + 1, last_attempt_at = coalesce(%(now)s::timestamptz, now())
 FROM next
 WHERE a.id = next.id
-RETURNING a.id, a.group_id, a.kind, a.dedup_key, a.dead_letters, a.attempts;
+RETURNING a.id, a.group_id, a.kind, a.dedup_key, a.dead_letters, a.attempts, a.storm;
 
 -- name: alert_group_context
 -- What an incident says about its group, with how many members are still pending review now.
-SELECT g.queue, g.consumer, g.error_class, g.window_start, g.window_end, g.dead_letters,
+SELECT g.queue, g.consumer, g.error_class, g.scope, g.window_start, g.window_end,
+       g.dead_letters,
        (SELECT count(*)
         FROM jobfence.alert_outbox o
         JOIN core.dead_letters d ON d.id = o.dead_letter_id
@@ -236,16 +295,76 @@ SELECT i.id, i.incident_id, i.state, i.escalated_at,
 FROM jobfence.alert_incidents i
 JOIN jobfence.alert_groups g
   ON g.queue = i.queue AND g.consumer = i.consumer AND g.error_class = i.error_class
+     AND g.scope = i.scope
 WHERE g.id = %(group_id)s AND i.state <> 'resolved';
+
+-- name: incident_unresolved_of_group
+-- For an escalation: the incident its group's dead letters alert was counted on (the key's,
+-- or the storm's), when it is not resolved (as far as we know).
+SELECT i.id, i.incident_id, i.state, i.escalated_at,
+       i.checked_at <= coalesce(%(now)s::timestamptz, now())
+                       - make_interval(secs => %(max_age_seconds)s::double precision) AS stale
+FROM jobfence.alerts a
+JOIN jobfence.alert_incidents i ON i.incident_id = a.incident_id
+WHERE a.group_id = %(group_id)s AND a.kind = 'dead_letters' AND a.state = 'sent'
+  AND i.state <> 'resolved';
+
+-- name: incident_unresolved_storm
+-- The storm incident that is not resolved (as far as we know), if any.
+SELECT i.id, i.incident_id, i.state, i.escalated_at,
+       i.checked_at <= coalesce(%(now)s::timestamptz, now())
+                       - make_interval(secs => %(max_age_seconds)s::double precision) AS stale
+FROM jobfence.alert_incidents i
+WHERE i.scope = 'storm' AND i.state <> 'resolved';
+
+-- name: storm_under_way
+-- Whether a new incident may open now: not when max_new incidents (the storm's aside) opened
+-- within the last period, nor while an alert was counted on a storm incident within it.
+SELECT (SELECT count(*) FROM jobfence.alert_incidents
+        WHERE scope <> 'storm'
+          AND opened_at > coalesce(%(now)s::timestamptz, now())
+                          - make_interval(secs => %(period_seconds)s::double precision))
+           >= %(max_new)s
+       OR EXISTS (SELECT 1 FROM jobfence.alert_incidents
+                  WHERE scope = 'storm'
+                    AND last_counted_at > coalesce(%(now)s::timestamptz, now())
+                          - make_interval(secs => %(period_seconds)s::double precision))
+       AS under_way,
+       (SELECT count(*) FROM jobfence.alert_incidents
+        WHERE scope <> 'storm'
+          AND opened_at > coalesce(%(now)s::timestamptz, now())
+                          - make_interval(secs => %(period_seconds)s::double precision))
+       AS opened_in_period;
+
+-- name: alert_mark_storm
+-- This alert opens the storm incident: committed before its request goes out.
+UPDATE jobfence.alerts SET storm = true WHERE id = %(id)s AND state = 'pending' RETURNING id;
+
+-- name: storm_breakdown
+-- What the storm incident counts, by key: the largest first.
+SELECT g.queue, g.consumer, g.error_class, g.scope, sum(a.dead_letters)::bigint AS dead_letters,
+       count(*) AS alerts
+FROM jobfence.alerts a
+JOIN jobfence.alert_groups g ON g.id = a.group_id
+WHERE a.incident_id = %(incident_id)s AND a.kind = 'dead_letters'
+GROUP BY g.queue, g.consumer, g.error_class, g.scope
+ORDER BY dead_letters DESC, g.queue, g.consumer, g.error_class
+LIMIT %(limit)s;
 
 -- name: incident_register
 -- The incident an alert opened (or found opened by its earlier attempt) becomes its key's one
 -- unresolved incident. Runs in the transaction that marks the alert sent.
-INSERT INTO jobfence.alert_incidents (queue, consumer, error_class, incident_id, opened_by_alert,
-                                      opened_at, dead_letters, reported_dead_letters, checked_at)
-SELECT g.queue, g.consumer, g.error_class, %(incident_id)s, %(alert_id)s,
+-- The storm incident (storm) has the key ('*', '*', '*', 'storm').
+INSERT INTO jobfence.alert_incidents (queue, consumer, error_class, scope, incident_id,
+                                      opened_by_alert, opened_at, dead_letters,
+                                      reported_dead_letters, checked_at, last_counted_at)
+SELECT CASE WHEN %(storm)s THEN '*' ELSE g.queue END,
+       CASE WHEN %(storm)s THEN '*' ELSE g.consumer END,
+       CASE WHEN %(storm)s THEN '*' ELSE g.error_class END,
+       CASE WHEN %(storm)s THEN 'storm' ELSE g.scope END,
+       %(incident_id)s, %(alert_id)s,
        coalesce(%(now)s::timestamptz, now()), %(dead_letters)s, %(dead_letters)s,
-       coalesce(%(now)s::timestamptz, now())
+       coalesce(%(now)s::timestamptz, now()), coalesce(%(now)s::timestamptz, now())
 FROM jobfence.alert_groups g
 WHERE g.id = %(group_id)s
 ON CONFLICT DO NOTHING
@@ -286,7 +405,8 @@ WITH merged AS (
     RETURNING dead_letters
 )
 UPDATE jobfence.alert_incidents i
-SET dead_letters = i.dead_letters + merged.dead_letters
+SET dead_letters = i.dead_letters + merged.dead_letters,
+    last_counted_at = coalesce(%(now)s::timestamptz, now())
 FROM merged
 WHERE i.id = %(id)s
 RETURNING i.dead_letters;
@@ -307,15 +427,38 @@ WHERE i.id = %(id)s
 RETURNING i.id;
 
 -- name: incident_resolve_request
--- Every dead letter of the key was replayed or discarded: the key's open incident is to be
--- resolved. Committed before the request goes out, so a restart still does it.
+-- Every dead letter of the key (filed under it by outbox_classify; for the storm incident,
+-- every dead letter of the alerts counted on it) was replayed or discarded: the open incident
+-- is to be resolved. Committed before the request goes out, so a restart still does it.
 UPDATE jobfence.alert_incidents i
 SET state = 'resolving', resolve_requested_at = coalesce(%(now)s::timestamptz, now()),
     resolve_next_at = coalesce(%(now)s::timestamptz, now()), resolve_error = NULL
+-- One branch per scope (CASE runs only the incident's own), each an index scan of the
+-- pending dead letters (the review backlog), never of the history.
 WHERE i.state = 'open'
-  AND NOT EXISTS (SELECT 1 FROM core.dead_letters d
-                  WHERE d.queue = i.queue AND d.error_class = i.error_class
-                    AND d.consumer = i.consumer AND d.status = 'pending_review')
+  AND NOT (CASE i.scope
+      WHEN 'error_class' THEN EXISTS (
+          SELECT 1 FROM core.dead_letters d
+          JOIN jobfence.alert_outbox o ON o.dead_letter_id = d.id AND o.scope = 'error_class'
+          WHERE d.queue = i.queue AND d.error_class = i.error_class
+            AND d.consumer = i.consumer AND d.status = 'pending_review')
+      WHEN 'other_error_classes' THEN EXISTS (
+          SELECT 1 FROM core.dead_letters d
+          JOIN jobfence.alert_outbox o
+            ON o.dead_letter_id = d.id AND o.scope = 'other_error_classes'
+          WHERE d.queue = i.queue AND d.consumer = i.consumer AND d.status = 'pending_review')
+      WHEN 'unknown_consumers' THEN EXISTS (
+          SELECT 1 FROM core.dead_letters d
+          JOIN jobfence.alert_outbox o
+            ON o.dead_letter_id = d.id AND o.scope = 'unknown_consumers'
+          WHERE d.queue = i.queue AND d.status = 'pending_review')
+      ELSE EXISTS (
+          SELECT 1 FROM jobfence.alerts a
+          JOIN jobfence.alert_outbox o ON o.group_id = a.group_id
+          JOIN core.dead_letters d ON d.id = o.dead_letter_id
+          WHERE a.incident_id = i.incident_id AND a.kind = 'dead_letters'
+            AND d.status = 'pending_review')
+      END)
 RETURNING i.id;
 
 -- name: incident_resolve_claim
@@ -337,9 +480,31 @@ FROM next
 WHERE i.id = next.id
 RETURNING i.id, i.incident_id, i.queue, i.consumer, i.error_class, i.dead_letters,
           i.resolve_attempts,
-          (SELECT count(*) FROM core.dead_letters d
-           WHERE d.queue = i.queue AND d.error_class = i.error_class
-             AND d.consumer = i.consumer AND d.status = 'pending_review') AS still_pending;
+          CASE i.scope
+              WHEN 'error_class' THEN (
+                  SELECT count(*) FROM core.dead_letters d
+                  JOIN jobfence.alert_outbox o
+                    ON o.dead_letter_id = d.id AND o.scope = 'error_class'
+                  WHERE d.queue = i.queue AND d.error_class = i.error_class
+                    AND d.consumer = i.consumer AND d.status = 'pending_review')
+              WHEN 'other_error_classes' THEN (
+                  SELECT count(*) FROM core.dead_letters d
+                  JOIN jobfence.alert_outbox o
+                    ON o.dead_letter_id = d.id AND o.scope = 'other_error_classes'
+                  WHERE d.queue = i.queue AND d.consumer = i.consumer
+                    AND d.status = 'pending_review')
+              WHEN 'unknown_consumers' THEN (
+                  SELECT count(*) FROM core.dead_letters d
+                  JOIN jobfence.alert_outbox o
+                    ON o.dead_letter_id = d.id AND o.scope = 'unknown_consumers'
+                  WHERE d.queue = i.queue AND d.status = 'pending_review')
+              ELSE (
+                  SELECT count(*) FROM jobfence.alerts a
+                  JOIN jobfence.alert_outbox o ON o.group_id = a.group_id
+                  JOIN core.dead_letters d ON d.id = o.dead_letter_id
+                  WHERE a.incident_id = i.incident_id AND a.kind = 'dead_letters'
+                    AND d.status = 'pending_review')
+          END AS still_pending;
 
 -- name: incident_resolve_cancel
 -- A dead letter of the key arrived after the resolve was requested: the incident stays open.
@@ -373,8 +538,8 @@ RETURNING id;
 -- name: incident_updates_due
 -- Open incidents whose count grew since Better Stack was last told, and whose last update (or
 -- opening) is at least update_interval_seconds old: one comment each, at most that often.
-SELECT id, incident_id, queue, consumer, error_class, dead_letters, reported_dead_letters,
-       opened_at
+SELECT id, incident_id, queue, consumer, error_class, scope, dead_letters,
+       reported_dead_letters, opened_at
 FROM jobfence.alert_incidents
 WHERE state = 'open' AND dead_letters > reported_dead_letters
   AND coalesce(last_update_at, opened_at)
