@@ -145,6 +145,7 @@ async def write_dead_letter(
                 "last_error": f"{error_class}: account is closed\nTraceback ...",
                 "error_class": error_class,
                 "correlation_id": f"corr-{job_id}",
+                "traceparent": None,
             },
         )
         row = await cur.fetchone()

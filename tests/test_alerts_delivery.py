@@ -418,6 +418,7 @@ async def test_a_secret_quoted_in_a_dead_letters_error_is_masked_in_the_incident
                 "last_error": f"{HARD}: upstream refused key {secret}",
                 "error_class": HARD,
                 "correlation_id": None,
+                "traceparent": None,
             },
         )
         row = await cur.fetchone()

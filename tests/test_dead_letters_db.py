@@ -65,6 +65,7 @@ async def _insert(
             "last_error": "Flaky: ledger timeout on attempt 6",
             "error_class": "pointsapp.Flaky",
             "correlation_id": "corr-1",
+            "traceparent": None,
         },
     )
     row = await cur.fetchone()

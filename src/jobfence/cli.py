@@ -169,6 +169,7 @@ async def _cmd_worker(args: argparse.Namespace) -> int:
                 outbox_relay=args.outbox_relay,
                 outbox_metrics=PrometheusOutboxMetrics(metrics.registry),
                 sync_runner=getattr(args, "sync_runner", None),
+                trace_parent=args.trace_parent,
             )
             loop = asyncio.get_running_loop()
             stopped_by: list[signal.Signals] = []
@@ -558,6 +559,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="keep each job's lease alive while it waits and its handler runs, up to S seconds"
         " of handler time; then the job is left to be delivered again (off)",
+    )
+    p.add_argument(
+        "--trace-parent",
+        choices=("link", "child"),
+        default="link",
+        help="with OpenTelemetry, a job's process span links to its producer's span (link) or"
+        " is its child (child) (link)",
     )
     p.add_argument(
         "--grace-seconds",

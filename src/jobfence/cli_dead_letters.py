@@ -486,7 +486,9 @@ async def _cmd_show(args: argparse.Namespace) -> int:
         _write_payload(args.payload_out, body)
     letter = detail.dead_letter
     if args.json:
-        _print_json({**asdict(letter), "fence_exists": detail.fence_exists})
+        _print_json(
+            {**asdict(letter), "trace_id": letter.trace_id, "fence_exists": detail.fence_exists}
+        )
         return 0
     fence = (
         "yes: this job's work has committed; a replay would not republish it"
@@ -508,6 +510,7 @@ async def _cmd_show(args: argparse.Namespace) -> int:
         ("discard_reason", letter.discard_reason),
         ("payload_encoding", letter.payload_encoding),
         ("fence_exists", fence),
+        ("trace_id", letter.trace_id),
     ]
     print(f"dead letter {letter.id}")
     for name, value in fields:

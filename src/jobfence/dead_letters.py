@@ -11,7 +11,7 @@ from psycopg import AsyncConnection, AsyncCursor
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
-from jobfence import outbox
+from jobfence import outbox, tracing
 from jobfence.codec import PAYLOAD_MESSAGE, original_body, original_message
 from jobfence.errors import DeadLetterConflict, DeadLetterNotFound, DeadLetterNotReplayable
 from jobfence.harness import SQL
@@ -49,6 +49,13 @@ class DeadLetter:
     created_at: datetime
     resolved_at: datetime | None
     resolved_by: str | None
+    # The W3C traceparent of the failed attempt's process span (jobfence.tracing), if traced.
+    traceparent: str | None = None
+
+    @property
+    def trace_id(self) -> str | None:
+        """The trace id of the attempt that failed (32 hex digits), when it was traced."""
+        return tracing.trace_id_of(self.traceparent)
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,17 +156,30 @@ async def replay_dead_letter(
         message = replay_message(record)
         published = not record["fenced"]
         if published:
-            await publish_with(conn, queue, message)
+            await publish_with(
+                conn, queue, message, actor=resolved_by, failed=record["traceparent"]
+            )
     return ReplayResult(dead_letter_id=dead_letter_id, message=message, published=published)
 
 
-async def publish_with(conn: AsyncConnection[Any], queue: QueuePort, message: Message) -> None:
+async def publish_with(
+    conn: AsyncConnection[Any],
+    queue: QueuePort,
+    message: Message,
+    *,
+    actor: str,
+    failed: str | None,
+) -> None:
     """A replay's publish inside the transaction on ``conn`` that marks its dead letter
-    ``replayed``: on the queue itself when it is transactional, else as an outbox row."""
-    if queue.capabilities.transactional:
-        await queue.publish(message, tx=conn)
-    else:
-        await outbox.write(conn, message)
+    ``replayed``: on the queue itself when it is transactional, else as an outbox row.
+
+    It runs under a ``replay`` span with the ``actor``, linked to the failed attempt's span
+    (``failed``: the dead letter's traceparent); the message carries the replay's context."""
+    with tracing.replay(message, failed=failed, actor=actor) as traced:
+        if queue.capabilities.transactional:
+            await queue.publish(traced, tx=conn)
+        else:
+            await outbox.write(conn, traced)
 
 
 async def discard_dead_letter(

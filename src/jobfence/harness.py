@@ -36,7 +36,7 @@ from psycopg.pq import TransactionStatus
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 from pydantic import BaseModel, ValidationError
 
-from jobfence import outbox
+from jobfence import outbox, tracing
 from jobfence._sql import Queries
 from jobfence.acks import AckBatcher
 from jobfence.alerts.outbox import record_dead_letter_alerts
@@ -102,6 +102,16 @@ class Outcome(enum.StrEnum):
     # Handling failed inside jobfence, not in the handler: the job stays leased and comes back
     # (INTERNAL_FAILURE_DELIVERIES), or its fallback dead letter could not be written either.
     INTERNAL_ERROR = "internal_error"
+
+
+# The outcome a process span records (jobfence.outcome).
+_TRACE_OUTCOMES = {
+    Outcome.SUCCEEDED: "succeeded",
+    Outcome.DUPLICATE: "duplicate",
+    Outcome.RETRIED: "retry",
+    Outcome.DEAD_LETTERED: "dead_letter",
+    Outcome.POISON: "poison",
+}
 
 
 class InfrastructureError(Exception):
@@ -353,6 +363,8 @@ class Harness:
         self._transactional = queue.capabilities.transactional
         self._delayed_retry = queue.capabilities.delayed_retry
         self._internal_log = _Throttle(INTERNAL_LOG_PER_MINUTE)
+        # True: a job's process span is the child of its producer's context, not linked to it.
+        self.trace_child = False
 
     async def handle(
         self,
@@ -368,15 +380,23 @@ class Harness:
         insert; the caller then handles ``ahead.next()`` on the same connection.
 
         A failure inside jobfence itself (not the handler's: writing the retry or the dead
-        letter failed) goes to :meth:`internal_failure`."""
-        try:
-            return await self._handle(delivery, conn, ahead)
-        except InfrastructureError:
-            raise
-        except Exception as exc:
-            if is_connection_loss(exc, conn):
-                raise InfrastructureError(str(exc)) from exc
-            return await self.internal_failure(delivery, exc, conn)
+        letter failed) goes to :meth:`internal_failure`.
+
+        The job runs under its ``process`` span (:mod:`jobfence.tracing`), which carries its
+        outcome."""
+        with tracing.process(delivery, child=self.trace_child) as span:
+            try:
+                outcome = await self._handle(delivery, conn, ahead)
+            except InfrastructureError:
+                raise
+            except Exception as exc:
+                if is_connection_loss(exc, conn):
+                    raise InfrastructureError(str(exc)) from exc
+                tracing.note_error(error_class_of(exc))
+                outcome = await self.internal_failure(delivery, exc, conn)
+            if span is not None:
+                tracing.finish(span, _TRACE_OUTCOMES.get(outcome, str(outcome)))
+            return outcome
 
     async def _handle(
         self,
@@ -436,11 +456,26 @@ class Harness:
                 return None
             jobs.append(prepared)
         first = jobs[0].meta
+        with tracing.process_group(deliveries) as span:
+            fresh = await self._group_run(jobs, conn)
+            if span is not None:
+                tracing.finish(span, "rolled_back" if fresh is None else "committed")
+        if fresh is None:
+            return None
+        self._metrics.job_group(first.queue, first.consumer, "committed")
+        outcomes: list[Outcome] = []
+        for job, ran in zip(jobs, fresh, strict=True):
+            await self._ack(job.delivery)
+            outcomes.append(self._succeeded(job, ran))
+        return outcomes
+
+    async def _group_run(self, jobs: list[Job], conn: AsyncConnection[Any]) -> list[bool] | None:
+        """The group's transaction; which jobs ran, or None when it rolled back."""
+        first = jobs[0].meta
         try:
             if jobs[0].consumer.sync:  # a group holds one consumer's jobs
-                fresh = await self._sync_transaction(jobs)
-            else:
-                fresh = await self._group_transaction(jobs, conn)
+                return await self._sync_transaction(jobs)
+            return await self._group_transaction(jobs, conn)
         except Exception as exc:
             if is_connection_loss(exc, conn):
                 raise InfrastructureError(str(exc)) from exc
@@ -454,12 +489,6 @@ class Harness:
                 extra={"group_size": len(jobs), "error_class": error_class_of(exc)},
             )
             return None
-        self._metrics.job_group(first.queue, first.consumer, "committed")
-        outcomes: list[Outcome] = []
-        for job, ran in zip(jobs, fresh, strict=True):
-            await self._ack(job.delivery)
-            outcomes.append(self._succeeded(job, ran))
-        return outcomes
 
     async def _group_transaction(self, jobs: list[Job], conn: AsyncConnection[Any]) -> list[bool]:
         """Fences, handlers, commit, for a group; which jobs ran (the others are duplicates)."""
@@ -686,6 +715,7 @@ class Harness:
         policy = consumer.retry
         message = delivery.message
         text = describe_error(exc)
+        tracing.note_error(error_class_of(exc))
         if not _is_permanent(exc, policy) and delivery.attempt < policy.max_deliveries:
             delay = policy.delay(delivery.attempt, self._rng)
             if delay > 0 and not self._delayed_retry:
@@ -756,6 +786,7 @@ class Harness:
     ) -> Outcome:
         message = delivery.message
         whole = exc.error_class == UNFENCEABLE
+        tracing.note_error(exc.error_class)
         written = await self._write_dead_letter(
             conn,
             delivery,
@@ -973,6 +1004,7 @@ class Harness:
             "last_error": storable_text(text[:MAX_ERROR_CHARS]),
             "error_class": error_class[:200],
             "correlation_id": ids.correlation_id,
+            "traceparent": tracing.current_traceparent(),
         }
 
         async def write() -> bool:

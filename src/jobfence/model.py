@@ -19,6 +19,10 @@ class Message:
     body: bytes
     tenant_id: str | None = None
     correlation_id: str | None = None
+    # The W3C trace context of the span that produced it (jobfence.tracing), validated where it
+    # enters jobfence: None when there was none or it did not parse.
+    traceparent: str | None = None
+    tracestate: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

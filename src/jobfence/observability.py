@@ -37,7 +37,7 @@ from psycopg_pool import AsyncConnectionPool
 from pythonjsonlogger.core import RESERVED_ATTRS
 from pythonjsonlogger.json import JsonFormatter
 
-from jobfence import config
+from jobfence import config, tracing
 from jobfence._sql import Queries
 from jobfence.app import App
 from jobfence.errors import ConfigError
@@ -410,10 +410,33 @@ class RedactSecrets(logging.Filter):
         return True
 
 
+class _TracedJsonFormatter(JsonFormatter):
+    """Adds ``trace_id`` and ``span_id`` while an OpenTelemetry span is current."""
+
+    def add_fields(
+        self,
+        log_record: dict[str, Any],
+        record: logging.LogRecord,
+        message_dict: dict[str, Any],
+    ) -> None:
+        super().add_fields(log_record, record, message_dict)
+        ids = tracing.current_ids()
+        if ids is not None:
+            log_record["trace_id"], log_record["span_id"] = ids
+
+
 def json_formatter() -> logging.Formatter:
     """One JSON object per line: timestamp (ISO 8601, UTC), level, logger, message, the
     record's extra fields (job_id, consumer, queue, tenant_id, correlation_id, attempt,
-    outcome on job events) and exc_info when there is a traceback."""
+    outcome on job events), trace_id and span_id while an OpenTelemetry span is current
+    (docs/observability.md), and exc_info when there is a traceback."""
+    if tracing.ENABLED:
+        return _TracedJsonFormatter(
+            "{levelname}{name}{message}",
+            style="{",
+            rename_fields={"levelname": "level", "name": "logger"},
+            timestamp=True,
+        )
     return JsonFormatter(
         "{levelname}{name}{message}",
         style="{",

@@ -36,11 +36,13 @@ import psycopg
 from psycopg import AsyncConnection
 from psycopg.rows import dict_row
 
+from jobfence import tracing
 from jobfence._sql import Queries
 from jobfence.errors import ConfigError
 from jobfence.model import Message
 from jobfence.ports import Clock, QueuePort
 from jobfence.schema import ensure_migrated
+from jobfence.tracing import valid_traceparent, valid_tracestate
 
 log = logging.getLogger("jobfence.outbox")
 
@@ -74,6 +76,8 @@ def _params(
         "body": message.body,
         "tenant_id": message.tenant_id,
         "correlation_id": message.correlation_id,
+        "traceparent": message.traceparent,
+        "tracestate": message.tracestate,
         "now": clock.now() if clock is not None else None,
         "delay": timedelta(seconds=max(delay_seconds, 0.0)),
         "prior_attempts": prior_attempts,
@@ -387,10 +391,15 @@ class OutboxRelay:
                     body=bytes(row["body"]),
                     tenant_id=row["tenant_id"],
                     correlation_id=row["correlation_id"],
+                    traceparent=valid_traceparent(row["traceparent"]),
+                    tracestate=valid_tracestate(row["tracestate"]),
                 )
                 try:
                     # Returning means the broker confirmed it (the adapter's contract).
-                    await self._queue.publish(message, prior_attempts=row["prior_attempts"])
+                    with tracing.send(message) as sent_message:
+                        await self._queue.publish(
+                            sent_message, prior_attempts=row["prior_attempts"]
+                        )
                 except Exception as exc:
                     failed = True
                     self._failures += 1

@@ -29,6 +29,7 @@ from psycopg import AsyncConnection
 from pydantic import BaseModel
 from pydantic_core import PydanticSerializationError
 
+from jobfence import tracing
 from jobfence.adapters.pg_queue import publish_params, require_async_connection
 from jobfence.codec import encode_payload, payload_problem
 from jobfence.errors import ConfigError, JobRefused
@@ -108,9 +109,11 @@ async def publish_async(conn: AsyncTarget, message: Message, *, delay_seconds: f
     """Insert ``message`` on an async connection without committing it (the ``produce`` query:
     the queue row, or the outbox row when the queue is external): a psycopg
     ``AsyncConnection``, or a SQLAlchemy ``AsyncSession`` or ``AsyncConnection`` on the psycopg
-    driver. Anything else raises ``TypeError`` before a statement runs."""
+    driver. Anything else raises ``TypeError`` before a statement runs. The job carries the
+    current trace context, under a ``create`` span (:mod:`jobfence.tracing`)."""
     if isinstance(conn, AsyncConnection):
-        await conn.execute(SQL["produce"], publish_params(message, delay_seconds))
+        with tracing.create(message) as traced:
+            await conn.execute(SQL["produce"], publish_params(traced, delay_seconds))
         return
     require_async_target(conn)
     sa_conn: Any = conn
@@ -118,7 +121,8 @@ async def publish_async(conn: AsyncTarget, message: Message, *, delay_seconds: f
         sa_conn = await sa_conn.connection()  # the AsyncConnection of the session's transaction
     _require_sqlalchemy_driver(sa_conn, "enqueue")
     # Through SQLAlchemy, so that its transaction begins and covers the job (see publish_sync).
-    await sa_conn.exec_driver_sql(SQL.text("produce"), publish_params(message, delay_seconds))
+    with tracing.create(message) as traced:
+        await sa_conn.exec_driver_sql(SQL.text("produce"), publish_params(traced, delay_seconds))
 
 
 def publish_sync(conn: object, message: Message, *, delay_seconds: float = 0.0) -> None:
@@ -126,8 +130,14 @@ def publish_sync(conn: object, message: Message, *, delay_seconds: float = 0.0) 
 
     The job exists exactly when the caller's transaction commits. A connection of any other
     kind is refused with a ``TypeError`` before a statement runs.
+
+    The job carries the current trace context, under a ``create`` span (:mod:`jobfence.tracing`).
     """
-    params = publish_params(message, delay_seconds)
+    with tracing.create(message) as traced:
+        _publish_sync(conn, publish_params(traced, delay_seconds))
+
+
+def _publish_sync(conn: object, params: dict[str, object]) -> None:
     if isinstance(conn, psycopg.Connection):
         conn.execute(SQL["produce"], params)
         return

@@ -17,6 +17,7 @@ handler) -> commit". That step is a :class:`SyncTransactionRunner`, a small port
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -28,6 +29,7 @@ from psycopg.pq import TransactionStatus
 from psycopg.rows import TupleRow
 from psycopg_pool import ConnectionPool
 
+from jobfence import tracing
 from jobfence.db import looks_broken
 from jobfence.errors import TransactionAborted, TransactionMisuse
 
@@ -217,6 +219,11 @@ class SyncExecutor:
 
     async def run(self, fence_sql: str, params: Mapping[str, Any], work: Work[T]) -> T:
         loop = asyncio.get_running_loop()
+        if tracing.ENABLED:  # the handler's thread sees the job's process span as current
+            context = contextvars.copy_context()
+            return await loop.run_in_executor(
+                self._threads, context.run, self.runner.run, fence_sql, params, work
+            )
         return await loop.run_in_executor(self._threads, self.runner.run, fence_sql, params, work)
 
     def shutdown(self) -> None:

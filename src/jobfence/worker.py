@@ -83,6 +83,10 @@ class Worker:
     the job's handler has run that long: a short lease then covers long handlers, and a dead
     worker's jobs come back within one lease. Off (None) by default: a job is then held for
     ``lease_seconds`` from its fetch, however long its handler runs.
+
+    With OpenTelemetry (``jobfence[otel]``, docs/observability.md) each job runs under a
+    ``process`` span linked to its producer's context; ``trace_parent="child"`` makes it that
+    context's child instead (one trace from the request to the job's effect).
     """
 
     def __init__(
@@ -107,7 +111,10 @@ class Worker:
         sync_runner: SyncTransactionRunner | None = None,
         max_handler_seconds: float | None = None,
         lease_metrics: LeaseMetricsSink | None = None,
+        trace_parent: str = "link",
     ) -> None:
+        if trace_parent not in ("link", "child"):
+            raise ConfigError(f"trace_parent must be 'link' or 'child', got {trace_parent!r}")
         if concurrency < 1:
             raise ConfigError(f"concurrency must be >= 1, got {concurrency}")
         if batch_size is not None and batch_size < 1:
@@ -139,6 +146,7 @@ class Worker:
         self.metrics: MetricsSink = metrics if metrics is not None else PrometheusMetrics()
         self.acks = AckBatcher(queue, max_batch=ack_batch_size, max_delay=ack_delay_seconds)
         self.harness = Harness(app, pool, queue, metrics=self.metrics, rng=rng, acks=self.acks)
+        self.harness.trace_child = trace_parent == "child"
         self.max_handler_seconds = max_handler_seconds
         if lease_metrics is None and isinstance(self.metrics, PrometheusMetrics):
             lease_metrics = self.metrics  # it is one, on the same registry

@@ -27,6 +27,7 @@ from jobfence._sql import Queries
 from jobfence.adapters._shared import check_prior_attempts
 from jobfence.model import Delivery, Message
 from jobfence.ports import Clock, QueueCapabilities, QueueSize
+from jobfence.tracing import valid_traceparent, valid_tracestate
 
 log = logging.getLogger("jobfence.pg_queue")
 
@@ -85,6 +86,8 @@ def publish_params(
         "body": message.body,
         "tenant_id": message.tenant_id,
         "correlation_id": message.correlation_id,
+        "traceparent": message.traceparent,
+        "tracestate": message.tracestate,
         "now": _now(clock),
         "delay": timedelta(seconds=max(delay_seconds, 0.0)),
     }
@@ -198,6 +201,10 @@ class PgQueue:
                     body=bytes(body),
                     tenant_id=tenant_id,
                     correlation_id=correlation_id,
+                    traceparent=valid_traceparent(traceparent),
+                    tracestate=(
+                        valid_tracestate(tracestate) if valid_traceparent(traceparent) else None
+                    ),
                 ),
                 attempt=attempts,
                 receipt=PgReceipt(id=row_id, lease_token=lease_token),
@@ -212,6 +219,8 @@ class PgQueue:
                 correlation_id,
                 attempts,
                 lease_token,
+                traceparent,
+                tracestate,
             ) in sorted(rows, key=lambda r: r[0])
         ]
 

@@ -6,11 +6,13 @@
 -- this job already made (0 for a new job); receive counts the next one.
 WITH inserted AS (
     INSERT INTO jobfence_queue.messages (
-        queue, consumer, job_id, body, tenant_id, correlation_id, run_at, attempts
+        queue, consumer, job_id, body, tenant_id, correlation_id, run_at, attempts,
+        traceparent, tracestate
     )
     VALUES (
         %(queue)s, %(consumer)s, %(job_id)s, %(body)s, %(tenant_id)s, %(correlation_id)s,
-        coalesce(%(now)s::timestamptz, now()) + %(delay)s::interval, %(prior_attempts)s
+        coalesce(%(now)s::timestamptz, now()) + %(delay)s::interval, %(prior_attempts)s,
+        %(traceparent)s, %(tracestate)s
     )
     RETURNING id
 )
@@ -43,7 +45,7 @@ SET attempts = m.attempts + 1,
 FROM due
 WHERE m.id = due.id
 RETURNING m.id, m.queue, m.consumer, m.job_id, m.body, m.tenant_id, m.correlation_id,
-          m.attempts, m.lease_token;
+          m.attempts, m.lease_token, m.traceparent, m.tracestate;
 
 -- name: ack
 DELETE FROM jobfence_queue.messages WHERE id = %(id)s AND lease_token = %(lease_token)s;

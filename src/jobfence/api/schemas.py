@@ -247,12 +247,20 @@ class DeadLetterDetailOut(DeadLetterOut):
         description="whether core.processed_jobs has a row for (job_id, consumer): the job's "
         "effect is applied, and a replay would not republish it"
     )
+    trace_id: str | None = Field(
+        default=None,
+        description="the OpenTelemetry trace id (32 hex digits) of the attempt that failed, "
+        "when it was traced: open it in your tracing tool",
+    )
 
     @classmethod
     def of(cls, detail: ops.DeadLetterDetail) -> Self:
         """The model of a shown dead letter (rendered in SQL by the API, as for items)."""
         letter = detail.dead_letter
-        return cls.model_validate(_fields(cls, letter) | {"fence_exists": detail.fence_exists})
+        return cls.model_validate(
+            _fields(cls, letter)
+            | {"fence_exists": detail.fence_exists, "trace_id": letter.trace_id}
+        )
 
 
 class ReplayOut(BaseModel):

@@ -211,7 +211,7 @@ async def run_bulk_replay(
                     results.append("failed")
                     details.append(str(exc)[:500])
                     continue
-                await publish_with(conn, queue, message)
+                await publish_with(conn, queue, message, actor=actor, failed=row["traceparent"])
                 results.append("replayed")
                 details.append(None)
                 to_mark.append(row["dead_letter_id"])

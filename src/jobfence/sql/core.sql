@@ -31,18 +31,19 @@ SELECT EXISTS (
 -- A redelivered failure of a job that already has a pending dead letter inserts nothing (D5).
 INSERT INTO core.dead_letters (
     job_id, queue, consumer, tenant_id, payload, payload_encoding, attempts,
-    last_error, error_class, correlation_id
+    last_error, error_class, correlation_id, traceparent
 )
 VALUES (
     %(job_id)s, %(queue)s, %(consumer)s, %(tenant_id)s, %(payload)s, %(payload_encoding)s,
-    %(attempts)s, %(last_error)s, %(error_class)s, %(correlation_id)s
+    %(attempts)s, %(last_error)s, %(error_class)s, %(correlation_id)s, %(traceparent)s
 )
 ON CONFLICT (job_id, consumer) WHERE status = 'pending_review' DO NOTHING
 RETURNING id;
 
 -- name: dead_letter_get
 SELECT id, job_id, queue, consumer, tenant_id, payload, payload_encoding, attempts, last_error,
-       error_class, correlation_id, status, discard_reason, created_at, resolved_at, resolved_by
+       error_class, correlation_id, status, discard_reason, created_at, resolved_at, resolved_by,
+       traceparent
 FROM core.dead_letters
 WHERE id = %(id)s;
 
@@ -56,7 +57,7 @@ UPDATE core.dead_letters AS d
 SET status = 'replayed', resolved_at = now(), resolved_by = %(resolved_by)s
 WHERE d.id = %(id)s AND d.status = 'pending_review'
 RETURNING d.id, d.job_id, d.queue, d.consumer, d.tenant_id, d.payload::text AS payload_text,
-          d.payload_encoding, d.correlation_id,
+          d.payload_encoding, d.correlation_id, d.traceparent,
           EXISTS (SELECT 1 FROM core.processed_jobs p
                   WHERE p.job_id = d.job_id AND p.consumer = d.consumer) AS fenced;
 
@@ -70,7 +71,7 @@ SET status = 'discarded', discard_reason = %(reason)s, resolved_at = now(),
 WHERE id = %(id)s AND status = 'pending_review'
 RETURNING id, job_id, queue, consumer, tenant_id, payload, payload_encoding, attempts,
           last_error, error_class, correlation_id, status, discard_reason, created_at,
-          resolved_at, resolved_by;
+          resolved_at, resolved_by, traceparent;
 
 -- name: dead_letter_status
 SELECT status FROM core.dead_letters WHERE id = %(id)s;

@@ -29,7 +29,8 @@ FROM core.dead_letters
 SELECT coalesce(r.head, jobfence.render_dead_letter_head(ROW(
            d.id, d.job_id, d.queue, d.consumer, d.tenant_id, d.payload, d.payload_encoding,
            d.attempts, d.last_error, d.error_class, d.correlation_id, d.status,
-           d.discard_reason, d.created_at, d.resolved_at, d.resolved_by)::core.dead_letters))
+           d.discard_reason, d.created_at, d.resolved_at, d.resolved_by, d.traceparent
+       )::core.dead_letters))
     || CASE WHEN d.status = 'pending_review'
             -- Most rows listed; 0001's constraints hold the other three fields NULL.
             THEN ',"status":"pending_review","discard_reason":null,"created_at":'
@@ -105,7 +106,8 @@ SELECT d.id,
        jobfence.render_dead_letter_head(ROW(
            d.id, d.job_id, d.queue, d.consumer, d.tenant_id, d.payload, d.payload_encoding,
            d.attempts, d.last_error, d.error_class, d.correlation_id, d.status,
-           d.discard_reason, d.created_at, d.resolved_at, d.resolved_by)::core.dead_letters)
+           d.discard_reason, d.created_at, d.resolved_at, d.resolved_by, d.traceparent
+       )::core.dead_letters)
        || ',"status":"pending_review","discard_reason":null,"created_at":'
        || jobfence.render_timestamp(d.created_at) || ',"resolved_at":null,"resolved_by":null}'
 FROM core.dead_letters d
@@ -132,6 +134,7 @@ SELECT '{"id":' || d.id
     || ',"created_at":' || jobfence.render_timestamp(d.created_at)
     || ',"resolved_at":' || coalesce(jobfence.render_timestamp(d.resolved_at), 'null')
     || ',"resolved_by":' || coalesce(to_json(d.resolved_by)::text, 'null')
+    || ',"trace_id":' || coalesce(to_json(substr(d.traceparent, 4, 32))::text, 'null')
     || ',"fence_exists":' || EXISTS (SELECT 1 FROM core.processed_jobs f
                                      WHERE f.job_id = d.job_id AND f.consumer = d.consumer)
     || '}'
@@ -168,7 +171,8 @@ GROUP BY 1;
 -- The next unprocessed items of a run with their dead letters, locked. SKIP LOCKED lets two
 -- processes resume the same run without waiting on each other or doing an item twice.
 SELECT i.dead_letter_id, d.job_id, d.queue, d.consumer, d.tenant_id,
-       d.payload::text AS payload_text, d.payload_encoding, d.correlation_id, d.status,
+       d.payload::text AS payload_text, d.payload_encoding, d.correlation_id, d.traceparent,
+       d.status,
        EXISTS (SELECT 1 FROM core.processed_jobs p
                WHERE p.job_id = d.job_id AND p.consumer = d.consumer) AS fenced
 FROM jobfence.bulk_replay_items i

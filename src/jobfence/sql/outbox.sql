@@ -7,25 +7,32 @@
 -- never committing it: the queue row (with the NOTIFY that wakes workers at commit) when this
 -- database's queue is PostgreSQL, the outbox row (waking the relay) when it is external. One
 -- statement, so that it waits for jobfence.set_queue's lock before reading the setting.
+-- The trace context (validated by the producer) wins over the session's (migration 0024).
 WITH target AS (
     SELECT s.queue_kind <> 'postgresql' AS external FROM jobfence.settings s
+), trace AS (
+    SELECT coalesce(%(traceparent)s::text, jobfence.session_traceparent()) AS traceparent,
+           CASE WHEN %(traceparent)s::text IS NULL THEN jobfence.session_tracestate()
+                ELSE %(tracestate)s::text END AS tracestate
 ), queued AS (
     INSERT INTO jobfence_queue.messages (
-        queue, consumer, job_id, body, tenant_id, correlation_id, run_at
+        queue, consumer, job_id, body, tenant_id, correlation_id, run_at, traceparent, tracestate
     )
     SELECT %(queue)s::text, %(consumer)s::text, %(job_id)s::text, %(body)s::bytea,
            %(tenant_id)s::text, %(correlation_id)s::text,
-           coalesce(%(now)s::timestamptz, now()) + %(delay)s::interval
-    FROM target WHERE NOT target.external
+           coalesce(%(now)s::timestamptz, now()) + %(delay)s::interval,
+           t.traceparent, t.tracestate
+    FROM target, trace t WHERE NOT target.external
     RETURNING id, pg_notify('jobfence_queue', queue)
 ), outboxed AS (
     INSERT INTO jobfence.outbox (
-        queue, consumer, job_id, body, tenant_id, correlation_id, due_at
+        queue, consumer, job_id, body, tenant_id, correlation_id, due_at, traceparent, tracestate
     )
     SELECT %(queue)s::text, %(consumer)s::text, %(job_id)s::text, %(body)s::bytea,
            %(tenant_id)s::text, %(correlation_id)s::text,
-           coalesce(%(now)s::timestamptz, now()) + %(delay)s::interval
-    FROM target WHERE target.external
+           coalesce(%(now)s::timestamptz, now()) + %(delay)s::interval,
+           t.traceparent, t.tracestate
+    FROM target, trace t WHERE target.external
     RETURNING id, pg_notify('jobfence_outbox', '')
 )
 SELECT id FROM queued UNION ALL SELECT id FROM outboxed;
@@ -36,11 +43,13 @@ SELECT id FROM queued UNION ALL SELECT id FROM outboxed;
 -- deliveries its job already had). The NOTIFY wakes the relay at commit, so that it waits for
 -- the new row's due time.
 INSERT INTO jobfence.outbox (
-    queue, consumer, job_id, body, tenant_id, correlation_id, due_at, prior_attempts
+    queue, consumer, job_id, body, tenant_id, correlation_id, due_at, prior_attempts,
+    traceparent, tracestate
 )
 VALUES (
     %(queue)s, %(consumer)s, %(job_id)s, %(body)s, %(tenant_id)s, %(correlation_id)s,
-    coalesce(%(now)s::timestamptz, now()) + %(delay)s::interval, %(prior_attempts)s
+    coalesce(%(now)s::timestamptz, now()) + %(delay)s::interval, %(prior_attempts)s,
+    %(traceparent)s, %(tracestate)s
 )
 RETURNING id, pg_notify('jobfence_outbox', '');
 
@@ -56,7 +65,8 @@ RETURNING id;
 -- name: outbox_take
 -- The relay's next due rows, oldest first, locked until its transaction ends (a relay that
 -- dies releases them; the next one publishes them again).
-SELECT id, queue, consumer, job_id, body, tenant_id, correlation_id, attempts, prior_attempts
+SELECT id, queue, consumer, job_id, body, tenant_id, correlation_id, attempts, prior_attempts,
+       traceparent, tracestate
 FROM jobfence.outbox
 WHERE due_at <= coalesce(%(now)s::timestamptz, now())
 ORDER BY due_at, id

@@ -1,0 +1,305 @@
+"""OpenTelemetry traces, when ``opentelemetry-api`` is installed (``jobfence[otel]``).
+
+Spans follow the OpenTelemetry semantic conventions for messaging, version **1.27.0**
+(still marked Development upstream, hence the pin): ``create`` where a producer writes a job,
+``send`` where the outbox relay publishes it to a broker, ``process`` around a job's fence
+transaction in the worker. ``messaging.system`` is ``jobfence`` on every span, whatever the
+queue (docs/observability.md).
+
+The W3C trace context (``traceparent``, ``tracestate``) travels with the job: in the queue
+row, the outbox row and the broker message. It is parsed here, at the boundary, by
+:func:`valid_traceparent` and :func:`valid_tracestate`: a value that does not parse is dropped
+(the job goes on without it), never an error.
+
+Without ``opentelemetry-api`` nothing here imports it and every function is a constant: the
+job goes through exactly as without this module. With the API and no SDK configured the
+tracer is the API's no-op one; the worker then neither allocates a link nor attaches a context
+per job (:func:`process` returns a shared do-nothing context manager).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from jobfence.model import Delivery, Message
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span, SpanContext
+
+try:
+    from opentelemetry import trace as _trace
+    from opentelemetry.trace import SpanKind, TraceFlags, TraceState
+except ImportError:  # the extra is absent: every function below is a constant
+    _trace = None  # type: ignore[assignment]
+
+__all__ = [
+    "ENABLED",
+    "SEMCONV_VERSION",
+    "current_ids",
+    "current_traceparent",
+    "trace_id_of",
+    "valid_traceparent",
+    "valid_tracestate",
+]
+
+SEMCONV_VERSION = "1.27.0"
+ENABLED = _trace is not None
+
+MAX_TRACESTATE_CHARS = 512  # W3C: vendors propagate at least 512 characters; more is dropped
+_MAX_MEMBERS = 32
+_MAX_ATTRIBUTE_CHARS = 1024
+_TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
+_MEMBER = re.compile(
+    r"[ \t]*(?:[a-z0-9][a-z0-9_\-*/]{0,255}|[a-z0-9][a-z0-9_\-*/]{0,240}@[a-z][a-z0-9_\-*/]{0,13})"
+    r"=[\x20-\x2b\x2d-\x3c\x3e-\x7e]{0,255}[\x21-\x2b\x2d-\x3c\x3e-\x7e][ \t]*"
+)
+_ZERO_TRACE = "0" * 32
+_ZERO_SPAN = "0" * 16
+_NOTHING: AbstractContextManager[None] = contextlib.nullcontext()
+
+# The semantic conventions' attribute names (messaging, 1.27.0) and jobfence's own.
+SYSTEM = "messaging.system"
+DESTINATION = "messaging.destination.name"
+GROUP = "messaging.consumer.group.name"
+MESSAGE_ID = "messaging.message.id"
+CONVERSATION_ID = "messaging.message.conversation_id"
+OPERATION_TYPE = "messaging.operation.type"
+OPERATION_NAME = "messaging.operation.name"
+BATCH_COUNT = "messaging.batch.message_count"
+ERROR_TYPE = "error.type"
+ATTEMPT = "jobfence.attempt"
+OUTCOME = "jobfence.outcome"
+ACTOR = "jobfence.actor"
+
+
+def valid_traceparent(value: object) -> str | None:
+    """``value`` when it is a W3C ``traceparent`` of version 00 (55 characters, lowercase hex,
+    trace and span ids not all zero), else None."""
+    if not isinstance(value, str) or len(value) != 55:
+        return None
+    found = _TRACEPARENT.fullmatch(value)
+    if found is None or found[1] == _ZERO_TRACE or found[2] == _ZERO_SPAN:
+        return None
+    return value
+
+
+def valid_tracestate(value: object) -> str | None:
+    """``value`` when it is a W3C ``tracestate`` of at most 512 characters and 32 members,
+    else None (an empty one is None too)."""
+    if not isinstance(value, str) or not value or len(value) > MAX_TRACESTATE_CHARS:
+        return None
+    members = value.split(",")
+    if len(members) > _MAX_MEMBERS:
+        return None
+    for member in members:
+        if member.strip(" \t") and _MEMBER.fullmatch(member) is None:
+            return None
+    return value
+
+
+def trace_id_of(traceparent: str | None) -> str | None:
+    """The 32 hex digits of a valid ``traceparent``'s trace id, else None."""
+    valid = valid_traceparent(traceparent)
+    return None if valid is None else valid[3:35]
+
+
+def _format(ctx: SpanContext) -> tuple[str, str | None]:
+    state = ctx.trace_state.to_header() if ctx.trace_state else ""
+    return (
+        f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}",
+        valid_tracestate(state),
+    )
+
+
+def _remote(traceparent: str | None, tracestate: str | None) -> SpanContext | None:
+    """The span context a message carries (already validated at its boundary)."""
+    if traceparent is None:
+        return None
+    state = TraceState.from_header([tracestate]) if tracestate else None
+    return _trace.SpanContext(
+        trace_id=int(traceparent[3:35], 16),
+        span_id=int(traceparent[36:52], 16),
+        is_remote=True,
+        trace_flags=TraceFlags(int(traceparent[53:55], 16)),
+        trace_state=state,
+    )
+
+
+def _text(value: str | None) -> str:
+    return "" if value is None else value[:_MAX_ATTRIBUTE_CHARS]
+
+
+def _tracer() -> Any:
+    return _trace.get_tracer("jobfence", SEMCONV_VERSION)
+
+
+def _message_attributes(message: Message, operation: str, kind: str) -> dict[str, Any]:
+    attributes: dict[str, Any] = {
+        SYSTEM: "jobfence",
+        DESTINATION: _text(message.queue),
+        MESSAGE_ID: _text(message.job_id),
+        OPERATION_TYPE: kind,
+        OPERATION_NAME: operation,
+        "jobfence.consumer": _text(message.consumer),
+    }
+    if message.correlation_id is not None:
+        attributes[CONVERSATION_ID] = _text(message.correlation_id)
+    return attributes
+
+
+@contextlib.contextmanager
+def _producer(
+    message: Message,
+    operation: str,
+    kind: str,
+    *,
+    parent: Any = None,
+    links: Sequence[SpanContext] = (),
+    actor: str | None = None,
+) -> Iterator[Message]:
+    span = _tracer().start_span(
+        f"{operation} {_text(message.queue)}", context=parent, kind=SpanKind.PRODUCER
+    )
+    ctx = span.get_span_context()
+    if not ctx.is_valid:  # no SDK: pass on the context the caller is in, if any
+        current = _trace.get_current_span().get_span_context() if parent is None else None
+        if current is not None and current.is_valid:
+            traceparent, tracestate = _format(current)
+            message = replace(message, traceparent=traceparent, tracestate=tracestate)
+        yield message
+        return
+    if span.is_recording():
+        span.set_attributes(_message_attributes(message, operation, kind))
+        if actor is not None:
+            span.set_attribute(ACTOR, _text(actor))
+        for link in links:
+            span.add_link(link)
+    traceparent, tracestate = _format(ctx)
+    with _trace.use_span(span, end_on_exit=True):
+        yield replace(message, traceparent=traceparent, tracestate=tracestate)
+
+
+def create(message: Message) -> AbstractContextManager[Message]:
+    """A producer writes ``message``: a PRODUCER span ``create <queue>``, child of the current
+    context, whose context the yielded message carries."""
+    if _trace is None:
+        return contextlib.nullcontext(message)
+    return _producer(message, "create", "create")
+
+
+def send(message: Message) -> AbstractContextManager[Message]:
+    """The outbox relay publishes ``message``: a PRODUCER span ``send <queue>``, child of the
+    context the message carries (its ``create``), whose context the yielded message carries."""
+    if _trace is None:
+        return contextlib.nullcontext(message)
+    remote = _remote(message.traceparent, message.tracestate)
+    if remote is None:
+        return _producer(message, "send", "send")
+    parent = _trace.set_span_in_context(_trace.NonRecordingSpan(remote))
+    return _producer(message, "send", "send", parent=parent)
+
+
+def replay(message: Message, *, failed: str | None, actor: str) -> AbstractContextManager[Message]:
+    """An operator replays a dead letter: a PRODUCER span ``replay <queue>`` (``create``), child
+    of the current context, with the actor, linked to the failed attempt's span ``failed`` (its
+    ``traceparent``, as the dead letter recorded it)."""
+    if _trace is None:
+        return contextlib.nullcontext(message)
+    original = _remote(valid_traceparent(failed), None)
+    links = () if original is None else (original,)
+    return _producer(message, "replay", "create", links=links, actor=actor)
+
+
+def process(delivery: Delivery, *, child: bool) -> AbstractContextManager[Span | None]:
+    """The CONSUMER span ``process <queue>`` around one job, current while it runs (the
+    handler's own spans are its children). It links to the producer's context, or is its child
+    with ``child``. Yields None when no SDK records anything (no span, no context attached)."""
+    if _trace is None:
+        return _NOTHING
+    message = delivery.message
+    parent = None
+    if child and message.traceparent is not None:
+        remote = _remote(message.traceparent, message.tracestate)
+        parent = _trace.set_span_in_context(_trace.NonRecordingSpan(remote))  # type: ignore[arg-type]
+    span = _tracer().start_span(
+        f"process {_text(message.queue)}", context=parent, kind=SpanKind.CONSUMER
+    )
+    if not span.get_span_context().is_valid:
+        return _NOTHING
+    if span.is_recording():
+        attributes = _message_attributes(message, "process", "process")
+        attributes[GROUP] = attributes.pop("jobfence.consumer")
+        attributes[ATTEMPT] = delivery.attempt
+        span.set_attributes(attributes)
+        if not child and message.traceparent is not None:
+            span.add_link(_remote(message.traceparent, message.tracestate))
+    return _trace.use_span(span, end_on_exit=True)
+
+
+def process_group(deliveries: Sequence[Delivery]) -> AbstractContextManager[Span | None]:
+    """The CONSUMER span of a group of jobs committed in one transaction: the batch size, and
+    one link per job's producer context."""
+    if _trace is None:
+        return _NOTHING
+    first = deliveries[0].message
+    span = _tracer().start_span(f"process {_text(first.queue)}", kind=SpanKind.CONSUMER)
+    if not span.get_span_context().is_valid:
+        return _NOTHING
+    if span.is_recording():
+        attributes = _message_attributes(first, "process", "process")
+        attributes[GROUP] = attributes.pop("jobfence.consumer")
+        del attributes[MESSAGE_ID]
+        attributes.pop(CONVERSATION_ID, None)
+        attributes[BATCH_COUNT] = len(deliveries)
+        span.set_attributes(attributes)
+        for delivery in deliveries:
+            message = delivery.message
+            remote = _remote(message.traceparent, message.tracestate)
+            if remote is not None:
+                span.add_link(remote, {MESSAGE_ID: _text(message.job_id)})
+    return _trace.use_span(span, end_on_exit=True)
+
+
+_FINE = frozenset(("succeeded", "duplicate", "committed"))
+
+
+def finish(span: Span, outcome: str) -> None:
+    """Record a job's outcome on its process span; any but a success or a duplicate sets the
+    span's status to ERROR (``error.type`` was set where the job failed: :func:`note_error`)."""
+    if not span.is_recording():
+        return
+    span.set_attribute(OUTCOME, outcome)
+    if outcome not in _FINE:
+        span.set_status(_trace.StatusCode.ERROR)
+
+
+def note_error(error_type: str) -> None:
+    """Set ``error.type`` on the current span (a failing job's process span)."""
+    if _trace is None:
+        return
+    span = _trace.get_current_span()
+    if span.is_recording():
+        span.set_attribute(ERROR_TYPE, error_type[:200])
+
+
+def current_traceparent() -> str | None:
+    """The ``traceparent`` of the current span, when there is a valid one."""
+    if _trace is None:
+        return None
+    ctx = _trace.get_current_span().get_span_context()
+    return _format(ctx)[0] if ctx.is_valid else None
+
+
+def current_ids() -> tuple[str, str] | None:
+    """The trace id and span id (hex) of the current span, when there is a valid one."""
+    if _trace is None:
+        return None
+    ctx = _trace.get_current_span().get_span_context()
+    if not ctx.is_valid:
+        return None
+    return f"{ctx.trace_id:032x}", f"{ctx.span_id:016x}"
