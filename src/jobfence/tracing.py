@@ -40,6 +40,7 @@ except ImportError:  # the extra is absent: every function below is a constant
 __all__ = [
     "ENABLED",
     "SEMCONV_VERSION",
+    "carried",
     "current_ids",
     "current_traceparent",
     "trace_id_of",
@@ -100,6 +101,26 @@ def valid_tracestate(value: object) -> str | None:
         if member.strip(" \t") and _MEMBER.fullmatch(member) is None:
             return None
     return value
+
+
+def carried(traceparent: object, tracestate: object) -> tuple[str | None, str | None]:
+    """The trace context a broker message carries, parsed at its boundary: header values as
+    text or bytes; what does not parse is dropped (a tracestate without a traceparent too)."""
+    parent = valid_traceparent(_header_text(traceparent, 55))
+    if parent is None:
+        return None, None
+    return parent, valid_tracestate(_header_text(tracestate, MAX_TRACESTATE_CHARS))
+
+
+def _header_text(value: object, limit: int) -> str | None:
+    if isinstance(value, bytes | bytearray | memoryview):
+        if len(value) > limit:
+            return None
+        try:
+            return bytes(value).decode("ascii")
+        except UnicodeDecodeError:
+            return None
+    return value if isinstance(value, str) else None
 
 
 def trace_id_of(traceparent: str | None) -> str | None:

@@ -59,6 +59,7 @@ from jobfence.adapters._unavailable import unavailable_on
 from jobfence.errors import ConfigError, QueueUnavailable
 from jobfence.model import Delivery, Message
 from jobfence.ports import QueueCapabilities, QueueSize
+from jobfence.tracing import carried
 
 try:
     import nats
@@ -126,6 +127,8 @@ _H_JOB_ID = "Jobfence-Job-Id"
 _H_TENANT = "Jobfence-Tenant-Id"
 _H_CORRELATION = "Jobfence-Correlation-Id"
 _H_PRIOR = "Jobfence-Prior"
+_H_TRACEPARENT = "traceparent"
+_H_TRACESTATE = "tracestate"
 _SUBJECT_TOKEN = re.compile(r"^[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*$")
 _NAME = re.compile(r"^[A-Za-z0-9_\-]+$")
 _HEADER_SAFE = "!\"#$&'()*+,-./:;<=>?@[\\]^_`{|}~"
@@ -362,6 +365,10 @@ class NatsQueue:
             headers[_H_TENANT] = _header(message.tenant_id)
         if message.correlation_id is not None:
             headers[_H_CORRELATION] = _header(message.correlation_id)
+        if message.traceparent is not None:  # W3C names, as other OpenTelemetry clients use
+            headers[_H_TRACEPARENT] = message.traceparent
+            if message.tracestate is not None:
+                headers[_H_TRACESTATE] = message.tracestate
         await js.publish(
             self._subject(message.queue), message.body, stream=self._stream, headers=headers
         )
@@ -465,6 +472,7 @@ class NatsQueue:
         headers = msg.headers or {}
         prior = int(headers.get(_H_PRIOR, "0"))
         tenant, correlation = headers.get(_H_TENANT), headers.get(_H_CORRELATION)
+        traceparent, tracestate = carried(headers.get(_H_TRACEPARENT), headers.get(_H_TRACESTATE))
         message = Message(
             queue=queue,
             consumer=unquote(headers.get(_H_CONSUMER, "")),
@@ -472,6 +480,8 @@ class NatsQueue:
             body=bytes(msg.data),
             tenant_id=None if tenant is None else unquote(tenant),
             correlation_id=None if correlation is None else unquote(correlation),
+            traceparent=traceparent,
+            tracestate=tracestate,
         )
         delivered = int(msg.metadata.num_delivered)
         receipt = NatsReceipt(msg=msg, prior=prior, deadline=lease_deadline)

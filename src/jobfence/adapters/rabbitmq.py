@@ -74,6 +74,7 @@ from jobfence.adapters._unavailable import hold_back, unavailable_on
 from jobfence.errors import ConfigError
 from jobfence.model import Delivery, Message
 from jobfence.ports import QueueCapabilities, QueueSize
+from jobfence.tracing import carried
 
 try:
     import aio_pika
@@ -99,6 +100,8 @@ _H_TENANT = "x-jobfence-tenant-id"
 _H_CORRELATION = "x-jobfence-correlation-id"
 _SHORTSTR_BYTES = 255  # AMQP's message-id and correlation-id properties hold no more
 _H_PRIOR = "x-jobfence-prior"
+_H_TRACEPARENT = "traceparent"
+_H_TRACESTATE = "tracestate"
 _NAME = re.compile(r"^[A-Za-z0-9_.\-:]+$")
 # A consumer's prefetch is what the first receive asked for plus this: a finished job stays
 # unacked until the worker's ack batch goes (up to 100 acks or 0.1 s by default).
@@ -359,6 +362,10 @@ class RabbitMQQueue:
             headers[_H_TENANT] = message.tenant_id
         if message.correlation_id is not None:
             headers[_H_CORRELATION] = message.correlation_id
+        if message.traceparent is not None:  # W3C names, as other OpenTelemetry clients use
+            headers[_H_TRACEPARENT] = message.traceparent
+            if message.tracestate is not None:
+                headers[_H_TRACESTATE] = message.tracestate
         channel = await self._open_channel()
         await channel.default_exchange.publish(  # returns once the broker confirmed it
             aio_pika.Message(
@@ -560,7 +567,11 @@ class RabbitMQQueue:
         headers = incoming.headers or {}
         prior = int(str(headers.get(_H_PRIOR, 0)))
         count = int(str(headers.get("x-delivery-count", 0)))
-        copy = {k: v for k, v in headers.items() if k.startswith("x-jobfence-")}
+        copy = {
+            k: v
+            for k, v in headers.items()
+            if k.startswith("x-jobfence-") or k in (_H_TRACEPARENT, _H_TRACESTATE)
+        }
         copy[_H_PRIOR] = prior + count
         try:
             await buffered.channel.default_exchange.publish(
@@ -592,6 +603,7 @@ class RabbitMQQueue:
         prior = int(str(headers.get(_H_PRIOR, 0)))
         count = int(str(headers.get("x-delivery-count", 0)))
         tenant, correlation = headers.get(_H_TENANT), headers.get(_H_CORRELATION)
+        traceparent, tracestate = carried(headers.get(_H_TRACEPARENT), headers.get(_H_TRACESTATE))
         message = Message(
             queue=queue,
             consumer=str(headers.get(_H_CONSUMER, "")),
@@ -599,6 +611,8 @@ class RabbitMQQueue:
             body=bytes(incoming.body),
             tenant_id=None if tenant is None else str(tenant),
             correlation_id=None if correlation is None else str(correlation),
+            traceparent=traceparent,
+            tracestate=tracestate,
         )
         receipt = RabbitReceipt(
             incoming=incoming,

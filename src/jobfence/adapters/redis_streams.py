@@ -53,6 +53,7 @@ from jobfence.adapters._unavailable import unavailable_on
 from jobfence.errors import ConfigError
 from jobfence.model import Delivery, Message
 from jobfence.ports import QueueCapabilities, QueueSize
+from jobfence.tracing import carried
 
 try:
     import redis.asyncio as aioredis
@@ -195,6 +196,10 @@ def _fields(message: Message, prior: int) -> dict[str, bytes | str]:
         fields["tenant_id"] = message.tenant_id
     if message.correlation_id is not None:
         fields["correlation_id"] = message.correlation_id
+    if message.traceparent is not None:
+        fields["traceparent"] = message.traceparent
+        if message.tracestate is not None:
+            fields["tracestate"] = message.tracestate
     return fields
 
 
@@ -357,6 +362,7 @@ class RedisStreamsQueue:
         self, stream: str, entry_id: bytes | str, fields: dict[bytes, bytes], delivered: int
     ) -> Delivery:
         prior = int(fields.get(b"prior", b"0"))
+        traceparent, tracestate = carried(fields.get(b"traceparent"), fields.get(b"tracestate"))
         message = Message(
             queue=self._queue_of(stream),
             consumer=_text(fields, b"consumer") or "",
@@ -364,6 +370,8 @@ class RedisStreamsQueue:
             body=fields.get(b"body", b""),
             tenant_id=_text(fields, b"tenant_id"),
             correlation_id=_text(fields, b"correlation_id"),
+            traceparent=traceparent,
+            tracestate=tracestate,
         )
         receipt = RedisReceipt(
             stream=stream,
