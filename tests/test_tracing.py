@@ -9,6 +9,7 @@ import io
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -25,9 +26,10 @@ import pointsapp
 from jobfence import PgQueue, Producer, RetryPolicy, Worker, ops, tracing
 from jobfence.dead_letters import get_dead_letter, replay_dead_letter
 from jobfence.observability import json_formatter
-from support import scalar
+from support import scalar, wait_until
 from tracing_support import Traces, hexid, linked, parent_of, recording
 
+CRASH_WORKER = Path(__file__).with_name("crash_worker.py")
 FAST = RetryPolicy(
     max_retries=1, base_seconds=0.05, cap_seconds=0.1, rationale="a test: retries at once"
 )
@@ -517,3 +519,49 @@ def test_json_log_lines_carry_trace_and_span_ids_while_a_span_is_current(
     ctx = span.get_span_context()
     assert inside["trace_id"] == f"{ctx.trace_id:032x}"
     assert inside["span_id"] == f"{ctx.span_id:016x}"
+
+
+# --- a SIGKILLed worker's redelivery ---------------------------------------------------------
+
+
+def _crash_worker(database_url: str, workdir: Path) -> subprocess.Popen[bytes]:
+    """``crash_worker.py crash``: takes the job (lease 1 s) and blocks inside its handler."""
+    with (workdir / "crash.log").open("wb") as out:
+        return subprocess.Popen(
+            [sys.executable, str(CRASH_WORKER), "crash", database_url, str(workdir)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+
+
+async def test_a_sigkilled_workers_job_is_redelivered_with_the_same_producer_link(
+    traces: Traces,
+    database_url: str,
+    pool: AsyncConnectionPool[Any],
+    conn: psycopg.AsyncConnection[Any],
+    tmp_path: Path,
+) -> None:
+    """The trace context lives in the queue row: the worker that took the job died (SIGKILL,
+    its spans with it), and the next delivery's process span links to the same create span."""
+    await conn.execute(pointsapp.SCHEMA_SQL)
+    app = pointsapp.build_app()
+    await _enqueue_in_request(traces, database_url, app, {"account_id": 1, "points": 2}, "k-1")
+    proc = _crash_worker(database_url, tmp_path)
+    try:
+
+        async def in_handler() -> bool:
+            assert proc.poll() is None, (tmp_path / "crash.log").read_text()
+            return (tmp_path / "in_handler").exists()
+
+        await wait_until(in_handler, timeout=30, message="the worker to be inside its handler")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    assert await _work(pool, app) == {"succeeded": 1}
+    process = traces.one(f"process {pointsapp.QUEUE}")
+    assert (process.attributes or {})["jobfence.attempt"] == 2
+    assert linked(process) == [hexid(traces.one(f"create {pointsapp.QUEUE}"))]
