@@ -18,6 +18,12 @@ id = %s``:
      sync def      the sync pool (``--systems jobfence-sync``).
 (b4) jobfence,     (b3) with the work statement run as an ORM-enabled ``update()`` through a
      SQLAlchemy    SQLAlchemy Session on the handler's connection (``jobfence-sqlalchemy``).
+(b5) jobfence,     (b) with ``opentelemetry`` treated as absent in the worker processes
+     no otel       (``jobfence.tracing`` as without the ``otel`` extra: ``jobfence-no-otel``).
+                   (b) itself runs with ``opentelemetry-api`` installed and no SDK configured.
+(b6) jobfence,     (b) with the OpenTelemetry SDK recording every span, exported through a
+     otel SDK      ``BatchSpanProcessor`` to an exporter that drops them (``jobfence-otel-sdk``).
+                   ``--systems tracing`` runs (b5), (b) and (b6) side by side.
 
 "1 worker" and "4 workers" are 1 and 4 OS processes (multiprocessing, spawn), each handling one
 job at a time, so the systems are comparable. An extra column runs jobfence and Procrastinate
@@ -84,7 +90,7 @@ from common import (
 )
 from psycopg_pool import AsyncConnectionPool
 
-from jobfence import PgQueue, Worker, open_pool, runtime
+from jobfence import PgQueue, Worker, open_pool, runtime, tracing
 from jobfence.schema import migrate
 
 CEILING = "ceiling"
@@ -93,6 +99,8 @@ JOBFENCE = "jobfence"
 JOBFENCE_GROUP = "jobfence-group"
 JOBFENCE_SYNC = "jobfence-sync"
 JOBFENCE_SQLALCHEMY = "jobfence-sqlalchemy"
+JOBFENCE_NO_OTEL = "jobfence-no-otel"
+JOBFENCE_OTEL_SDK = "jobfence-otel-sdk"
 PROCRASTINATE = "procrastinate"
 LABELS = {
     CEILING: "(a) ceiling",
@@ -100,6 +108,8 @@ LABELS = {
     JOBFENCE_GROUP: "(b2) jobfence, grouped",
     JOBFENCE_SYNC: "(b3) jobfence, sync def",
     JOBFENCE_SQLALCHEMY: "(b4) jobfence, SQLAlchemy",
+    JOBFENCE_NO_OTEL: "(b5) jobfence, no otel",
+    JOBFENCE_OTEL_SDK: "(b6) jobfence, otel SDK",
     PROCRASTINATE: "(c) procrastinate",
     CEILING_SYNC: "(a') ceiling, sync",
     **bs.BROKER_LABELS,
@@ -113,10 +123,23 @@ PG_SYSTEMS = (
     PROCRASTINATE,
     CEILING_SYNC,
 )
-SYSTEMS = PG_SYSTEMS + bs.BROKER_SYSTEMS
+TRACING_SYSTEMS = (JOBFENCE_NO_OTEL, JOBFENCE_OTEL_SDK)  # beside (b): --systems tracing
+SYSTEMS = PG_SYSTEMS + TRACING_SYSTEMS + bs.BROKER_SYSTEMS
 # --systems shorthands: "brokers" is jobfence on PostgreSQL beside every broker system.
-SYSTEM_GROUPS = {"all": SYSTEMS, "postgres": PG_SYSTEMS, "brokers": (JOBFENCE, *bs.BROKER_SYSTEMS)}
-JOBFENCES = (JOBFENCE, JOBFENCE_GROUP, JOBFENCE_SYNC, JOBFENCE_SQLALCHEMY)
+SYSTEM_GROUPS = {
+    "all": SYSTEMS,
+    "postgres": PG_SYSTEMS,
+    "brokers": (JOBFENCE, *bs.BROKER_SYSTEMS),
+    "tracing": (JOBFENCE, *TRACING_SYSTEMS),
+}
+JOBFENCES = (
+    JOBFENCE,
+    JOBFENCE_GROUP,
+    JOBFENCE_SYNC,
+    JOBFENCE_SQLALCHEMY,
+    JOBFENCE_NO_OTEL,
+    JOBFENCE_OTEL_SDK,
+)
 FLAVOURS = {JOBFENCE_SYNC: "sync", JOBFENCE_SQLALCHEMY: "sqlalchemy"}
 PROCRASTINATE_TABLES = (
     "procrastinate_jobs, procrastinate_events, procrastinate_workers, procrastinate_periodic_defers"
@@ -228,6 +251,36 @@ async def _child_jobfence(cmd: dict[str, Any], pipe: Connection, go: Event) -> T
     return tracker
 
 
+async def _child_jobfence_tracing(cmd: dict[str, Any], pipe: Connection, go: Event) -> Tracker:
+    """(b) with jobfence.tracing as without the extra (b5), or with an SDK recording (b6)."""
+    saved = tracing._trace, tracing.ENABLED, tracing._tracer
+    provider: Any = None
+    if cmd["system"] == JOBFENCE_NO_OTEL:
+        tracing._trace, tracing.ENABLED = None, False  # type: ignore[assignment]
+    else:
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import (
+            BatchSpanProcessor,
+            SpanExporter,
+            SpanExportResult,
+        )
+
+        class Dropped(SpanExporter):
+            def export(self, spans: Any) -> SpanExportResult:
+                return SpanExportResult.SUCCESS
+
+        provider = TracerProvider()
+        provider.add_span_processor(BatchSpanProcessor(Dropped()))
+        sdk_tracer = provider.get_tracer("jobfence", tracing.SEMCONV_VERSION)
+        tracing._tracer = lambda: sdk_tracer  # type: ignore[assignment]
+    try:
+        return await _child_jobfence(cmd, pipe, go)
+    finally:
+        if provider is not None:
+            provider.shutdown()
+        tracing._trace, tracing.ENABLED, tracing._tracer = saved  # type: ignore[assignment]
+
+
 async def _child_procrastinate(cmd: dict[str, Any], pipe: Connection, go: Event) -> Tracker:
     tracker = Tracker()
     concurrency = cmd["concurrency"]
@@ -290,6 +343,8 @@ CHILDREN = {
     JOBFENCE_GROUP: _child_jobfence,
     JOBFENCE_SYNC: _child_jobfence,
     JOBFENCE_SQLALCHEMY: _child_jobfence,
+    JOBFENCE_NO_OTEL: _child_jobfence_tracing,
+    JOBFENCE_OTEL_SDK: _child_jobfence_tracing,
     PROCRASTINATE: _child_procrastinate,
     **{system: _child_jobfence_broker for system in bs.JOBFENCE_ON_BROKERS},
 }

@@ -128,6 +128,7 @@ async def write_dead_letter(
     queue: str = QUEUE,
     consumer: str = CONSUMER,
     error_class: str = HARD,
+    traceparent: str | None = None,
 ) -> int | None:
     """What the harness's dead-letter write does: the insert and, when it inserted a row, the
     outbox record, in one transaction. Returns the dead letter's id (None: already pending)."""
@@ -145,7 +146,7 @@ async def write_dead_letter(
                 "last_error": f"{error_class}: account is closed\nTraceback ...",
                 "error_class": error_class,
                 "correlation_id": f"corr-{job_id}",
-                "traceparent": None,
+                "traceparent": traceparent,
             },
         )
         row = await cur.fetchone()

@@ -23,6 +23,16 @@ from psycopg_pool import AsyncConnectionPool
 from pydantic import BaseModel
 
 import pointsapp
+from alert_helpers import (
+    HARD,
+    TOKEN,
+    make_relay,
+    running,
+    sink_for,
+    wait_for_alerts,
+    write_dead_letter,
+)
+from fake_betterstack import FakeBetterStack
 from jobfence import PgQueue, Producer, RetryPolicy, Worker, ops, tracing
 from jobfence.dead_letters import get_dead_letter, replay_dead_letter
 from jobfence.observability import json_formatter
@@ -565,3 +575,26 @@ async def test_a_sigkilled_workers_job_is_redelivered_with_the_same_producer_lin
     process = traces.one(f"process {pointsapp.QUEUE}")
     assert (process.attributes or {})["jobfence.attempt"] == 2
     assert linked(process) == [hexid(traces.one(f"create {pointsapp.QUEUE}"))]
+
+
+# --- the alert's incident -------------------------------------------------------------------
+
+
+async def test_the_alerts_incident_names_the_failed_attempts_trace_id(
+    database_url: str, conn: psycopg.AsyncConnection[Any]
+) -> None:
+    await write_dead_letter(conn, "traced-1", traceparent=TP)
+    await write_dead_letter(conn, "untraced-1")
+    server = FakeBetterStack(TOKEN).start()
+    try:
+        sink = sink_for(server)
+        relay = make_relay(database_url, server, sink=sink)
+        async with running(relay):
+            await wait_for_alerts(conn, "sent", 1)
+        await sink.aclose()
+        [post] = server.posts()
+    finally:
+        server.close()
+    description = post.json()["description"]
+    assert f"job traced-1, 1 attempt: {HARD}: account is closed (trace {TP[3:35]})" in description
+    assert f"job untraced-1, 1 attempt: {HARD}: account is closed\n" in description + "\n"

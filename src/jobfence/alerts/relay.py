@@ -1202,7 +1202,8 @@ class AlertRelay:
         ]
         lines += [
             f"- #{dl_id} job {job_id}, {_plural(attempts, 'attempt')}: {self._mask(error)}"
-            for dl_id, job_id, attempts, error in samples
+            + (f" (trace {trace_id})" if trace_id else "")
+            for dl_id, job_id, attempts, error, trace_id in samples
         ]
         metadata = {
             "jobfence_alert": alert.kind,
