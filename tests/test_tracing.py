@@ -339,7 +339,7 @@ async def test_a_retried_then_dead_lettered_job_records_its_failed_attempts_trac
     assert detail.dead_letter.trace_id == hexid(second)[0]
 
     # Replayed: a span of its own with the actor, linked to the failed attempt's span; the
-    # replayed job's process span links to the replay.
+    # replayed job's process span links to both.
     with traces.tracer.start_as_current_span("ops: replay"):
         await replay_dead_letter(pool, PgQueue(pool), dead_id, resolved_by="alice")
     replay = traces.one(f"replay {pointsapp.QUEUE}")
@@ -351,7 +351,8 @@ async def test_a_retried_then_dead_lettered_job_records_its_failed_attempts_trac
     traces.exporter.clear()
     await _work(pool, app)  # fails again (the same payload): still one trace to follow
     for replayed in traces.named(f"process {pointsapp.QUEUE}"):
-        assert linked(replayed) == [hexid(replay)]
+        assert linked(replayed) == [hexid(replay), hexid(second)]
+        assert dict(replayed.links[1].attributes or {}) == {"jobfence.link": "replayed_from"}
 
 
 async def test_a_poison_message_has_a_process_span_with_outcome_poison(

@@ -59,6 +59,8 @@ _MEMBER = re.compile(
     r"[ \t]*(?:[a-z0-9][a-z0-9_\-*/]{0,255}|[a-z0-9][a-z0-9_\-*/]{0,240}@[a-z][a-z0-9_\-*/]{0,13})"
     r"=[\x20-\x2b\x2d-\x3c\x3e-\x7e]{0,255}[\x21-\x2b\x2d-\x3c\x3e-\x7e][ \t]*"
 )
+_STATE_KEY = "jobfence"  # the tracestate member a replay adds: the failed attempt's ids
+_REPLAYED_FROM = re.compile(r"(?:^|,)[ \t]*jobfence=([0-9a-f]{32})-([0-9a-f]{16})[ \t]*(?:,|$)")
 _ZERO_TRACE = "0" * 32
 _ZERO_SPAN = "0" * 16
 _NOTHING: AbstractContextManager[None] = contextlib.nullcontext()
@@ -182,6 +184,7 @@ def _producer(
     parent: Any = None,
     links: Sequence[SpanContext] = (),
     actor: str | None = None,
+    member: str | None = None,
 ) -> Iterator[Message]:
     span = _tracer().start_span(
         f"{operation} {_text(message.queue)}", context=parent, kind=SpanKind.PRODUCER
@@ -201,6 +204,10 @@ def _producer(
         for link in links:
             span.add_link(link)
     traceparent, tracestate = _format(ctx)
+    if member is not None:  # W3C: a vendor's member goes first
+        tracestate = valid_tracestate(member + ("," + tracestate if tracestate else "")) or (
+            tracestate
+        )
     with _trace.use_span(span, end_on_exit=True):
         yield replace(message, traceparent=traceparent, tracestate=tracestate)
 
@@ -231,9 +238,19 @@ def replay(message: Message, *, failed: str | None, actor: str) -> AbstractConte
     ``traceparent``, as the dead letter recorded it)."""
     if _trace is None:
         return contextlib.nullcontext(message)
-    original = _remote(valid_traceparent(failed), None)
-    links = () if original is None else (original,)
-    return _producer(message, "replay", "create", links=links, actor=actor)
+    failed = valid_traceparent(failed)
+    if failed is None:
+        return _producer(message, "replay", "create", actor=actor)
+    # The replayed job's process span links to the failed attempt too: the message carries its
+    # ids as the tracestate member jobfence=<trace id>-<span id>.
+    return _producer(
+        message,
+        "replay",
+        "create",
+        links=(_remote(failed, None),),  # type: ignore[arg-type]
+        actor=actor,
+        member=f"{_STATE_KEY}={failed[3:35]}-{failed[36:52]}",
+    )
 
 
 def process(delivery: Delivery, *, child: bool) -> AbstractContextManager[Span | None]:
@@ -259,7 +276,19 @@ def process(delivery: Delivery, *, child: bool) -> AbstractContextManager[Span |
         span.set_attributes(attributes)
         if not child and message.traceparent is not None:
             span.add_link(_remote(message.traceparent, message.tracestate))
+        if message.tracestate is not None and _STATE_KEY in message.tracestate:
+            _link_replayed_from(span, message.tracestate)
     return _trace.use_span(span, end_on_exit=True)
+
+
+def _link_replayed_from(span: Span, tracestate: str) -> None:
+    """A replayed job's process span links to the attempt that failed (its tracestate member
+    ``jobfence=<trace id>-<span id>``, added by :func:`replay`)."""
+    found = _REPLAYED_FROM.search(tracestate)
+    if found is None or found[1] == _ZERO_TRACE or found[2] == _ZERO_SPAN:
+        return
+    failed = f"00-{found[1]}-{found[2]}-01"
+    span.add_link(_remote(failed, None), {"jobfence.link": "replayed_from"})  # type: ignore[arg-type]
 
 
 def process_group(deliveries: Sequence[Delivery]) -> AbstractContextManager[Span | None]:
