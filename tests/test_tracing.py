@@ -599,3 +599,63 @@ async def test_the_alerts_incident_names_the_failed_attempts_trace_id(
     description = post.json()["description"]
     assert f"job traced-1, 1 attempt: {HARD}: account is closed (trace {TP[3:35]})" in description
     assert f"job untraced-1, 1 attempt: {HARD}: account is closed\n" in description + "\n"
+
+
+# --- every sync producer path ---------------------------------------------------------------
+
+
+def _sync_enqueue(kind: str, database_url: str, app: Any, job_id: str) -> None:
+    payload = {"account_id": 1, "points": 1}
+    if kind == "psycopg":
+        with psycopg.connect(database_url) as sync_conn:
+            app.enqueue_sync(sync_conn, "award_points", payload, job_id=job_id)
+    elif kind == "psycopg2":
+        import psycopg2
+
+        pg2 = psycopg2.connect(database_url)
+        try:
+            Producer(routes={"award_points": pointsapp.QUEUE}).enqueue_sync(
+                pg2, "award_points", payload, job_id=job_id
+            )
+            pg2.commit()
+        finally:
+            pg2.close()
+    else:
+        import sqlalchemy
+        from sqlalchemy.orm import Session
+
+        params = psycopg.conninfo.conninfo_to_dict(database_url)
+        engine = sqlalchemy.create_engine(
+            sqlalchemy.URL.create(
+                "postgresql+psycopg",
+                username=str(params.get("user", "")) or None,
+                host=str(params.get("host", "")) or None,
+                port=int(params["port"]) if params.get("port") else None,
+                database=str(params["dbname"]),
+            )
+        )
+        try:
+            with Session(engine) as session, session.begin():
+                app.enqueue_sync(session, "award_points", payload, job_id=job_id)
+        finally:
+            engine.dispose()
+
+
+@pytest.mark.parametrize("kind", ["psycopg", "psycopg2", "sqlalchemy"])
+def test_a_sync_producer_carries_the_request_context_under_a_create_span(
+    traces: Traces, database_url: str, kind: str
+) -> None:
+    app = pointsapp.build_app()
+    with traces.tracer.start_as_current_span("POST /orders") as request:
+        _sync_enqueue(kind, database_url, app, f"sync-{kind}")
+    create = traces.one(f"create {pointsapp.QUEUE}")
+    assert parent_of(create) == (
+        f"{request.get_span_context().trace_id:032x}",
+        f"{request.get_span_context().span_id:016x}",
+    )
+    with psycopg.connect(database_url) as check:
+        row = check.execute(
+            "SELECT traceparent FROM jobfence_queue.messages WHERE job_id = %s", (f"sync-{kind}",)
+        ).fetchone()
+    assert row is not None
+    assert row[0].startswith(f"00-{hexid(create)[0]}-{hexid(create)[1]}-")
