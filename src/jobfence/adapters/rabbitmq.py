@@ -64,7 +64,9 @@ from typing import Any, Literal
 from psycopg import AsyncConnection
 
 from jobfence.adapters._shared import (
+    FieldNames,
     check_prior_attempts,
+    read_delivery,
     receipt_of,
     refuse_delay,
     refuse_tx,
@@ -95,6 +97,15 @@ _H_TENANT = "x-jobfence-tenant-id"
 _H_CORRELATION = "x-jobfence-correlation-id"
 _SHORTSTR_BYTES = 255  # AMQP's message-id and correlation-id properties hold no more
 _H_PRIOR = "x-jobfence-prior"
+_H_COUNT = "x-delivery-count"  # set by the broker: the deliveries before this one
+_NAMES = FieldNames(
+    consumer=f"header {_H_CONSUMER}",
+    job_id=f"header {_H_JOB_ID}",
+    tenant_id=f"header {_H_TENANT}",
+    correlation_id=f"header {_H_CORRELATION}",
+    prior=f"header {_H_PRIOR}",
+    delivered=f"header {_H_COUNT}",
+)
 _NAME = re.compile(r"^[A-Za-z0-9_.\-:]+$")
 # A consumer's prefetch is what the first receive asked for plus this: a finished job stays
 # unacked until the worker's ack batch goes (up to 100 acks or 0.1 s by default).
@@ -190,6 +201,7 @@ class RabbitReceipt:
     settled: bool = False
     lost: bool = False
     timer: asyncio.TimerHandle | None = field(default=None, repr=False)
+    unreadable: bool = False  # a release gives the message back as it is, never a copy
 
 
 @dataclass(slots=True, eq=False)
@@ -532,11 +544,14 @@ class RabbitMQQueue:
         if buffered.channel.is_closed:
             return
         incoming = buffered.incoming
-        headers = incoming.headers or {}
-        prior = int(str(headers.get(_H_PRIOR, 0)))
-        count = int(str(headers.get("x-delivery-count", 0)))
-        copy = {k: v for k, v in headers.items() if k.startswith("x-jobfence-")}
-        copy[_H_PRIOR] = prior + count
+        seen, _ = self._read(queue, incoming, None)
+        if seen.unreadable is not None:
+            # Back as it was published (counted: it is dead-lettered at its delivery anyway).
+            with contextlib.suppress(Exception):
+                await incoming.reject(requeue=True)
+            return
+        copy = {k: v for k, v in incoming.headers.items() if k.startswith("x-jobfence-")}
+        copy[_H_PRIOR] = seen.attempt - 1  # the deliveries so far: this one does not count
         try:
             await buffered.channel.default_exchange.publish(
                 aio_pika.Message(
@@ -563,29 +578,41 @@ class RabbitMQQueue:
         channel: AbstractChannel,
         lease_seconds: float,
     ) -> Delivery:
-        headers = incoming.headers or {}
-        prior = int(str(headers.get(_H_PRIOR, 0)))
-        count = int(str(headers.get("x-delivery-count", 0)))
-        tenant, correlation = headers.get(_H_TENANT), headers.get(_H_CORRELATION)
-        message = Message(
-            queue=queue,
-            consumer=str(headers.get(_H_CONSUMER, "")),
-            job_id=str(headers.get(_H_JOB_ID, "")),
-            body=bytes(incoming.body),
-            tenant_id=None if tenant is None else str(tenant),
-            correlation_id=None if correlation is None else str(correlation),
-        )
         receipt = RabbitReceipt(
             incoming=incoming,
             channel=channel,
             queue_name=self._name(queue),
-            prior=prior,
-            delivery_count=count,
+            prior=0,
+            delivery_count=0,
         )
+        delivery, receipt.prior = self._read(queue, incoming, receipt)
+        receipt.delivery_count = delivery.attempt - receipt.prior - 1
+        receipt.unreadable = delivery.unreadable is not None
         loop = asyncio.get_running_loop()
         receipt.timer = loop.call_later(lease_seconds, self._lease_ran_out, receipt)
         self._held.add(receipt)
-        return Delivery(message=message, attempt=prior + count + 1, receipt=receipt)
+        return delivery
+
+    @staticmethod
+    def _read(
+        queue: str, incoming: _Incoming, receipt: RabbitReceipt | None
+    ) -> tuple[Delivery, int]:
+        """The one reading of a message's headers (at its delivery, and when a buffered one
+        is given back): a header that does not parse makes it ``Delivery.unreadable``."""
+        headers = incoming.headers
+        return read_delivery(
+            _NAMES,
+            queue=queue,
+            body=incoming.body,
+            consumer=headers.get(_H_CONSUMER, ""),
+            job_id=headers.get(_H_JOB_ID, ""),
+            tenant_id=headers.get(_H_TENANT),
+            correlation_id=headers.get(_H_CORRELATION),
+            prior=headers.get(_H_PRIOR),
+            delivered=headers.get(_H_COUNT, 0),
+            receipt=receipt,
+            counted_before=True,
+        )
 
     def _lease_ran_out(self, receipt: RabbitReceipt) -> None:
         if receipt.settled or receipt.lost:
@@ -660,6 +687,9 @@ class RabbitMQQueue:
     async def release(self, delivery: Delivery) -> None:
         receipt = _receipt(delivery)
         if not self._take_hold(receipt):
+            return
+        if receipt.unreadable:  # back as it was published (counted: dead-lettered anyway)
+            await self._give_back(receipt)
             return
         await self._republish(receipt, delivery.message, prior=delivery.attempt - 1)
 
