@@ -38,6 +38,8 @@ MAX_ATTEMPT = 2**31 - 1  # core.dead_letters.attempts is a PostgreSQL integer
 MAX_PRIOR_ATTEMPTS = MAX_ATTEMPT - 1  # so that the next delivery's attempt still fits
 MAX_DELAY_DAYS = 3650
 MAX_DELAY_SECONDS = MAX_DELAY_DAYS * 86400  # about ten years
+# A worker's lease per delivery (and the handler time it keeps a lease alive for): a week.
+MAX_LEASE_SECONDS = 7 * 86400
 
 # A bounded stand-in keeps this many characters of the value it stands for.
 _SHOWN_CHARS = 64
