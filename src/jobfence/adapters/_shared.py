@@ -156,25 +156,40 @@ def read_delivery(
     broker's own count (at least 1) as its attempt: the harness dead-letters it at once,
     whole, as ``UnfenceableMessage``. Never raises: one bad message never fails a batch."""
     problems: list[str] = []
-    texts: list[str | None] = []
-    for raw, name in (
-        (consumer, names.consumer),
-        (job_id, names.job_id),
-        (tenant_id, names.tenant_id),
-        (correlation_id, names.correlation_id),
-    ):
-        text, problem = read_text(raw, name, decode)
-        texts.append(text)
+    if decode is None and (
+        type(consumer) is str
+        and type(job_id) is str
+        and (tenant_id is None or type(tenant_id) is str)
+        and (correlation_id is None or type(correlation_id) is str)
+    ):  # the usual case, without a call per field
+        texts: list[str | None] = [consumer, job_id, tenant_id, correlation_id]
+    else:
+        texts = []
+        for raw, name in (
+            (consumer, names.consumer),
+            (job_id, names.job_id),
+            (tenant_id, names.tenant_id),
+            (correlation_id, names.correlation_id),
+        ):
+            text, problem = read_text(raw, name, decode)
+            texts.append(text)
+            if problem is not None:
+                problems.append(problem)
+    if prior is None:
+        earlier = 0
+    elif type(prior) is int and 0 <= prior <= MAX_PRIOR_ATTEMPTS:
+        earlier = prior
+    else:
+        earlier, problem = read_count(prior, names.prior, MAX_PRIOR_ATTEMPTS)
         if problem is not None:
             problems.append(problem)
-    earlier, problem = (
-        (0, None) if prior is None else read_count(prior, names.prior, MAX_PRIOR_ATTEMPTS)
-    )
-    if problem is not None:
-        problems.append(problem)
-    count, problem = read_count(delivered, names.delivered, MAX_ATTEMPT - counted_before)
-    if problem is not None:
-        problems.append(problem)
+    high = MAX_ATTEMPT - counted_before
+    if type(delivered) is int and 0 <= delivered <= high:
+        count = delivered
+    else:
+        count, problem = read_count(delivered, names.delivered, high)
+        if problem is not None:
+            problems.append(problem)
     count += counted_before
     attempt = earlier + count
     if not problems and not 1 <= attempt <= MAX_ATTEMPT:
