@@ -13,9 +13,11 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg_pool import AsyncConnectionPool
 
 import pointsapp
-from jobfence import JobRefused, Producer, outbox
+from brokers import BROKERS, make_queue, on_broker
+from jobfence import JobRefused, MemoryQueue, Message, PgQueue, Producer, outbox
 from jobfence.limits import MAX_DELAY_SECONDS
 from support import scalar
 
@@ -192,3 +194,27 @@ def test_a_numeric_flag_out_of_its_range_is_refused_at_start_up_naming_the_flag(
     assert result.returncode == 2, result
     assert says in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("broker", ["memory", "postgresql", *BROKERS])
+async def test_every_queue_adapter_refuses_a_nan_delay_naming_it(
+    request: pytest.FixtureRequest, pool: AsyncConnectionPool[Any], broker: str
+) -> None:
+    """A NaN delay is not "no delay" on a broker (``nan > 0`` is False): refused everywhere."""
+    message = Message(pointsapp.QUEUE, "award_points", "j", b"{}")
+    if broker in ("memory", "postgresql"):
+        queue: Any = MemoryQueue() if broker == "memory" else PgQueue(pool)
+        try:
+            with pytest.raises(JobRefused, match="delay_seconds must be a finite number"):
+                await queue.publish(message, delay_seconds=float("nan"))
+        finally:
+            await queue.close()
+        return
+    request.param = broker
+    async with on_broker(request, [pointsapp.QUEUE]) as (kind, url, name):
+        queue = make_queue(kind, url, name)
+        try:
+            with pytest.raises(JobRefused, match="delay_seconds must be a finite number"):
+                await queue.publish(message, delay_seconds=float("nan"))
+        finally:
+            await queue.close()

@@ -62,6 +62,7 @@ from jobfence.adapters._shared import (
 )
 from jobfence.adapters._unavailable import unavailable_on
 from jobfence.errors import ConfigError
+from jobfence.limits import checked_delay
 from jobfence.model import Delivery, Message
 from jobfence.ports import QueueCapabilities, QueueSize
 
@@ -266,7 +267,7 @@ class NatsQueue:
     ) -> None:
         if tx is not None:
             raise _refuse_tx("publish")
-        if delay_seconds > 0:
+        if checked_delay(delay_seconds) > 0:
             raise refuse_delay("NatsQueue", "publish", "JetStream cannot hold a new message back")
         await self._publish(message, prior=check_prior_attempts(prior_attempts))
 

@@ -53,6 +53,7 @@ from jobfence.adapters._shared import (
 )
 from jobfence.adapters._unavailable import unavailable_on
 from jobfence.errors import ConfigError
+from jobfence.limits import checked_delay
 from jobfence.model import Delivery, Message
 from jobfence.ports import QueueCapabilities, QueueSize
 
@@ -280,7 +281,7 @@ class RedisStreamsQueue:
     ) -> None:
         if tx is not None:
             raise _refuse_tx("publish")
-        if delay_seconds > 0:
+        if checked_delay(delay_seconds) > 0:
             raise _refuse_delay("publish")
         fields = _fields(message, check_prior_attempts(prior_attempts))
         stream = self._stream(message.queue)
