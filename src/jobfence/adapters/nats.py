@@ -13,6 +13,9 @@ shared by every worker of that queue.
   message published with ``prior_attempts``).
 - **Fields**: the body is the payload; job id, consumer, tenant and correlation id travel in
   ``Jobfence-*`` headers, percent-encoded where a header could not carry them as they are.
+  Each is read once, with its bounds, by ``read_delivery``: a message whose header does not
+  parse is a delivery marked ``unreadable`` (the harness dead-letters it, whole; the rest of
+  its pull batch is handed out as usual), and a release naks it as it is.
 - **Stale receipts**: JetStream accepts an ack from an earlier delivery of a message that was
   delivered again (it acks by stream sequence). So the adapter keeps each delivery's lease
   deadline on the client (the pull request's send time + AckWait, minus a margin) and refuses

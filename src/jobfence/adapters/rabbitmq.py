@@ -29,6 +29,10 @@ Every publish waits for the broker's publisher confirm; messages are persistent.
   buffered but never handed out is returned as a copy that keeps its count, so it does not
   count; if the connection drops (or the process dies) the broker returns it counted, so an
   attempt can then be one higher than the handler runs.
+- **Reading**: every header is read once, with its bounds, by ``read_delivery`` (at delivery
+  and when a buffered message is given back); a message whose header does not parse is a
+  delivery marked ``unreadable`` (the harness dead-letters it, whole), and a release or a
+  give-back returns it as it was published, never as a copy with rewritten headers.
 - **Stale receipts**: a delivery whose lease timer fired, or whose channel closed, refuses
   ack, extend, retry and release (``capabilities.exact_stale_ack`` is False: after its lease a
   delivery is refused even if nobody took the message over yet; the broker has it again).

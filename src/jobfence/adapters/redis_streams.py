@@ -11,7 +11,9 @@ Each jobfence queue is one stream, ``<prefix>:{<queue>}:stream``, read by one co
 - **Attempt**: the PEL's delivery count (``times_delivered``, kept by Redis and raised by each
   claim), plus the deliveries of earlier entries of the same job (the ``prior`` field, written
   when a retry or release republishes the job as a new entry, or by a publish with
-  ``prior_attempts``).
+  ``prior_attempts``). Every field is read once, with its bounds, by ``read_delivery``: an
+  entry whose field does not parse is a delivery marked ``unreadable`` (the harness
+  dead-letters it, whole), and a release copies it with its fields as they were.
 - **Stale receipts**: ack, extend, retry and release each run as one Lua script that first
   checks the PEL: the entry must still be pending for this consumer with the delivery count the
   receipt saw.
