@@ -16,7 +16,15 @@ import pytest
 from psycopg_pool import AsyncConnectionPool
 
 import pointsapp
-from jobfence import Delivery, MemoryQueue, Message, PgQueue, PrometheusMetrics, Worker
+from jobfence import (
+    Delivery,
+    MemoryQueue,
+    Message,
+    PgQueue,
+    PrometheusMetrics,
+    Worker,
+    replay_dead_letter,
+)
 from jobfence.harness import INTERNAL_FAILURE, UNFENCEABLE, Harness, Outcome
 from support import scalar
 
@@ -89,3 +97,29 @@ async def test_the_internal_failure_fallback_writes_a_delivery_with_an_attempt_o
     cur = await conn.execute("SELECT error_class, attempts FROM core.dead_letters")
     assert await cur.fetchall() == [(INTERNAL_FAILURE, 1 if attempt < 1 else INT_MAX)]
     assert await scalar(conn, "SELECT count(*) FROM jobfence_queue.messages") == 0
+
+
+async def test_an_unfenceable_dead_letter_with_identifiers_within_limits_replays_and_runs(
+    pool: AsyncConnectionPool[Any], conn: psycopg.AsyncConnection[Any]
+) -> None:
+    """Dead-lettered for a count it could not read, not for its identifiers: the replay
+    publishes it with a fresh count, and it runs once."""
+    await conn.execute(pointsapp.SCHEMA_SQL)
+    skewed = SkewedQueue(0)
+    await skewed.publish(Message(pointsapp.QUEUE, "award_points", "skewed", BODY))
+    await asyncio.wait_for(
+        Worker(pointsapp.build_app(), pool, skewed, poll_seconds=0.05).run(until="empty"), 30
+    )
+    dead_letter_id = await scalar(conn, "SELECT id FROM core.dead_letters")
+    queue = PgQueue(pool)
+    try:
+        replayed = await replay_dead_letter(pool, queue, dead_letter_id, resolved_by="ops@test")
+        assert replayed.published
+        stats = await asyncio.wait_for(
+            Worker(pointsapp.build_app(), pool, queue, poll_seconds=0.05).run(until="empty"), 30
+        )
+    finally:
+        await queue.close()
+    assert dict(stats.outcomes) == {"succeeded": 1}
+    assert await scalar(conn, "SELECT points FROM public.accounts WHERE id = 1") == 5
+    assert await scalar(conn, "SELECT status FROM core.dead_letters") == "replayed"
