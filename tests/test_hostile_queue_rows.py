@@ -195,3 +195,27 @@ async def test_a_check_stays_not_valid_with_a_warning_when_a_row_already_breaks_
     ]
     with pytest.raises(errors.CheckViolation, match="messages_attempts_check"):
         await conn.execute(INSERT_ROW, ("new", BODY, -1, "now"))
+
+
+async def test_a_row_a_producer_wrote_with_a_lease_token_runs_like_any_other(
+    pool: AsyncConnectionPool[Any], conn: psycopg.AsyncConnection[Any]
+) -> None:
+    """The columns only workers mean to write (``lease_token``, ``last_error``, ``attempts``)
+    change nothing when a producer sets them: a due row is taken under a fresh lease."""
+    await conn.execute(pointsapp.SCHEMA_SQL)
+    await conn.execute(
+        "INSERT INTO jobfence_queue.messages (queue, consumer, job_id, body, attempts,"
+        " lease_token, last_error) VALUES ('loyalty', 'award_points', 'leased', %s, 2,"
+        " gen_random_uuid(), 'made up')",
+        (BODY,),
+    )
+    queue = PgQueue(pool)
+    try:
+        stats = await asyncio.wait_for(
+            Worker(pointsapp.build_app(), pool, queue, poll_seconds=0.05).run(until="empty"), 30
+        )
+    finally:
+        await queue.close()
+    assert stats.outcomes == {"succeeded": 1}
+    assert await scalar(conn, "SELECT points FROM public.accounts WHERE id = 1") == 5
+    assert await scalar(conn, "SELECT count(*) FROM jobfence_queue.messages") == 0
