@@ -4,7 +4,6 @@ fields (:func:`read_delivery`), the one place where what a producer wrote is par
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from typing import Literal, NamedTuple, TypeVar
 
@@ -82,7 +81,7 @@ class FieldNames(NamedTuple):
     delivered: str
 
 
-_DIGITS = re.compile(r"[0-9]{1,19}")
+_MAX_DIGITS = 19  # more digits than any count jobfence accepts: not worth converting
 
 
 def _shown(raw: object) -> str:
@@ -95,8 +94,11 @@ def read_count(raw: object, name: str, high: int) -> tuple[int, str | None]:
     ``high``: ``(count, None)``, or ``(0, why not)``. Never raises."""
     if isinstance(raw, int) and not isinstance(raw, bool):
         value = raw
-    elif isinstance(raw, bytes | str) and _DIGITS.fullmatch(
-        raw.decode("ascii", "replace") if isinstance(raw, bytes) else raw
+    elif (
+        isinstance(raw, bytes | str)
+        and 0 < len(raw) <= _MAX_DIGITS
+        and raw.isascii()
+        and raw.isdigit()
     ):
         value = int(raw)
     else:
@@ -156,14 +158,30 @@ def read_delivery(
     broker's own count (at least 1) as its attempt: the harness dead-letters it at once,
     whole, as ``UnfenceableMessage``. Never raises: one bad message never fails a batch."""
     problems: list[str] = []
+    texts: list[str | None] | None = None
     if decode is None and (
         type(consumer) is str
         and type(job_id) is str
         and (tenant_id is None or type(tenant_id) is str)
         and (correlation_id is None or type(correlation_id) is str)
     ):  # the usual case, without a call per field
-        texts: list[str | None] = [consumer, job_id, tenant_id, correlation_id]
-    else:
+        texts = [consumer, job_id, tenant_id, correlation_id]
+    elif (
+        type(consumer) is bytes
+        and type(job_id) is bytes
+        and (tenant_id is None or type(tenant_id) is bytes)
+        and (correlation_id is None or type(correlation_id) is bytes)
+    ):  # the usual case of bytes (Redis): valid UTF-8
+        try:
+            texts = [
+                consumer.decode(),
+                job_id.decode(),
+                None if tenant_id is None else tenant_id.decode(),
+                None if correlation_id is None else correlation_id.decode(),
+            ]
+        except UnicodeDecodeError:
+            texts = None
+    if texts is None:
         texts = []
         for raw, name in (
             (consumer, names.consumer),
@@ -177,8 +195,6 @@ def read_delivery(
                 problems.append(problem)
     if prior is None:
         earlier = 0
-    elif type(prior) is int and 0 <= prior <= MAX_PRIOR_ATTEMPTS:
-        earlier = prior
     else:
         earlier, problem = read_count(prior, names.prior, MAX_PRIOR_ATTEMPTS)
         if problem is not None:

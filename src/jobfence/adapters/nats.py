@@ -386,18 +386,23 @@ class NatsQueue:
             unreadable: str | None = f"its metadata cannot be read ({type(exc).__name__})"
         else:
             unreadable = None
+        consumer, job_id = headers.get(_H_CONSUMER, ""), headers.get(_H_JOB_ID, "")
+        tenant, correlation = headers.get(_H_TENANT), headers.get(_H_CORRELATION)
+        encoded = any(
+            isinstance(v, str) and "%" in v for v in (consumer, job_id, tenant, correlation)
+        )
         delivery, receipt.prior = read_delivery(
             _NAMES,
             queue=queue,
             body=bytes(msg.data),
-            consumer=headers.get(_H_CONSUMER, ""),
-            job_id=headers.get(_H_JOB_ID, ""),
-            tenant_id=headers.get(_H_TENANT),
-            correlation_id=headers.get(_H_CORRELATION),
+            consumer=consumer,
+            job_id=job_id,
+            tenant_id=tenant,
+            correlation_id=correlation,
             prior=headers.get(_H_PRIOR),
             delivered=delivered,
             receipt=receipt,
-            decode=_unquote,
+            decode=_unquote if encoded else None,
         )
         if unreadable is not None and delivery.unreadable is None:
             delivery = replace(delivery, unreadable=unreadable)
