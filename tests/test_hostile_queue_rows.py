@@ -25,7 +25,7 @@ from jobfence import PgQueue, PrometheusMetrics, Worker
 from jobfence.harness import DELIVERY_LIMIT
 from jobfence.outbox import OutboxRelaySettings, record_queue
 from jobfence.queues import parse_queue_url
-from support import scalar
+from support import run_jobfence, scalar
 
 INT_MAX = 2**31 - 1
 BODY = b'{"account_id": 1, "points": 5}'
@@ -161,27 +161,29 @@ async def test_an_outbox_row_with_prior_attempts_at_the_top_is_one_dead_letter_a
 
 
 async def test_a_check_stays_not_valid_with_a_warning_when_a_row_already_breaks_it(
-    conn: psycopg.AsyncConnection[Any],
+    database_url: str, conn: psycopg.AsyncConnection[Any]
 ) -> None:
-    """Migration 0016 on a database that already holds a breaking row does not fail the deploy:
-    that check stays NOT VALID (new rows are still checked), the others are validated."""
+    """``jobfence migrate`` on a database that already holds a breaking row does not fail the
+    deploy: that check stays NOT VALID (new rows are still checked), the others are validated,
+    and the migration's WARNING is printed."""
     await conn.execute(
         "ALTER TABLE jobfence_queue.messages DROP CONSTRAINT messages_attempts_check,"
         " DROP CONSTRAINT messages_run_at_check;"
         " ALTER TABLE jobfence.outbox DROP CONSTRAINT outbox_attempts_check,"
-        " DROP CONSTRAINT outbox_due_at_check"
+        " DROP CONSTRAINT outbox_due_at_check;"
+        " DELETE FROM jobfence.schema_migrations WHERE version = 16"
     )
     await conn.execute(INSERT_ROW, ("old", BODY, -3, "now"))
-    notices: list[str] = []
-    conn.add_notice_handler(lambda d: notices.append(d.message_primary or ""))
-    sql = resources.files("jobfence.migrations").joinpath("0016_hostile_rows.sql").read_text()
-    await conn.execute(psycopg.sql.SQL(sql))  # type: ignore[arg-type]
 
-    assert any(
-        "jobfence_queue.messages holds rows where attempts < 0" in n
-        and "messages_attempts_check stays NOT VALID" in n
-        for n in notices
-    ), notices
+    result = await asyncio.to_thread(run_jobfence, database_url, "migrate")
+
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "applied 0016_hostile_rows\n"
+    assert (
+        "WARNING jobfence.schema: jobfence: jobfence_queue.messages holds rows where attempts < 0:"
+        " check messages_attempts_check stays NOT VALID (new and updated rows are checked);"
+        " validate it once they are gone"
+    ) in result.stderr
     cur = await conn.execute(
         "SELECT conname, convalidated FROM pg_constraint WHERE conname IN"
         " ('messages_attempts_check', 'messages_run_at_check', 'outbox_attempts_check',"
