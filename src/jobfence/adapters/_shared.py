@@ -152,10 +152,11 @@ def read_delivery(
 
     ``delivered`` is the broker's own count of this message's deliveries, this one included
     (with ``counted_before``: the deliveries before this one, RabbitMQ's ``x-delivery-count``).
-    Every field is read with its bounds (text that PostgreSQL can be given, counts from 0 to
-    ``MAX_PRIOR_ATTEMPTS``, an attempt up to ``MAX_ATTEMPT``). When one does not parse, the
-    delivery says why (``Delivery.unreadable``) and holds what could be read, with the
-    broker's own count (at least 1) as its attempt: the harness dead-letters it at once,
+    Every field is read with its bounds (text: a ``str`` or UTF-8; counts from 0 to
+    ``MAX_PRIOR_ATTEMPTS``; an attempt up to ``MAX_ATTEMPT``; the identifier limits of
+    ``jobfence.limits`` are the harness's to check, as for every queue). When one does not
+    parse, the delivery says why (``Delivery.unreadable``) and holds what could be read, with
+    the broker's own count (at least 1) as its attempt: the harness dead-letters it at once,
     whole, as ``UnfenceableMessage``. Never raises: one bad message never fails a batch."""
     problems: list[str] = []
     texts: list[str | None] | None = None
