@@ -17,7 +17,16 @@ from psycopg_pool import AsyncConnectionPool
 
 import pointsapp
 from brokers import BROKERS, make_queue, on_broker
-from jobfence import JobRefused, MemoryQueue, Message, PgQueue, Producer, outbox
+from jobfence import (
+    ConfigError,
+    JobRefused,
+    MemoryQueue,
+    Message,
+    PgQueue,
+    Producer,
+    Worker,
+    outbox,
+)
 from jobfence.limits import MAX_DELAY_SECONDS
 from support import scalar
 
@@ -218,3 +227,11 @@ async def test_every_queue_adapter_refuses_a_nan_delay_naming_it(
                 await queue.publish(message, delay_seconds=float("nan"))
         finally:
             await queue.close()
+
+
+@pytest.mark.parametrize("lease", [1e308, float("inf"), 604_801.0])
+def test_a_worker_refuses_a_lease_over_seven_days(
+    pool: AsyncConnectionPool[Any], lease: float
+) -> None:
+    with pytest.raises(ConfigError, match=r"lease_seconds must be"):
+        Worker(pointsapp.build_app(), pool, MemoryQueue(), lease_seconds=lease)
