@@ -214,6 +214,16 @@ BAD_ARGUMENTS = [
     pytest.param(
         {"delay": None}, "jobfence.enqueue: delay must be an interval, not NULL", id="delay-null"
     ),
+    pytest.param(
+        {"delay": "1000000 years"},
+        "jobfence.enqueue: delay 1000000 years is over the limit of 3650 days",
+        id="delay-a-million-years",
+    ),
+    pytest.param(
+        {"delay": "3651 days"},
+        "jobfence.enqueue: delay 3651 days is over the limit of 3650 days",
+        id="delay-just-over-the-limit",
+    ),
 ]
 GOOD = {
     "consumer": "award_points",

@@ -361,7 +361,10 @@ async def test_no_command_but_the_move_ever_changes_the_record(  # noqa: PLR0917
         await record_queue(conn, "redis", parse_queue_url(_with_path(redis_url, "/0")).location)
     before = await _settings(conn)
     args, compares = COMMANDS[command]
-    env = {"JOBFENCE_QUEUE_URL": _with_path(redis_url, "/9"), "JOBFENCE_JWT_SECRET": "x" * 40}
+    env = {
+        "JOBFENCE_QUEUE_URL": _with_path(redis_url, "/9"),
+        "JOBFENCE_JWT_SECRET": "a3f9c2e87b1d4065f2a9e8c7d3b1f0a6e5d4c3b2",
+    }
 
     try:
         done: subprocess.CompletedProcess[str] | None = await asyncio.to_thread(

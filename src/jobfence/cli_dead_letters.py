@@ -50,6 +50,9 @@ class _OneLineParser(argparse.ArgumentParser):
 # --- parsing ------------------------------------------------------------------------------
 
 
+_MAX_BIGINT = 2**63 - 1
+
+
 def _positive_id(what: str) -> Callable[[str], int]:
     """An argparse type for a database id (an integer >= 1), naming ``what`` in its error."""
 
@@ -58,7 +61,7 @@ def _positive_id(what: str) -> Callable[[str], int]:
             value = int(text)
         except ValueError:
             value = 0
-        if value < 1:
+        if not 1 <= value <= _MAX_BIGINT:  # ids are PostgreSQL bigints
             raise argparse.ArgumentTypeError(f"not a {what} id: {text!r}")
         return value
 

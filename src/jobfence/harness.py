@@ -44,11 +44,13 @@ from jobfence.app import App, Consumer
 from jobfence.codec import decode_body, message_payload, stored_payload
 from jobfence.errors import HardFailure, PoisonMessage, QueueUnavailable, TransactionAborted
 from jobfence.limits import (
+    MAX_ATTEMPT,
     MAX_CORRELATION_ID_BYTES,
     MAX_JOB_ID_BYTES,
     MAX_NAME_CHARS,
     MAX_TENANT_ID_BYTES,
     identifiers_problem,
+    recordable_attempt,
     shown_value,
     storable,
 )
@@ -531,6 +533,22 @@ class Harness:
     def _prepare(self, delivery: Delivery) -> Job | PoisonMessage:
         """Decode and validate: the job to run, or why the delivery is poison (D6)."""
         message = delivery.message
+        if delivery.unreadable is not None:
+            return PoisonMessage(
+                f"the message cannot be read as it was published: {delivery.unreadable}",
+                error_class=UNFENCEABLE,
+            )
+        attempt = delivery.attempt
+        if (
+            isinstance(attempt, bool)
+            or not isinstance(attempt, int)
+            or not 1 <= attempt <= MAX_ATTEMPT
+        ):
+            return PoisonMessage(
+                f"its attempt {attempt!r} is not from 1 to {MAX_ATTEMPT} (the queue adapter"
+                " gave a delivery count it cannot have)",
+                error_class=UNFENCEABLE,
+            )
         found = identifiers_problem(
             queue=message.queue,
             consumer=message.consumer,
@@ -839,7 +857,8 @@ class Harness:
         queue, label = self._labels(delivery)
         self._metrics.job_outcome(queue, label, Outcome.INTERNAL_ERROR)
         fields = log_fields(delivery, Outcome.INTERNAL_ERROR, error_class=error_class_of(exc))
-        if delivery.attempt < INTERNAL_FAILURE_DELIVERIES:
+        # An attempt out of bounds (an adapter's bad count) never grows: the fallback at once.
+        if recordable_attempt(delivery.attempt) == delivery.attempt < INTERNAL_FAILURE_DELIVERIES:
             self._log_internal(
                 "internal error handling job %s for %s (delivery %d): %s: %s; it stays leased"
                 " and comes back when its lease runs out; at delivery %d it is dead-lettered as"
@@ -969,7 +988,9 @@ class Harness:
             "tenant_id": ids.tenant_id,
             "payload": payload_text,
             "payload_encoding": encoding,
-            "attempts": delivery.attempt,
+            # Within the column's bounds whatever a queue adapter said (the check above
+            # dead-letters a delivery whose attempt is out of them, and must not loop).
+            "attempts": recordable_attempt(delivery.attempt),
             "last_error": storable_text(text[:MAX_ERROR_CHARS]),
             "error_class": error_class[:200],
             "correlation_id": ids.correlation_id,

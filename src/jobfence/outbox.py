@@ -37,7 +37,9 @@ from psycopg import AsyncConnection
 from psycopg.rows import dict_row
 
 from jobfence._sql import Queries
+from jobfence.adapters._shared import check_prior_attempts
 from jobfence.errors import ConfigError
+from jobfence.limits import MAX_PRIOR_ATTEMPTS, checked_delay
 from jobfence.model import Message
 from jobfence.ports import Clock, QueuePort
 from jobfence.schema import ensure_migrated
@@ -65,8 +67,7 @@ class OutboxMetricsSink(Protocol):
 def _params(
     message: Message, delay_seconds: float, clock: Clock | None, prior_attempts: int
 ) -> dict[str, object]:
-    if prior_attempts < 0:
-        raise ValueError(f"prior_attempts must be >= 0, got {prior_attempts}")
+    check_prior_attempts(prior_attempts)
     return {
         "queue": message.queue,
         "consumer": message.consumer,
@@ -75,7 +76,7 @@ def _params(
         "tenant_id": message.tenant_id,
         "correlation_id": message.correlation_id,
         "now": clock.now() if clock is not None else None,
-        "delay": timedelta(seconds=max(delay_seconds, 0.0)),
+        "delay": timedelta(seconds=checked_delay(delay_seconds)),
         "prior_attempts": prior_attempts,
     }
 
@@ -390,7 +391,11 @@ class OutboxRelay:
                 )
                 try:
                     # Returning means the broker confirmed it (the adapter's contract).
-                    await self._queue.publish(message, prior_attempts=row["prior_attempts"])
+                    # A count a producer wrote beyond what a delivery can carry goes as the
+                    # highest: that delivery is dead-lettered (DeliveryLimitExceeded).
+                    await self._queue.publish(
+                        message, prior_attempts=min(row["prior_attempts"], MAX_PRIOR_ATTEMPTS)
+                    )
                 except Exception as exc:
                     failed = True
                     self._failures += 1

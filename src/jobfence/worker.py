@@ -26,6 +26,7 @@ from jobfence.harness import (
     log_fields,
 )
 from jobfence.leases import LeaseKeeper
+from jobfence.limits import MAX_LEASE_SECONDS
 from jobfence.model import Delivery
 from jobfence.outage_log import PSYCOPG_LOGGERS, OutageLog, reason
 from jobfence.outbox import (
@@ -122,6 +123,10 @@ class Worker:
         ):
             if not (0 < value < float("inf")):
                 raise ConfigError(f"{label} must be a positive number of seconds, got {value}")
+        if lease_seconds > MAX_LEASE_SECONDS:
+            raise ConfigError(
+                f"lease_seconds must be at most {MAX_LEASE_SECONDS} (7 days), got {lease_seconds}"
+            )
         self.app = app
         self.queue = queue
         self.queues = list(queues) if queues else app.queues

@@ -25,6 +25,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from jobfence._sql import Queries
 from jobfence.adapters._shared import check_prior_attempts
+from jobfence.limits import checked_delay
 from jobfence.model import Delivery, Message
 from jobfence.ports import Clock, QueueCapabilities, QueueSize
 
@@ -77,7 +78,9 @@ def require_async_connection(conn: object) -> None:
 def publish_params(
     message: Message, delay_seconds: float = 0.0, clock: Clock | None = None
 ) -> dict[str, object]:
-    """The parameters of the ``publish`` query: every producer, async or sync, runs it."""
+    """The parameters of the ``publish`` query: every producer, async or sync, runs it. A
+    delay that is not a finite number of seconds within ``MAX_DELAY_SECONDS`` is refused here
+    (:class:`~jobfence.JobRefused` naming ``delay_seconds``), before any statement."""
     return {
         "queue": message.queue,
         "consumer": message.consumer,
@@ -86,7 +89,7 @@ def publish_params(
         "tenant_id": message.tenant_id,
         "correlation_id": message.correlation_id,
         "now": _now(clock),
-        "delay": timedelta(seconds=max(delay_seconds, 0.0)),
+        "delay": timedelta(seconds=checked_delay(delay_seconds)),
     }
 
 

@@ -74,7 +74,7 @@ SELECT jobfence.note_broker_queues(array_agg(DISTINCT queue)) FROM sent;
 -- name: outbox_mark_failed
 -- A publish that failed: the row stays, due again after the relay's backoff.
 UPDATE jobfence.outbox
-SET attempts = attempts + 1, last_error = %(error)s, fell_due_at = coalesce(fell_due_at, due_at),
+SET attempts = least(greatest(attempts, 0), 2147483646) + 1, last_error = %(error)s, fell_due_at = coalesce(fell_due_at, due_at),
     due_at = coalesce(%(now)s::timestamptz, now())
              + make_interval(secs => %(delay_seconds)s::double precision)
 WHERE id = %(id)s;
