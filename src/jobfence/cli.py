@@ -89,6 +89,13 @@ async def _cmd_migrate(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _cmd_roles(args: argparse.Namespace) -> int:
+    from jobfence.roles import ROLES, render_roles_sql
+
+    sys.stdout.write(render_roles_sql({role: getattr(args, role) for role in ROLES}))
+    return 0
+
+
 def _start_metrics_server(
     args: argparse.Namespace, registry: CollectorRegistry, *, database: str | None, app: App | None
 ) -> MetricsServer | None:
@@ -444,6 +451,27 @@ def build_parser() -> argparse.ArgumentParser:
         " behind still holds messages",
     )
     p.set_defaults(func=_cmd_migrate)
+
+    p = sub.add_parser(
+        "roles",
+        help="print the SQL that creates the least-privilege database roles (owner, producer,"
+        " worker, ops, relay, alert relay) and their grants",
+    )
+    p.add_argument(
+        "--print-sql",
+        action="store_true",
+        required=True,
+        help="print the SQL, to review and apply as a superuser after `jobfence migrate`",
+    )
+    for role in ("owner", "producer", "worker", "ops", "relay", "alert_relay"):
+        p.add_argument(
+            f"--{role.replace('_', '-')}",
+            dest=role,
+            default=None,
+            metavar="NAME",
+            help=f"the {role.replace('_', ' ')} role's name (jobfence_{role})",
+        )
+    p.set_defaults(func=_cmd_roles)
 
     p = sub.add_parser("worker", help="run the consumers of MODULE:APP")
     p.add_argument("app", help="the jobfence.App to run, as MODULE:ATTRIBUTE")
