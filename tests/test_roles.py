@@ -18,8 +18,18 @@ from pydantic import BaseModel
 
 from alert_helpers import TOKEN, fast_settings, make_relay, running, wait_for_alerts
 from fake_betterstack import FakeBetterStack
-from jobfence import App, HardFailure, JobMeta, MemoryQueue, Message, PgQueue, RetryPolicy, Worker
-from jobfence import db, ops
+from jobfence import (
+    App,
+    HardFailure,
+    JobMeta,
+    MemoryQueue,
+    Message,
+    PgQueue,
+    RetryPolicy,
+    Worker,
+    db,
+    ops,
+)
 from jobfence.adapters.pg_queue import publish_on
 from jobfence.cleanup import cleanup_expired
 from jobfence.cli import main
@@ -76,7 +86,9 @@ def denied(conn: psycopg.Connection[Any], statement: str) -> None:
 def test_roles_print_sql_prints_every_role_under_the_given_names(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    assert main(["roles", "--print-sql", "--producer", "shop_producer", "--alert-relay", "pager"]) == 0
+    assert (
+        main(["roles", "--print-sql", "--producer", "shop_producer", "--alert-relay", "pager"]) == 0
+    )
     printed = capsys.readouterr().out
     assert printed == render_roles_sql({"producer": "shop_producer", "alert_relay": "pager"})
     assert printed.startswith("-- jobfence database roles")
@@ -408,3 +420,24 @@ def test_every_role_is_in_the_printed_sql_and_in_the_docs() -> None:
     section = docs[docs.index("## Deploying with least privilege") :]
     for role in ROLES:
         assert f"`{DEFAULT_NAMES[role]}`" in section, role
+
+
+def test_the_django_producer_enqueues_as_the_producer_role(empty_database_url: str) -> None:
+    from test_django import enqueue_code, manage, one, shell
+
+    done = manage(empty_database_url, "migrate", "-v", "0")
+    assert done.returncode == 0, done.stderr
+    with deployed_roles(empty_database_url) as urls:
+        shell(urls["producer"], enqueue_code(("dj-1", {"account": "ann", "amount": 5})))
+        refused = manage(
+            urls["producer"],
+            "shell",
+            "-c",
+            "from django.db import connection\n"
+            "connection.cursor().execute('SELECT body FROM jobfence_queue.messages')",
+        )
+        assert refused.returncode != 0
+        assert "permission denied for schema jobfence_queue" in refused.stderr
+    assert one(empty_database_url, "SELECT array_agg(job_id) FROM jobfence_queue.messages") == [
+        "dj-1"
+    ]

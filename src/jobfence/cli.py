@@ -400,6 +400,29 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _add_roles_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "roles",
+        help="print the SQL that creates the least-privilege database roles (owner, producer,"
+        " worker, ops, relay, alert relay) and their grants",
+    )
+    p.add_argument(
+        "--print-sql",
+        action="store_true",
+        required=True,
+        help="print the SQL, to review and apply as a superuser after `jobfence migrate`",
+    )
+    for role in ("owner", "producer", "worker", "ops", "relay", "alert_relay"):
+        p.add_argument(
+            f"--{role.replace('_', '-')}",
+            dest=role,
+            default=None,
+            metavar="NAME",
+            help=f"the {role.replace('_', ' ')} role's name (jobfence_{role})",
+        )
+    p.set_defaults(func=_cmd_roles)
+
+
 def _add_outbox_relay_parser(sub: Any) -> None:
     p = sub.add_parser(
         "outbox-relay",
@@ -451,27 +474,6 @@ def build_parser() -> argparse.ArgumentParser:
         " behind still holds messages",
     )
     p.set_defaults(func=_cmd_migrate)
-
-    p = sub.add_parser(
-        "roles",
-        help="print the SQL that creates the least-privilege database roles (owner, producer,"
-        " worker, ops, relay, alert relay) and their grants",
-    )
-    p.add_argument(
-        "--print-sql",
-        action="store_true",
-        required=True,
-        help="print the SQL, to review and apply as a superuser after `jobfence migrate`",
-    )
-    for role in ("owner", "producer", "worker", "ops", "relay", "alert_relay"):
-        p.add_argument(
-            f"--{role.replace('_', '-')}",
-            dest=role,
-            default=None,
-            metavar="NAME",
-            help=f"the {role.replace('_', ' ')} role's name (jobfence_{role})",
-        )
-    p.set_defaults(func=_cmd_roles)
 
     p = sub.add_parser("worker", help="run the consumers of MODULE:APP")
     p.add_argument("app", help="the jobfence.App to run, as MODULE:ATTRIBUTE")
@@ -587,6 +589,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_metrics_options(p)
     p.set_defaults(func=_cmd_alert_relay)
 
+    _add_roles_parser(sub)
     _add_outbox_relay_parser(sub)
     cli_dead_letters.add_parser(sub)  # jobfence dead-letters ...: its commands set func
     return parser

@@ -60,10 +60,11 @@ def render_roles_sql(names: Mapping[str, str | None] | None = None) -> str:
     parts = [
         "-- jobfence database roles: apply as a superuser after `jobfence migrate`, in one"
         " transaction",
-        "-- (docs/operations.md, \"Deploying with least privilege\"). Idempotent.",
+        '-- (docs/operations.md, "Deploying with least privilege"). Idempotent.',
         "BEGIN;",
     ]
-    for name, text in queries.items():
+    for name, query in queries.items():
+        text = query
         for role, value in chosen.items():
             text = text.replace(f"'{{{role}}}'", f"'{value}'").replace(f"{{{role}}}", f'"{value}"')
         parts.append(f"\n-- {name}\n{text}")
