@@ -148,7 +148,7 @@ def test_the_owner_owns_everything_and_runs_an_upgrades_migrations(
         ).fetchall()
         assert not_owned == []
         # An upgrade: 0019 is not applied yet. The owner's login applies it, as the owner.
-        admin.execute("DROP FUNCTION jobfence.produce, jobfence.write_job")
+        admin.execute("DROP FUNCTION jobfence.produce")
         admin.execute("DELETE FROM jobfence.schema_migrations WHERE version = 19")
         login = psycopg.conninfo.conninfo_to_dict(roles["owner"])["user"]
         admin.execute(f'ALTER ROLE "{login}" SET role = "{owner}"')  # type: ignore[arg-type]
@@ -198,10 +198,6 @@ def test_the_producer_enqueues_from_python_and_sql_and_reads_or_rewrites_nothing
         )
         denied(conn, "UPDATE jobfence.settings SET queue_kind = 'rabbitmq'")
         denied(conn, "SELECT jobfence.set_queue('rabbitmq', NULL)")
-        denied(
-            conn,
-            "SELECT jobfence.write_job('x', 'c', 'q', 'j', '\\x7b7d', NULL, NULL, '0')",
-        )
         denied(conn, "CREATE TABLE jobfence.mine (id int)")
 
     with psycopg.connect(database_url) as admin:

@@ -11,66 +11,65 @@
 --
 -- EXECUTE is revoked from PUBLIC: `jobfence roles --print-sql` grants it to the producer role.
 -- Every role that may insert into jobfence_queue.messages today keeps enqueueing through them.
+-- Under the pinned search_path every object is named with its schema; the functions and
+-- operators used unqualified (format, now, convert_to, ~, ...) are pg_catalog's.
 
--- Checks and writes one job for jobfence.produce and jobfence.enqueue (named in `caller`, so
--- that a refusal says which function refused). Runs with the rights of its caller: only those
--- two SECURITY DEFINER functions call it.
-CREATE FUNCTION jobfence.write_job(
-    caller         text,
+-- What every Python producer runs (App.enqueue, enqueue_sync, Producer, the Django and
+-- SQLAlchemy producers): `body` is the JSON document's bytes as the producer encoded them. The
+-- checks and messages of jobfence.enqueue. Returns the id of the queue message, or of the
+-- outbox row. (PL/pgSQL rather than SQL: its plans are kept for the session, where a SECURITY
+-- DEFINER SQL function would be planned again on every call.)
+CREATE FUNCTION jobfence.produce(
     consumer       text,
     queue          text,
     job_id         text,
     body           bytea,
-    tenant_id      text,
-    correlation_id text,
-    delay          interval
+    tenant_id      text     DEFAULT NULL,
+    correlation_id text     DEFAULT NULL,
+    delay          interval DEFAULT '0'
 ) RETURNS bigint
-LANGUAGE plpgsql VOLATILE
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     message_id bigint;
 BEGIN
-    IF consumer IS NULL OR consumer !~ '^[A-Za-z0-9_.:-]{1,200}$' THEN
+    IF produce.consumer IS NULL OR produce.consumer !~ '^[A-Za-z0-9_.:-]{1,200}$' THEN
         RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
-            MESSAGE = format('%s: consumer %s must be 1-200 characters of letters, digits'
-                             ' and _ . : -', caller, quote_nullable(consumer));
+            MESSAGE = format('jobfence.produce: consumer %s must be 1-200 characters of'
+                             ' letters, digits and _ . : -', quote_nullable(produce.consumer));
     END IF;
-    IF queue IS NULL OR queue !~ '^[A-Za-z0-9_.:-]{1,200}$' THEN
+    IF produce.queue IS NULL OR produce.queue !~ '^[A-Za-z0-9_.:-]{1,200}$' THEN
         RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
-            MESSAGE = format('%s: queue %s must be 1-200 characters of letters, digits'
-                             ' and _ . : -', caller, quote_nullable(queue));
+            MESSAGE = format('jobfence.produce: queue %s must be 1-200 characters of'
+                             ' letters, digits and _ . : -', quote_nullable(produce.queue));
     END IF;
-    IF job_id IS NULL OR job_id = '' THEN
+    IF produce.job_id IS NULL OR produce.job_id = '' THEN
         RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
-            MESSAGE = format('%s: job_id must be a non-empty string', caller);
+            MESSAGE = 'jobfence.produce: job_id must be a non-empty string';
     END IF;
-    IF octet_length(job_id) > 1024 THEN
+    IF octet_length(produce.job_id) > 1024 THEN
         RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
-            MESSAGE = format('%s: job_id is %s bytes long (UTF-8), at most 1024 are allowed',
-                             caller, octet_length(job_id));
+            MESSAGE = format('jobfence.produce: job_id is %s bytes long (UTF-8), at most 1024'
+                             ' are allowed', octet_length(produce.job_id));
     END IF;
-    IF octet_length(tenant_id) > 200 THEN
+    IF octet_length(produce.tenant_id) > 200 THEN
         RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
-            MESSAGE = format('%s: tenant_id is %s bytes long (UTF-8), at most 200 are allowed',
-                             caller, octet_length(tenant_id));
+            MESSAGE = format('jobfence.produce: tenant_id is %s bytes long (UTF-8), at most 200'
+                             ' are allowed', octet_length(produce.tenant_id));
     END IF;
-    IF octet_length(correlation_id) > 1024 THEN
+    IF octet_length(produce.correlation_id) > 1024 THEN
         RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
-            MESSAGE = format('%s: correlation_id is %s bytes long (UTF-8), at most 1024 are'
-                             ' allowed', caller, octet_length(correlation_id));
+            MESSAGE = format('jobfence.produce: correlation_id is %s bytes long (UTF-8), at'
+                             ' most 1024 are allowed', octet_length(produce.correlation_id));
     END IF;
-    IF body IS NULL THEN
+    IF produce.body IS NULL THEN
         RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
-            MESSAGE = CASE caller
-                WHEN 'jobfence.enqueue' THEN 'jobfence.enqueue: payload must be a JSON'
-                     ' document, not NULL (a JSON null is ''null''::jsonb)'
-                ELSE format('%s: body must be the bytes of a JSON document, not NULL', caller)
-            END;
+            MESSAGE = 'jobfence.produce: body must be the bytes of a JSON document, not NULL';
     END IF;
-    IF delay IS NULL THEN
+    IF produce.delay IS NULL THEN
         RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
-            MESSAGE = format('%s: delay must be an interval, not NULL', caller);
+            MESSAGE = 'jobfence.produce: delay must be an interval, not NULL';
     END IF;
 
     -- One statement, so that it waits for jobfence.set_queue's table lock before it reads the
@@ -82,43 +81,24 @@ BEGIN
         INSERT INTO jobfence_queue.messages (
             queue, consumer, job_id, body, tenant_id, correlation_id, run_at
         )
-        SELECT write_job.queue, write_job.consumer, write_job.job_id, write_job.body,
-               write_job.tenant_id, write_job.correlation_id,
-               pg_catalog.now() + greatest(write_job.delay, interval '0')
+        SELECT produce.queue, produce.consumer, produce.job_id, produce.body,
+               produce.tenant_id, produce.correlation_id,
+               now() + greatest(produce.delay, interval '0')
         FROM target WHERE NOT target.external
-        RETURNING id, pg_catalog.pg_notify('jobfence_queue', write_job.queue)
+        RETURNING id, pg_notify('jobfence_queue', produce.queue)
     ), outboxed AS (
         INSERT INTO jobfence.outbox (
             queue, consumer, job_id, body, tenant_id, correlation_id, due_at
         )
-        SELECT write_job.queue, write_job.consumer, write_job.job_id, write_job.body,
-               write_job.tenant_id, write_job.correlation_id,
-               pg_catalog.now() + greatest(write_job.delay, interval '0')
+        SELECT produce.queue, produce.consumer, produce.job_id, produce.body,
+               produce.tenant_id, produce.correlation_id,
+               now() + greatest(produce.delay, interval '0')
         FROM target WHERE target.external
-        RETURNING id, pg_catalog.pg_notify('jobfence_outbox', '')
+        RETURNING id, pg_notify('jobfence_outbox', '')
     )
     SELECT id INTO message_id FROM queued UNION ALL SELECT id FROM outboxed;
     RETURN message_id;
 END
-$$;
-
--- What every Python producer runs (App.enqueue, enqueue_sync, Producer, the Django and
--- SQLAlchemy producers): `body` is the JSON document's bytes as the producer encoded them.
--- Returns the id of the queue message, or of the outbox row.
-CREATE FUNCTION jobfence.produce(
-    consumer       text,
-    queue          text,
-    job_id         text,
-    body           bytea,
-    tenant_id      text     DEFAULT NULL,
-    correlation_id text     DEFAULT NULL,
-    delay          interval DEFAULT '0'
-) RETURNS bigint
-LANGUAGE sql VOLATILE SECURITY DEFINER
-SET search_path = pg_catalog, pg_temp
-AS $$
-    SELECT jobfence.write_job('jobfence.produce', consumer, queue, job_id, body, tenant_id,
-                              correlation_id, delay)
 $$;
 
 -- jobfence.enqueue as in 0013 (same arguments, checks and messages), now SECURITY DEFINER.
@@ -131,16 +111,81 @@ CREATE OR REPLACE FUNCTION jobfence.enqueue(
     correlation_id text     DEFAULT NULL,
     delay          interval DEFAULT '0'
 ) RETURNS bigint
-LANGUAGE sql VOLATILE SECURITY DEFINER
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
-    SELECT jobfence.write_job('jobfence.enqueue', consumer, queue, job_id,
-                              convert_to(jobfence.compact_json(payload), 'UTF8'), tenant_id,
-                              correlation_id, delay)
+DECLARE
+    message_id bigint;
+BEGIN
+    IF enqueue.consumer IS NULL OR enqueue.consumer !~ '^[A-Za-z0-9_.:-]{1,200}$' THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = format('jobfence.enqueue: consumer %s must be 1-200 characters of'
+                             ' letters, digits and _ . : -', quote_nullable(enqueue.consumer));
+    END IF;
+    IF enqueue.queue IS NULL OR enqueue.queue !~ '^[A-Za-z0-9_.:-]{1,200}$' THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = format('jobfence.enqueue: queue %s must be 1-200 characters of'
+                             ' letters, digits and _ . : -', quote_nullable(enqueue.queue));
+    END IF;
+    IF enqueue.job_id IS NULL OR enqueue.job_id = '' THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = 'jobfence.enqueue: job_id must be a non-empty string';
+    END IF;
+    IF octet_length(enqueue.job_id) > 1024 THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = format('jobfence.enqueue: job_id is %s bytes long (UTF-8), at most 1024'
+                             ' are allowed', octet_length(enqueue.job_id));
+    END IF;
+    IF octet_length(enqueue.tenant_id) > 200 THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = format('jobfence.enqueue: tenant_id is %s bytes long (UTF-8), at most 200'
+                             ' are allowed', octet_length(enqueue.tenant_id));
+    END IF;
+    IF octet_length(enqueue.correlation_id) > 1024 THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = format('jobfence.enqueue: correlation_id is %s bytes long (UTF-8), at'
+                             ' most 1024 are allowed', octet_length(enqueue.correlation_id));
+    END IF;
+    IF enqueue.payload IS NULL THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = 'jobfence.enqueue: payload must be a JSON document, not NULL'
+                      ' (a JSON null is ''null''::jsonb)';
+    END IF;
+    IF enqueue.delay IS NULL THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = 'jobfence.enqueue: delay must be an interval, not NULL';
+    END IF;
+
+    -- One statement, so that it waits for jobfence.set_queue's table lock before it reads the
+    -- setting: a switch of queue can never strand a job in the queue it switched away from.
+    -- A negative delay counts as none: run_at is never before now().
+    WITH target AS (
+        SELECT s.queue_kind <> 'postgresql' AS external FROM jobfence.settings s
+    ), queued AS (
+        INSERT INTO jobfence_queue.messages (
+            queue, consumer, job_id, body, tenant_id, correlation_id, run_at
+        )
+        SELECT enqueue.queue, enqueue.consumer, enqueue.job_id, convert_to(jobfence.compact_json(enqueue.payload), 'UTF8'),
+               enqueue.tenant_id, enqueue.correlation_id,
+               now() + greatest(enqueue.delay, interval '0')
+        FROM target WHERE NOT target.external
+        RETURNING id, pg_notify('jobfence_queue', enqueue.queue)
+    ), outboxed AS (
+        INSERT INTO jobfence.outbox (
+            queue, consumer, job_id, body, tenant_id, correlation_id, due_at
+        )
+        SELECT enqueue.queue, enqueue.consumer, enqueue.job_id, convert_to(jobfence.compact_json(enqueue.payload), 'UTF8'),
+               enqueue.tenant_id, enqueue.correlation_id,
+               now() + greatest(enqueue.delay, interval '0')
+        FROM target WHERE target.external
+        RETURNING id, pg_notify('jobfence_outbox', '')
+    )
+    SELECT id INTO message_id FROM queued UNION ALL SELECT id FROM outboxed;
+    RETURN message_id;
+END
 $$;
 
 REVOKE EXECUTE ON FUNCTION
-    jobfence.write_job(text, text, text, text, bytea, text, text, interval),
     jobfence.produce(text, text, text, bytea, text, text, interval),
     jobfence.enqueue(text, text, text, jsonb, text, text, interval)
 FROM PUBLIC;
