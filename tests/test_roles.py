@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import psycopg
 import pytest
+from prometheus_client import generate_latest
 from psycopg import errors
+from psycopg.conninfo import make_conninfo
 from pydantic import BaseModel
 
 from alert_helpers import TOKEN, fast_settings, make_relay, running, wait_for_alerts
@@ -33,6 +36,7 @@ from jobfence import (
 from jobfence.adapters.pg_queue import publish_on
 from jobfence.cleanup import cleanup_expired
 from jobfence.cli import main
+from jobfence.observability import metrics_registry
 from jobfence.ops import DeadLetterFilter, run_bulk_replay, start_bulk_replay
 from jobfence.outbox import OutboxRelay, record_queue
 from jobfence.roles import DEFAULT_NAMES, ROLES, render_roles_sql
@@ -162,6 +166,43 @@ def test_the_owner_owns_everything_and_runs_an_upgrades_migrations(
         assert admin.execute(
             "SELECT pg_get_userbyid(proowner) FROM pg_proc WHERE proname = 'produce'"
         ).fetchall() == [(owner,)]
+
+
+def test_a_role_that_inserted_queue_rows_before_the_upgrade_still_enqueues_after_it(
+    database_url: str,
+) -> None:
+    role = f"jobfence_old_producer_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(database_url, autocommit=True) as admin:
+        # The database before 0019, and a producer role with the grants documented then.
+        admin.execute("DROP FUNCTION jobfence.produce")
+        admin.execute("DELETE FROM jobfence.schema_migrations WHERE version = 19")
+        admin.execute(
+            f"CREATE ROLE {role} LOGIN;"  # type: ignore[arg-type]
+            f" GRANT USAGE ON SCHEMA jobfence, jobfence_queue TO {role};"
+            f" GRANT INSERT ON jobfence_queue.messages, jobfence.outbox TO {role};"
+            f" GRANT SELECT ON jobfence.settings TO {role};"
+        )
+    try:
+
+        async def upgrade() -> list[int]:
+            async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as c:
+                return [m.version for m in await migrate(c)]
+
+        assert asyncio.run(upgrade()) == [19]
+        with psycopg.connect(make_conninfo(database_url, user=role)) as conn:
+            build_app().enqueue_sync(conn, CONSUMER, {"mode": "ok"}, job_id="after-upgrade")
+            conn.execute(
+                "SELECT jobfence.enqueue(%s, %s, %s, %s::jsonb)", (CONSUMER, QUEUE, "sql", "{}")
+            )
+            conn.commit()
+        with psycopg.connect(database_url) as admin:
+            assert admin.execute("SELECT count(*) FROM jobfence_queue.messages").fetchall() == [
+                (2,)
+            ]
+    finally:
+        with psycopg.connect(database_url, autocommit=True) as admin:
+            admin.execute(f"DROP OWNED BY {role}")  # type: ignore[arg-type]
+            admin.execute(f"DROP ROLE {role}")  # type: ignore[arg-type]
 
 
 # -- the producer -----------------------------------------------------------------------------
@@ -344,6 +385,41 @@ async def test_the_ops_role_lists_shows_replays_and_discards_but_never_rewrites_
         cur = await admin.execute("SELECT job_id FROM jobfence_queue.messages ORDER BY job_id")
         replayed = sorted({f"bad-{i}" for i in range(4)} - {discarded.job_id})
         assert [r[0] for r in await cur.fetchall()] == replayed
+
+
+async def test_the_ops_role_replays_to_the_outbox_and_serves_metrics(
+    database_url: str, roles: dict[str, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as admin:
+        await publish_on(admin, job("to-outbox", "hard"))
+        admin_pool = await db.open_pool(database_url, min_size=1, max_size=2)
+        try:
+            worker_queue = PgQueue(admin_pool, poll_interval_seconds=0.05)
+            await Worker(build_app(), admin_pool, worker_queue, poll_seconds=0.05).run(
+                until="empty"
+            )
+            await worker_queue.close()
+        finally:
+            await admin_pool.close()
+        await record_queue(admin, "memory", "memory://")
+        dead_letter_id = await scalar(admin, "SELECT id FROM core.dead_letters")
+
+    registry = metrics_registry(roles["ops"], process=False)
+    scraped = generate_latest(registry).decode()
+    assert 'jobfence_dead_letters_pending{consumer="roles.consumer",queue="roles"} 1.0' in scraped
+    assert "jobfence_queue_messages" in scraped
+    assert "cannot read the database" not in caplog.text
+
+    pool = await db.open_pool(roles["ops"], min_size=1, max_size=2)
+    queue = MemoryQueue()
+    try:
+        assert (await ops.replay(pool, queue, dead_letter_id, actor="ops@example.com")).published
+    finally:
+        await queue.close()
+        await pool.close()
+    async with await psycopg.AsyncConnection.connect(database_url) as admin:
+        cur = await admin.execute("SELECT job_id, attempts, prior_attempts FROM jobfence.outbox")
+        assert await cur.fetchall() == [("to-outbox", 0, 0)]
 
 
 # -- the relays -------------------------------------------------------------------------------
