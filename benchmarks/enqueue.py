@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+import psycopg.sql
 from psycopg.conninfo import make_conninfo
 from pydantic import BaseModel
 
@@ -117,6 +118,10 @@ def alternating(names: list[str], rounds: int) -> list[tuple[str, str]]:
     ]
 
 
+# As the producers ran it: a psycopg.sql.SQL object, compiled once (jobfence._sql.Queries).
+DIRECT = psycopg.sql.SQL(DIRECT_SQL)
+
+
 class AwardPoints(BaseModel):
     account_id: int
     points: int
@@ -163,7 +168,7 @@ async def run_round(system: str, url: str, app: App, *, jobs: int, per_tx: int, 
                     job_id = f"{tag}-{i}"
                     if system == "direct":
                         message = app.message(CONSUMER, payload, job_id=job_id)
-                        await conn.execute(DIRECT_SQL, publish_params(message))
+                        await conn.execute(DIRECT, publish_params(message))
                     else:
                         await app.enqueue(conn, CONSUMER, payload, job_id=job_id)
         elapsed = time.perf_counter() - started
