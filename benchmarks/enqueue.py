@@ -11,9 +11,10 @@ same Python path (``App.message``, then one statement on an asyncio psycopg conn
 - ``function``: ``App.enqueue`` (``jobfence.produce``), as a login role that holds only the
   producer role of ``jobfence roles --print-sql``.
 
-Two shapes: one job per transaction (``BEGIN``, enqueue, ``COMMIT``: a producer's usual
-transaction, the commit included) and ``--per-tx`` jobs per transaction (the statement's own
-cost, where a function's overhead shows most). The queue table is emptied before each round.
+Three shapes: one job per transaction (``BEGIN``, enqueue, ``COMMIT``); the same with the
+application's own work first (an ``INSERT`` into an orders table, as in the README's example:
+``order+1``); and ``--per-tx`` jobs per transaction (the statement's own cost, where a
+function's overhead shows most). The queue table is emptied before each round.
 
     .venv/bin/python benchmarks/enqueue.py                    # 3,000 jobs x 5 rounds, ~1 min
     .venv/bin/python benchmarks/enqueue.py --jobs 10000 --rounds 7
@@ -118,6 +119,9 @@ def alternating(names: list[str], rounds: int) -> list[tuple[str, str]]:
     ]
 
 
+ORDER_SQL = "INSERT INTO public.bench_orders (id, account_id) VALUES (%s, %s)"
+ORDERS = "CREATE TABLE public.bench_orders (id text PRIMARY KEY, account_id integer NOT NULL)"
+
 # As the producers ran it: a psycopg.sql.SQL object, compiled once (jobfence._sql.Queries).
 DIRECT = psycopg.sql.SQL(DIRECT_SQL)
 
@@ -154,7 +158,9 @@ class Round:
     client_us_per_job: float  # this process
 
 
-async def run_round(system: str, url: str, app: App, *, jobs: int, per_tx: int, tag: str) -> Round:
+async def run_round(
+    system: str, url: str, app: App, *, jobs: int, per_tx: int, order: bool, tag: str
+) -> Round:
     async with await psycopg.AsyncConnection.connect(url) as conn:
         cur = await conn.execute("SELECT pg_backend_pid()")
         pid = int((await cur.fetchone() or [0])[0])
@@ -164,6 +170,8 @@ async def run_round(system: str, url: str, app: App, *, jobs: int, per_tx: int, 
         for start in range(0, jobs, per_tx):
             async with conn.transaction():
                 for i in range(start, min(start + per_tx, jobs)):
+                    if order:
+                        await conn.execute(ORDER_SQL, (f"{tag}-{i}", i % 1000 + 1))
                     payload = {"account_id": i % 1000 + 1, "points": i % 7 + 1}
                     job_id = f"{tag}-{i}"
                     if system == "direct":
@@ -185,11 +193,13 @@ async def setup(admin_url: str) -> tuple[str, str]:
     url = make_conninfo(admin_url, dbname=DB)
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
         await migrate(conn)
+        await conn.execute(ORDERS)
         await conn.execute(render_roles_sql(ROLE_NAMES))  # type: ignore[arg-type]
         await conn.execute(f"DROP ROLE IF EXISTS {PRODUCER_LOGIN}")  # type: ignore[arg-type]
         await conn.execute(
             f"CREATE ROLE {PRODUCER_LOGIN} LOGIN IN ROLE {ROLE_NAMES['producer']}"  # type: ignore[arg-type]
         )
+        await conn.execute(f"GRANT INSERT ON public.bench_orders TO {PRODUCER_LOGIN}")  # type: ignore[arg-type]
     return url, make_conninfo(url, user=PRODUCER_LOGIN)
 
 
@@ -219,19 +229,20 @@ async def main(argv: list[str]) -> int:
         print("server:", await cur.fetchone())
     app = build_app()
     urls = {"direct": url, "function": producer_url}
-    results: dict[tuple[int, str], list[Round]] = {}
+    results: dict[tuple[str, str], list[Round]] = {}
+    shapes = [("1", 1, False), ("order+1", 1, True), (str(args.per_tx), args.per_tx, False)]
     try:
-        for per_tx in (1, args.per_tx):
+        for shape, per_tx, order in shapes:
             for label, system in alternating(["direct", "function"], args.rounds):
                 async with await psycopg.AsyncConnection.connect(url, autocommit=True) as admin:
-                    await admin.execute("TRUNCATE jobfence_queue.messages")
+                    await admin.execute("TRUNCATE jobfence_queue.messages, public.bench_orders")
                     await admin.execute("CHECKPOINT")
                 result = await run_round(
-                    system, urls[system], app, jobs=args.jobs, per_tx=per_tx, tag=label
+                    system, urls[system], app, jobs=args.jobs, per_tx=per_tx, order=order, tag=label
                 )
-                results.setdefault((per_tx, system), []).append(result)
+                results.setdefault((shape, system), []).append(result)
                 print(
-                    f"  {per_tx:>3} job(s)/tx {label} {system:<8}"
+                    f"  {shape:>7} {label} {system:<8}"
                     f" {result.jobs_per_second:8.0f} jobs/s, server {result.server_us_per_job:5.0f}"
                     f" us/job, client {result.client_us_per_job:5.0f} us/job"
                 )
@@ -246,16 +257,16 @@ async def main(argv: list[str]) -> int:
         " | jobfence.produce (producer role) | function / direct |"
     )
     print("|---|---|---|---|---|")
-    for per_tx in (1, args.per_tx):
+    for shape, _, _ in shapes:
         for what, unit, pick in (
             ("throughput", "jobs/s", lambda r: r.jobs_per_second),
             ("server CPU", "us/job", lambda r: r.server_us_per_job),
             ("client CPU", "us/job", lambda r: r.client_us_per_job),
         ):
-            direct = statistics.median(pick(r) for r in results[(per_tx, "direct")])
-            function = statistics.median(pick(r) for r in results[(per_tx, "function")])
+            direct = statistics.median(pick(r) for r in results[(shape, "direct")])
+            function = statistics.median(pick(r) for r in results[(shape, "function")])
             print(
-                f"| {per_tx} | {what} | {direct:,.0f} {unit} | {function:,.0f} {unit} |"
+                f"| {shape} | {what} | {direct:,.0f} {unit} | {function:,.0f} {unit} |"
                 f" {function / direct:.3f} ({(function / direct - 1) * 100:+.1f}%) |"
             )
     return 0
