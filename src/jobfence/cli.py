@@ -114,6 +114,13 @@ async def _cmd_migrate(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _cmd_roles(args: argparse.Namespace) -> int:
+    from jobfence.roles import ROLES, render_roles_sql
+
+    sys.stdout.write(render_roles_sql({role: getattr(args, role) for role in ROLES}))
+    return 0
+
+
 def _start_metrics_server(
     args: argparse.Namespace, registry: CollectorRegistry, *, database: str | None, app: App | None
 ) -> MetricsServer | None:
@@ -498,6 +505,29 @@ def _add_alert_relay_parser(sub: Any) -> None:
     p.set_defaults(func=_cmd_alert_relay)
 
 
+def _add_roles_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "roles",
+        help="print the SQL that creates the least-privilege database roles (owner, producer,"
+        " worker, ops, relay, alert relay) and their grants",
+    )
+    p.add_argument(
+        "--print-sql",
+        action="store_true",
+        required=True,
+        help="print the SQL, to review and apply as a superuser after `jobfence migrate`",
+    )
+    for role in ("owner", "producer", "worker", "ops", "relay", "alert_relay"):
+        p.add_argument(
+            f"--{role.replace('_', '-')}",
+            dest=role,
+            default=None,
+            metavar="NAME",
+            help=f"the {role.replace('_', ' ')} role's name (jobfence_{role})",
+        )
+    p.set_defaults(func=_cmd_roles)
+
+
 def _add_outbox_relay_parser(sub: Any) -> None:
     p = sub.add_parser(
         "outbox-relay",
@@ -667,6 +697,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_alert_relay_parser(sub)
 
+    _add_roles_parser(sub)
     _add_outbox_relay_parser(sub)
     cli_dead_letters.add_parser(sub)  # jobfence dead-letters ...: its commands set func
     return parser

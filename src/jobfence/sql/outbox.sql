@@ -4,31 +4,14 @@
 
 -- name: produce
 -- What every producer runs (App.enqueue, enqueue_sync, Producer), on the caller's connection,
--- never committing it: the queue row (with the NOTIFY that wakes workers at commit) when this
--- database's queue is PostgreSQL, the outbox row (waking the relay) when it is external. One
--- statement, so that it waits for jobfence.set_queue's lock before reading the setting.
-WITH target AS (
-    SELECT s.queue_kind <> 'postgresql' AS external FROM jobfence.settings s
-), queued AS (
-    INSERT INTO jobfence_queue.messages (
-        queue, consumer, job_id, body, tenant_id, correlation_id, run_at
-    )
-    SELECT %(queue)s::text, %(consumer)s::text, %(job_id)s::text, %(body)s::bytea,
-           %(tenant_id)s::text, %(correlation_id)s::text,
-           coalesce(%(now)s::timestamptz, now()) + %(delay)s::interval
-    FROM target WHERE NOT target.external
-    RETURNING id, pg_notify('jobfence_queue', queue)
-), outboxed AS (
-    INSERT INTO jobfence.outbox (
-        queue, consumer, job_id, body, tenant_id, correlation_id, due_at
-    )
-    SELECT %(queue)s::text, %(consumer)s::text, %(job_id)s::text, %(body)s::bytea,
-           %(tenant_id)s::text, %(correlation_id)s::text,
-           coalesce(%(now)s::timestamptz, now()) + %(delay)s::interval
-    FROM target WHERE target.external
-    RETURNING id, pg_notify('jobfence_outbox', '')
-)
-SELECT id FROM queued UNION ALL SELECT id FROM outboxed;
+-- never committing it. jobfence.produce (migration 0019, SECURITY DEFINER) checks the job and
+-- writes the queue row (with the NOTIFY that wakes workers at commit) when this database's queue
+-- is PostgreSQL, the outbox row (waking the relay) when it is external, so that a producer role
+-- needs EXECUTE on it and no privilege on any table.
+SELECT jobfence.produce(
+    %(consumer)s::text, %(queue)s::text, %(job_id)s::text, %(body)s::bytea,
+    %(tenant_id)s::text, %(correlation_id)s::text, %(delay)s::interval
+);
 
 -- name: outbox_insert
 -- An outbox row whatever the setting: a replay's republish when the queue is external, or a
