@@ -32,12 +32,13 @@ import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import urlsplit
 
 from jobfence.config import ENV_QUEUE_URL
 from jobfence.errors import ConfigError
 from jobfence.outbox import POSTGRESQL, queue_setting, record_queue
 from jobfence.ports import QueuePort
+from jobfence.redact import redact_url
 
 if TYPE_CHECKING:
     from psycopg import AsyncConnection
@@ -78,24 +79,6 @@ def queue_url_from_env(environ: Mapping[str, str] | None = None) -> str | None:
     env = os.environ if environ is None else environ
     value = env.get(ENV_QUEUE_URL, "").strip()
     return value or None
-
-
-def _passwords(url: str) -> list[str]:
-    try:
-        password = urlsplit(url).password
-    except ValueError:
-        return []
-    if not password:
-        return []
-    return sorted({password, unquote(password)}, key=len, reverse=True)
-
-
-def redact_url(url: str, text: str | None = None) -> str:
-    """``text`` (default: ``url`` itself) with the URL's password replaced by ``***``."""
-    result = url if text is None else text
-    for secret in _passwords(url):
-        result = result.replace(secret, "***")
-    return result
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,11 +129,13 @@ def parse_queue_url(url: str | None) -> QueueTarget:
         port = split.port
     except ValueError as exc:
         raise ConfigError(
-            f"{ENV_QUEUE_URL}: {redact_url(text)!r} is not a valid URL ({exc})"
+            f"{ENV_QUEUE_URL}: {redact_url(text)!r} is not a valid URL "
+            f"({redact_url(text, str(exc))})"
         ) from None
     host = split.hostname or ""
     shown = f"[{host}]" if ":" in host else host
-    location = f"{scheme}://{shown}{f':{port}' if port else ''}{split.path}"
+    # Redacted too: a password written with / or ? unescaped is cut into host and path.
+    location = redact_url(f"{scheme}://{shown}{f':{port}' if port else ''}{split.path}")
     return QueueTarget(kind=backend.kind, location=location, backend=backend, url=text)
 
 
@@ -195,7 +180,10 @@ async def open_queue(target: QueueTarget, pool: AsyncConnectionPool[Any]) -> Que
         return await asyncio.wait_for(factory(target.url), OPEN_TIMEOUT_SECONDS)
     except TimeoutError:
         raise ConfigError(
-            f"cannot open {target.describe()}: no answer within {OPEN_TIMEOUT_SECONDS:g}s"
+            redact_url(
+                target.url,
+                f"cannot open {target.describe()}: no answer within {OPEN_TIMEOUT_SECONDS:g}s",
+            )
         ) from None
     except ConfigError as exc:
         raise ConfigError(redact_url(target.url, str(exc))) from None
