@@ -35,6 +35,7 @@ TESTS_DIR = Path(__file__).parent
 FORGED_AT = "2026-12-01 19:00:00,000"
 FORGED = f"{FORGED_AT} CRITICAL jobfence.worker: FORGED database wiped\x1b[2J"
 CARD = "4111-1111-1111-1111"
+JOBFENCE = [sys.executable, "-m", "jobfence.cli"]
 ENQUEUE = "SELECT jobfence.enqueue(%s, %s, %s, %s::jsonb, %s, %s)"
 
 
@@ -47,8 +48,7 @@ def run_worker(database_url: str, **env: str) -> subprocess.CompletedProcess[str
     if "JOBFENCE_LOG_FORMAT" not in env:
         environ.pop("JOBFENCE_LOG_FORMAT", None)  # the default: text
     done = subprocess.run(
-        [sys.executable, "-m", "jobfence.cli", "worker", "cliapps.hostile:app"]
-        + ["--queue", hostile.QUEUE, "--until", "empty"],
+        [*JOBFENCE, "worker", "cliapps.hostile:app", "--queue", hostile.QUEUE, "--until", "empty"],
         env=environ,
         cwd=TESTS_DIR,
         capture_output=True,

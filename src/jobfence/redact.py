@@ -19,10 +19,12 @@ every secret it holds replaced by ``***``, without trusting any parser (a passwo
   and host names are shown: they locate, they do not authenticate.
 
 :func:`url_secrets` lists the same secrets in every form a client library may echo them in an
-error message: as written, percent-decoded, unquoted, and the pieces a parser cuts a password
-into; :func:`redact_text` replaces them in such a message (a piece shorter than 4 characters
-only where it stands alone, not inside a word) and redacts any URL or secret ``key=value`` the
-message itself holds.
+error message: as written, percent-decoded, unquoted, and the pieces (of two characters or
+more) a parser cuts a password into, as libpq reads ``postgresql://u:Db/Secret2@h/d`` as host
+``u``, port ``Db`` and database ``Secret2@h/d``; :func:`redact_text` replaces them in such a
+message (one shorter than 4 characters only where it stands alone, not inside a word) and
+redacts any URL or secret ``key=value`` the message itself holds. A password that itself holds
+``scheme://`` is the one form these rules cannot untangle.
 
 Control characters. :func:`printable` escapes every character that is not printable (newline,
 carriage return, ESC and the other C0 and C1 controls, line and paragraph separators...) as
@@ -53,11 +55,14 @@ REDACTED = "***"
 # seed, session...
 _SECRET_KEY = re.compile(r"pass|pwd|secret|token|auth|cred|key|sig|jwt|seed|session", re.I)
 # ``key=value`` where a key may stand: at the start, after whitespace or a query separator.
-# The value is quoted (libpq's ``'...'`` with backslash escapes, or ``"..."``) or runs to the
-# next whitespace: a password holding ``&`` is hidden whole (and what follows with it).
+# The value is quoted (libpq's ``'...'`` with backslash escapes, or ``"..."``) and ends with
+# the string or a space after its closing quote, or it runs to the next whitespace (a password
+# holding ``&`` is hidden whole, and what follows with it). A quote left open, or closed in the
+# middle of a word, hides the rest of the string: where such a value ends is anyone's guess.
 _KEY_VALUE = re.compile(
     r"""(?:^|(?<=[\s?&;,(\[{]))([A-Za-z_][\w.-]*)(\s*=\s*)"""
-    r"""('(?:[^'\\]|\\.)*'?|"(?:[^"\\]|\\.)*"?|[^\s'"]\S*)"""
+    r"""('(?:[^'\\]|\\.)*'(?=\s|$)|"(?:[^"\\]|\\.)*"(?=\s|$)|['"].*|[^\s'"]\S*)""",
+    re.DOTALL,
 )
 # The start of a URL's authority: its scheme and ``://``.
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
@@ -148,9 +153,9 @@ def _forms(secret: str) -> set[str]:
     forms.add(re.split(r"[&#]", secret, maxsplit=1)[0])
     forms.update([unquote(form) for form in forms] + [unquote_plus(form) for form in forms])
     for form in list(forms):
-        pieces = [piece for piece in _CUTS.split(form) if piece]
-        if len(pieces) > 1:
-            forms.update(pieces)
+        pieces = _CUTS.split(form)
+        if len(pieces) > 1:  # a piece of one character tells nothing: not worth hiding
+            forms.update(piece for piece in pieces if len(piece) > 1)
     forms.discard("")
     return forms
 
