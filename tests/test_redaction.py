@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import io
 import logging
 import os
 import socket
@@ -27,6 +28,7 @@ from hypothesis import strategies as st
 
 from jobfence import cli, queues
 from jobfence.config import secrets_from_env
+from jobfence.observability import configure_logging
 from jobfence.redact import is_secret_key, printable, redact_text, redact_url, url_secrets
 
 ROOT = Path(__file__).parent.parent
@@ -437,3 +439,18 @@ def test_the_configured_secrets_cover_every_form_of_each_url() -> None:
     assert {"Db/Secret2", "Secret2", "seed-pw%2F2", "seed-pw/2", "jwt-secret-value"} <= set(found)
     said = "port=Db dbname=Secret2@x; nats: seed-pw/2 refused; jwt jwt-secret-value"
     assert redact_text(said, found) == "port=*** dbname=***@x; nats: *** refused; jwt ***"
+
+
+@pytest.mark.usefixtures("restore_logging")
+@pytest.mark.parametrize("log_format", ["text", "json"])
+def test_a_url_or_a_secret_pair_in_any_log_line_is_hidden_even_when_not_configured(
+    log_format: str,
+) -> None:
+    stream = io.StringIO()
+    configure_logging(log_format, secrets=[], stream=stream)
+    logging.getLogger("aiormq.connection").warning(
+        "cannot connect to %s (auth token=%s)", "amqp://guest:Gu3st-pw@rabbit:5672/", "T0k-9"
+    )
+    output = stream.getvalue()
+    assert "Gu3st-pw" not in output and "T0k-9" not in output
+    assert "amqp://guest:***@rabbit:5672/" in output and "token=***" in output
