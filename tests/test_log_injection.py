@@ -60,6 +60,18 @@ def run_worker(database_url: str, **env: str) -> subprocess.CompletedProcess[str
     return done
 
 
+def show_dead_letter(database_url: str, dead_letter_id: int) -> subprocess.CompletedProcess[str]:
+    """``jobfence dead-letters show ID``, which must succeed."""
+    return subprocess.run(
+        [*JOBFENCE, "dead-letters", "show", str(dead_letter_id)],
+        env={**os.environ, "JOBFENCE_DATABASE_URL": database_url},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+
+
 async def enqueue_hostile_jobs(conn: psycopg.AsyncConnection[Any]) -> None:
     """Through the SQL function, as any producer role can: a forged job id, tenant and
     correlation id on a job whose handler fails (its error holds an ESC), and on a job whose
@@ -95,6 +107,23 @@ async def test_a_forged_job_id_cannot_start_a_log_line_of_its_own_in_the_text_lo
     assert "declined \\x1b[31mred\\x1b[0m" in dead[0]  # the handler's error, escaped
     poison = [line for line in done.stderr.splitlines() if "is poison" in line]
     assert len(poison) == 1 and "job card\\n" in poison[0], done.stderr
+
+
+async def test_dead_letters_show_prints_a_hostile_job_id_and_last_error_escaped(
+    database_url: str, conn: psycopg.AsyncConnection[Any]
+) -> None:
+    await enqueue_hostile_jobs(conn)
+    run_worker(database_url)
+    cur = await conn.execute(
+        "SELECT id FROM core.dead_letters WHERE error_class <> 'SchemaInvalid'"
+    )
+    [(dead_letter_id,)] = await cur.fetchall()
+
+    done = show_dead_letter(database_url, dead_letter_id)
+
+    assert_no_forged_line(done.stdout + done.stderr)
+    assert "declined \\x1b[31mred\\x1b[0m" in done.stdout  # last_error, escaped
+    assert "inj\\n2026-12-01 19:00:00,000 CRITICAL" in done.stdout  # the job id, escaped
 
 
 async def test_json_logs_carry_the_forged_values_escaped_in_the_message_and_the_fields(

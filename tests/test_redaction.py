@@ -427,8 +427,27 @@ SubprocessCase = Callable[[str, int], tuple[list[str], dict[str, str]]]
             ["worker", "cliapps.hostile:app"],
             {"JOBFENCE_DATABASE_URL": db, "JOBFENCE_QUEUE_URL": f"kafka://h?password={SECRET}"},
         ),
+        lambda db, port: (
+            ["worker", "cliapps.hostile:app"],
+            {"JOBFENCE_DATABASE_URL": db, "JOBFENCE_QUEUE_URL": f"amqp://guest:{SECRET}@h:{port}/"},
+        ),
+        lambda db, port: (
+            ["outbox-relay"],
+            {
+                "JOBFENCE_DATABASE_URL": db,
+                "JOBFENCE_QUEUE_URL": f"nats://{quote(SECRET, safe='')}@127.0.0.1:{port}",
+            },
+        ),
     ],
-    ids=["migrate-libpq", "worker-nats-seed-list", "outbox-relay-redis", "api-conninfo", "kafka"],
+    ids=[
+        "migrate-libpq",
+        "worker-nats-seed-list",
+        "outbox-relay-redis",
+        "api-conninfo",
+        "kafka",
+        "amqp-slash",
+        "nats-token",
+    ],
 )
 def test_a_real_jobfence_process_prints_no_secret(database_url: str, case: SubprocessCase) -> None:
     argv, env = case(database_url, closed_port())
