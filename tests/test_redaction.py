@@ -193,13 +193,17 @@ def conninfo_quoted(value: str) -> str:
 
 @contextlib.contextmanager
 def environment(values: dict[str, str]) -> Iterator[None]:
-    names = [n for n in os.environ if n.startswith("JOBFENCE_") or n == "PGPASSWORD"]
-    saved = {name: os.environ.pop(name) for name in names}
+    """Exactly ``values`` among the JOBFENCE_* variables (and ``values``' own), restored after."""
+
+    def managed() -> list[str]:
+        return [n for n in os.environ if n.startswith("JOBFENCE_") or n in values]
+
+    saved = {name: os.environ.pop(name) for name in managed()}
     os.environ.update(values)
     try:
         yield
     finally:
-        for name in [n for n in os.environ if n.startswith("JOBFENCE_") or n == "PGPASSWORD"]:
+        for name in managed():
             del os.environ[name]
         os.environ.update(saved)
 
@@ -340,6 +344,7 @@ def test_no_random_secret_in_any_variable_reaches_stdout_stderr_or_a_log_record(
         "JOBFENCE_BETTERSTACK_API_URL": f"http://127.0.0.1:{port}",
         "JOBFENCE_BETTERSTACK_RELAY_HEARTBEAT_URL": f"http://127.0.0.1:{port}/api/v1/heartbeat/{token}",
         "PGCONNECT_TIMEOUT": "2",
+        "PGPASSWORD": secret,  # libpq's own variable: the database trusts loopback, unused
     }
     try:
         runs: list[tuple[dict[str, str], list[str], str]] = []
