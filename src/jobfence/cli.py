@@ -731,7 +731,7 @@ def main(
         elif not getattr(args, "print_sql", False):
             db.check_database_setting()
     except JobfenceError as exc:
-        print(f"jobfence: error: {exc}", file=sys.stderr)
+        cli_dead_letters.error_line(str(exc))
         return 2
     # jobfence's own start-up and progress lines (the database in use, retry-policy overrides
     # with their rationale) are INFO; other libraries stay at WARNING unless -v. Configured
@@ -745,12 +745,11 @@ def main(
     try:
         return runtime.run(lambda: func(args))
     except JobfenceError as exc:
-        print(f"jobfence: error: {exc}", file=sys.stderr)
+        cli_dead_letters.error_line(str(exc))
         return 2
     except psycopg.Error as exc:
         # Permission denied, a lost connection...: one line, never the password.
-        reason = " ".join(str(exc).split())
-        print(f"jobfence: error: database error ({type(exc).__name__}): {reason}", file=sys.stderr)
+        cli_dead_letters.error_line(f"database error ({type(exc).__name__}): {exc}")
         return 1
     except BrokenPipeError:
         # The reader went away (``jobfence dead-letters list | head``): stop quietly.

@@ -41,7 +41,12 @@ from jobfence._sql import Queries
 from jobfence.acks import AckBatcher
 from jobfence.alerts.outbox import record_dead_letter_alerts
 from jobfence.app import App, Consumer
-from jobfence.codec import decode_body, message_payload, stored_payload
+from jobfence.codec import (
+    decode_body,
+    describe_validation_error,
+    message_payload,
+    stored_payload,
+)
 from jobfence.errors import HardFailure, PoisonMessage, QueueUnavailable, TransactionAborted
 from jobfence.limits import (
     MAX_ATTEMPT,
@@ -137,7 +142,9 @@ def error_class_of(exc: BaseException) -> str:
 
 def first_line(exc: BaseException, limit: int = 200) -> str:
     """The first line of an exception's message, at most ``limit`` characters, for a log line."""
-    text = str(exc).strip()
+    text = (
+        describe_validation_error(exc) if isinstance(exc, ValidationError) else str(exc)
+    ).strip()
     line = text.splitlines()[0] if text else ""
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
@@ -147,7 +154,9 @@ def describe_error(exc: BaseException) -> str:
 
     The traceback starts at the first frame outside jobfence (the handler's own code), unless
     every frame is jobfence's."""
-    head = f"{error_class_of(exc)}: {exc}"
+    # A ValidationError (a handler may raise one) is told without the values it rejected.
+    message = describe_validation_error(exc) if isinstance(exc, ValidationError) else exc
+    head = f"{error_class_of(exc)}: {message}"
     frames: list[traceback.FrameSummary] = list(traceback.extract_tb(exc.__traceback__))
     skip = 0
     while skip < len(frames) and frames[skip].filename.startswith(_PACKAGE_DIR):
@@ -407,7 +416,7 @@ class Harness:
                 if conflict_try < CONFLICT_RETRIES:
                     log.info(
                         "job %s: %s, retrying at once",
-                        job.meta.job_id,
+                        shown_value(job.meta.job_id),
                         type(exc).__name__,
                         extra=log_fields(delivery, error_class=type(exc).__name__),
                     )
@@ -572,8 +581,10 @@ class Harness:
         except PoisonMessage as exc:
             return exc
         except ValidationError as exc:
+            # Names the fields and the errors, never a value: the dead letter keeps the payload.
             return PoisonMessage(
-                f"payload does not match {consumer.schema.__name__}: {exc}",
+                f"payload does not match {consumer.schema.__name__}:"
+                f" {describe_validation_error(exc)}",
                 error_class="SchemaInvalid",
             )
         meta = JobMeta(
@@ -621,7 +632,7 @@ class Harness:
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "job %s for %s %s",
-                meta.job_id,
+                shown_value(meta.job_id),
                 meta.consumer,
                 "succeeded" if fresh else "already processed: skipped",
                 extra=log_fields(job.delivery, outcome),
@@ -717,7 +728,7 @@ class Harness:
             self._metrics.job_outcome(message.queue, message.consumer, Outcome.RETRIED)
             log.info(
                 "job %s for %s failed (attempt %d of %d), retrying in %.1fs: %s",
-                message.job_id,
+                shown_value(message.job_id),
                 message.consumer,
                 delivery.attempt,
                 policy.max_deliveries,
@@ -736,7 +747,7 @@ class Harness:
         self._metrics.job_outcome(message.queue, message.consumer, Outcome.DEAD_LETTERED)
         log.warning(
             "job %s for %s dead-lettered after %d attempt(s): %s: %s",
-            message.job_id,
+            shown_value(message.job_id),
             message.consumer,
             delivery.attempt,
             error_class_of(exc),
@@ -823,7 +834,7 @@ class Harness:
         log.warning(
             "job %s for %s dead-lettered without running: delivered %d times with no outcome"
             " (its retry policy allows %d attempts)",
-            meta.job_id,
+            shown_value(meta.job_id),
             meta.consumer,
             delivery.attempt,
             allowed,

@@ -42,6 +42,7 @@ from jobfence.errors import ConfigError
 from jobfence.limits import MAX_PRIOR_ATTEMPTS, checked_delay
 from jobfence.model import Message
 from jobfence.ports import Clock, QueuePort
+from jobfence.redact import redact_text
 from jobfence.schema import ensure_migrated
 
 log = logging.getLogger("jobfence.outbox")
@@ -400,7 +401,8 @@ class OutboxRelay:
                     failed = True
                     self._failures += 1
                     delay = self._backoff()
-                    text = " ".join(f"{type(exc).__name__}: {exc}".split())[:500]
+                    # Stored and logged: a broker client's error may quote its URL.
+                    text = redact_text(" ".join(f"{type(exc).__name__}: {exc}".split()))[:500]
                     log.warning(
                         "outbox relay: publishing job %s to queue %s failed (%s); it stays in"
                         " the outbox and is tried again in %.1fs",
