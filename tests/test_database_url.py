@@ -125,7 +125,15 @@ def test_every_command_that_needs_the_database_is_covered_here() -> None:
     for name, parser in subcommands(build_parser()).items():
         nested = subcommands(parser)
         commands.update([f"{name} {inner}" for inner in nested] if nested else [name])
-    assert commands - {"demo"} == set(COMMANDS)
+    assert commands - {"demo", "roles"} == set(COMMANDS)
+
+
+def test_roles_print_sql_needs_no_database(tmp_path: Path, embedded_dir: Path) -> None:
+    done = jobfence("roles", "--print-sql", env=clean_environ(), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("-- jobfence database roles")
+    assert done.stderr == ""
+    assert not embedded_dir.exists()
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -214,6 +213,16 @@ BAD_ARGUMENTS = [
     pytest.param(
         {"delay": None}, "jobfence.enqueue: delay must be an interval, not NULL", id="delay-null"
     ),
+    pytest.param(
+        {"delay": "1000000 years"},
+        "jobfence.enqueue: delay 1000000 years is over the limit of 3650 days",
+        id="delay-a-million-years",
+    ),
+    pytest.param(
+        {"delay": "3651 days"},
+        "jobfence.enqueue: delay 3651 days is over the limit of 3650 days",
+        id="delay-just-over-the-limit",
+    ),
 ]
 GOOD = {
     "consumer": "award_points",
@@ -259,25 +268,14 @@ def test_sql_enqueue_accepts_identifiers_at_their_limits(
     assert row[7] == row[10]  # run_at = created_at: due now
 
 
-def test_the_documented_runtime_role_can_enqueue_from_sql(database_url: str) -> None:
-    from psycopg.conninfo import make_conninfo
+def test_the_producer_role_can_enqueue_from_sql(database_url: str) -> None:
+    from roles_support import deployed_roles
 
-    from test_roles import documented_grants
-
-    role = f"jobfence_app_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(database_url, autocommit=True) as admin:
-        admin.execute(documented_grants(role))  # type: ignore[arg-type]
-    try:
-        with psycopg.connect(make_conninfo(database_url, user=role)) as conn:
-            conn.execute(ENQUEUE, tuple(GOOD.values()))
-            conn.commit()
-            assert conn.execute("SELECT job_id FROM jobfence_queue.messages").fetchall() == [
-                ("ok-1",)
-            ]
-    finally:
-        with psycopg.connect(database_url, autocommit=True) as admin:
-            admin.execute(f'DROP OWNED BY "{role}"')  # type: ignore[arg-type]
-            admin.execute(f'DROP ROLE "{role}"')  # type: ignore[arg-type]
+    with deployed_roles(database_url) as urls, psycopg.connect(urls["producer"]) as conn:
+        conn.execute(ENQUEUE, tuple(GOOD.values()))
+        conn.commit()
+    with psycopg.connect(database_url) as admin:
+        assert admin.execute("SELECT job_id FROM jobfence_queue.messages").fetchall() == [("ok-1",)]
 
 
 JSON_TEXT = st.text(

@@ -174,7 +174,7 @@ async def test_the_relay_publishes_a_row_with_its_prior_attempts_so_the_count_go
     await write(external, fresh)
     cur = await external.execute("SELECT job_id, prior_attempts FROM jobfence.outbox ORDER BY id")
     assert await cur.fetchall() == [("retried", 2), ("fresh", 0)]
-    with pytest.raises(ValueError, match="prior_attempts must be >= 0"):
+    with pytest.raises(ValueError, match="prior_attempts must be from 0 to 2147483646, got -1"):
         await write(external, fresh, prior_attempts=-1)
 
     queue = MemoryQueue()

@@ -1,14 +1,16 @@
 """Producers outside the async typed path: a wrong connection refused before any SQL, sync
 psycopg, enqueue by name (validated by the consumer, as poison), psycopg2 and SQLAlchemy.
 
-Every producer runs the one named query ``publish`` on the caller's connection, never
-committing it: the job exists exactly when the caller's transaction commits.
+Every producer runs the one named query ``produce`` on the caller's connection, never
+committing it: the job exists exactly when the caller's transaction commits. Every test that
+enqueues runs twice: as the database's superuser, and as a login role that holds only the
+producer role of ``jobfence roles --print-sql`` (and its own tables' grants).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import psycopg
@@ -24,6 +26,7 @@ from sqlalchemy.orm import Session
 
 import pointsapp
 from jobfence import App, ConfigError, JobRefused, PgQueue, Producer, Worker, WorkerStats
+from roles_support import deployed_roles
 from support import scalar
 
 ROUTES = {"award_points": pointsapp.QUEUE}
@@ -41,14 +44,38 @@ async def run_worker(pool: AsyncConnectionPool[Any], app: App | None = None) -> 
         await queue.close()
 
 
-@pytest.fixture
-def sync_conn(database_url: str) -> Iterator[psycopg.Connection[Any]]:
-    """A sync psycopg connection, not in autocommit: its transactions are the caller's."""
-    with psycopg.connect(database_url) as setup:
+@pytest.fixture(params=["superuser", "producer-role"])
+def producer_url(request: pytest.FixtureRequest, database_url: str) -> Iterator[str]:
+    """Where the producers under test connect: the superuser, or a login role holding only the
+    producer role (and the grants on the points app's own tables its transactions write)."""
+    with psycopg.connect(database_url, autocommit=True) as setup:
         setup.execute(pointsapp.SCHEMA_SQL)  # type: ignore[arg-type]
-    conn = psycopg.connect(database_url)
+    if request.param == "superuser":
+        yield database_url
+        return
+    with deployed_roles(database_url) as urls:
+        login = psycopg.conninfo.conninfo_to_dict(urls["producer"])["user"]
+        with psycopg.connect(database_url, autocommit=True) as setup:
+            setup.execute(
+                f'GRANT SELECT, INSERT, UPDATE ON public.accounts, public.awards TO "{login}"'  # type: ignore[arg-type]
+            )
+        yield urls["producer"]
+
+
+@pytest.fixture
+def sync_conn(producer_url: str) -> Iterator[psycopg.Connection[Any]]:
+    """A sync psycopg connection, not in autocommit: its transactions are the caller's."""
+    conn = psycopg.connect(producer_url)
     yield conn
     conn.close()
+
+
+@pytest.fixture
+async def producer_conn(producer_url: str) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+    """An async connection as the producer, in autocommit (like ``conn``)."""
+    c = await psycopg.AsyncConnection.connect(producer_url, autocommit=True)
+    yield c
+    await c.close()
 
 
 def messages(database_url: str) -> list[tuple[Any, ...]]:
@@ -92,7 +119,6 @@ def test_async_enqueue_on_a_sync_connection_is_refused_before_any_sql(
     # No statement ran in the caller's transaction, which is intact and usable: no job in it,
     # and its own work commits.
     assert sync_conn.info.transaction_status == TransactionStatus.INTRANS
-    assert sync_conn.execute("SELECT count(*) FROM jobfence_queue.messages").fetchone() == (0,)
     sync_conn.commit()
     assert messages(database_url) == []
     with psycopg.connect(database_url) as check:
@@ -150,12 +176,12 @@ async def test_sync_psycopg_enqueue_rolled_back_leaves_no_job(
 
 
 def test_sync_and_async_typed_enqueue_write_the_same_row(
-    sync_conn: psycopg.Connection[Any], database_url: str
+    sync_conn: psycopg.Connection[Any], producer_url: str, database_url: str
 ) -> None:
     app = pointsapp.build_app()
 
     async def enqueue_async() -> None:
-        async with await psycopg.AsyncConnection.connect(database_url) as aconn:
+        async with await psycopg.AsyncConnection.connect(producer_url) as aconn:
             await app.enqueue(
                 aconn, "award_points", {"account_id": 2, "points": 9}, job_id="same",
                 tenant_id="t", correlation_id="c", delay_seconds=30,
@@ -184,6 +210,7 @@ class AwardRequest(BaseModel):
 
 async def test_by_name_payloads_are_validated_by_the_consumer_as_poison(
     sync_conn: psycopg.Connection[Any],
+    producer_conn: psycopg.AsyncConnection[Any],
     conn: psycopg.AsyncConnection[Any],
     pool: AsyncConnectionPool[Any],
 ) -> None:
@@ -193,7 +220,9 @@ async def test_by_name_payloads_are_validated_by_the_consumer_as_poison(
         sync_conn, "award_points", AwardRequest(account_id=0, points=6), job_id="bad"
     )
     sync_conn.commit()
-    await producer.enqueue(conn, "award_points", AwardRequest(account_id=4, points=1), job_id="a")
+    await producer.enqueue(
+        producer_conn, "award_points", AwardRequest(account_id=4, points=1), job_id="a"
+    )
 
     stats = await run_worker(pool)  # the real App, with the real schema
     assert stats.outcomes == {"succeeded": 2, "poison": 1}
@@ -208,9 +237,12 @@ async def test_by_name_payloads_are_validated_by_the_consumer_as_poison(
 
 
 async def test_by_name_enqueue_exists_exactly_when_the_transaction_commits(
-    sync_conn: psycopg.Connection[Any], conn: psycopg.AsyncConnection[Any], database_url: str
+    sync_conn: psycopg.Connection[Any],
+    producer_conn: psycopg.AsyncConnection[Any],
+    database_url: str,
 ) -> None:
     producer = Producer(routes=ROUTES)
+    conn = producer_conn
     producer.enqueue_sync(sync_conn, "award_points", {"account_id": 4}, job_id="sync-rolled-back")
     sync_conn.rollback()
     async with conn.transaction(force_rollback=True):
@@ -271,8 +303,8 @@ def test_a_by_name_enqueue_refuses_what_the_typed_one_refuses_before_any_sql(
 
 
 @pytest.fixture
-def pg2_conn(sync_conn: psycopg.Connection[Any], database_url: str) -> Iterator[Any]:
-    conn = psycopg2.connect(database_url)
+def pg2_conn(sync_conn: psycopg.Connection[Any], producer_url: str) -> Iterator[Any]:
+    conn = psycopg2.connect(producer_url)
     yield conn
     conn.close()
 
@@ -336,9 +368,10 @@ async def test_sqlalchemy_session_enqueue_commits_or_rolls_back_with_the_session
     driver: str,
     sync_conn: psycopg.Connection[Any],
     pool: AsyncConnectionPool[Any],
+    producer_url: str,
     database_url: str,
 ) -> None:
-    engine = _engine(database_url, driver)
+    engine = _engine(producer_url, driver)
     producer = Producer(routes=ROUTES)
     try:
         with Session(engine) as session:
@@ -378,9 +411,12 @@ async def test_sqlalchemy_session_enqueue_commits_or_rolls_back_with_the_session
 
 
 async def test_sqlalchemy_asyncio_enqueue_commits_or_rolls_back_with_the_session(
-    sync_conn: psycopg.Connection[Any], pool: AsyncConnectionPool[Any], database_url: str
+    sync_conn: psycopg.Connection[Any],
+    pool: AsyncConnectionPool[Any],
+    producer_url: str,
+    database_url: str,
 ) -> None:
-    engine = create_async_engine(_url(database_url, "psycopg"))
+    engine = create_async_engine(_url(producer_url, "psycopg"))
     app = pointsapp.build_app()
     producer = Producer(routes=ROUTES)
     try:

@@ -23,7 +23,6 @@ from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 import pytest
-from psycopg.conninfo import make_conninfo
 
 import pointsapp
 from brokers import delete_everything, make_queue
@@ -32,8 +31,8 @@ from jobfence.adapters.memory import MemoryQueue
 from jobfence.model import Message
 from jobfence.outbox import OutboxRelay, broker_queues, queue_setting, record_queue
 from jobfence.queues import parse_queue_url
+from roles_support import deployed_roles
 from support import scalar, wait_until
-from test_roles import documented_grants
 
 TESTS_DIR = Path(__file__).parent
 CLI = TESTS_DIR / "broker_cli.py"
@@ -361,7 +360,10 @@ async def test_no_command_but_the_move_ever_changes_the_record(  # noqa: PLR0917
         await record_queue(conn, "redis", parse_queue_url(_with_path(redis_url, "/0")).location)
     before = await _settings(conn)
     args, compares = COMMANDS[command]
-    env = {"JOBFENCE_QUEUE_URL": _with_path(redis_url, "/9"), "JOBFENCE_JWT_SECRET": "x" * 40}
+    env = {
+        "JOBFENCE_QUEUE_URL": _with_path(redis_url, "/9"),
+        "JOBFENCE_JWT_SECRET": "a3f9c2e87b1d4065f2a9e8c7d3b1f0a6e5d4c3b2",
+    }
 
     try:
         done: subprocess.CompletedProcess[str] | None = await asyncio.to_thread(
@@ -461,27 +463,22 @@ async def test_the_runtime_roles_relay_writes_down_each_queue_it_publishes_to_wi
     database_url: str, conn: psycopg.AsyncConnection[Any]
 ) -> None:
     """RabbitMQ cannot list its queues, so the move counts those the relay published to; the
-    relay writes them down through a function, with the documented grants and no more."""
-    role = f"jobfence_app_{uuid.uuid4().hex[:10]}"
-    await conn.execute(documented_grants(role))  # type: ignore[arg-type]
-    try:
+    relay writes them down through a function, as the relay role of `jobfence roles`."""
+    with deployed_roles(database_url) as roles:
         await record_queue(conn, "rabbitmq", "amqp://broker/")
         app = pointsapp.build_app()
         for n in range(3):
             await app.enqueue(conn, "award_points", {"account_id": 1, "points": 1}, job_id=f"b{n}")
         queue = MemoryQueue()
-        role_url = make_conninfo(database_url, user=role)
-        async with await psycopg.AsyncConnection.connect(role_url, autocommit=True) as relay_conn:
-            await OutboxRelay(role_url, queue).run_round(relay_conn)
+        relay_url = roles["relay"]
+        async with await psycopg.AsyncConnection.connect(relay_url, autocommit=True) as relay_conn:
+            await OutboxRelay(relay_url, queue).run_round(relay_conn)
         assert await queue.backlog([]) == 3
         assert await broker_queues(conn) == [pointsapp.QUEUE]
         # Forgotten once the database moves on.
         await queue.close()
         await record_queue(conn, "nats", "nats://broker:4222")
         assert await broker_queues(conn) == []
-    finally:
-        await conn.execute(f'DROP OWNED BY "{role}"')  # type: ignore[arg-type]
-        await conn.execute(f'DROP ROLE "{role}"')  # type: ignore[arg-type]
 
 
 async def test_from_queue_url_must_name_the_broker_the_move_leaves(

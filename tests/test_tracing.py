@@ -36,6 +36,7 @@ from fake_betterstack import FakeBetterStack
 from jobfence import PgQueue, Producer, RetryPolicy, Worker, ops, tracing
 from jobfence.dead_letters import get_dead_letter, replay_dead_letter
 from jobfence.observability import json_formatter
+from roles_support import deployed_roles
 from support import scalar, wait_until
 from tracing_support import Traces, hexid, linked, parent_of, recording
 
@@ -659,3 +660,39 @@ def test_a_sync_producer_carries_the_request_context_under_a_create_span(
         ).fetchone()
     assert row is not None
     assert row[0].startswith(f"00-{hexid(create)[0]}-{hexid(create)[1]}-")
+
+
+# --- least-privilege roles ------------------------------------------------------------------
+
+
+def test_the_producer_role_enqueues_a_traced_job_and_the_alert_relay_reads_its_trace(
+    traces: Traces, database_url: str
+) -> None:
+    """The producer role has EXECUTE on the seven-argument functions only: the nine-argument
+    forms that carry the trace context work for it too, from Python and from SQL."""
+    app = pointsapp.build_app()
+    with deployed_roles(database_url) as roles:
+        with psycopg.connect(roles["producer"]) as producer:
+            with traces.tracer.start_as_current_span("POST /orders"):
+                app.enqueue_sync(
+                    producer, "award_points", {"account_id": 1, "points": 1}, job_id="r-1"
+                )
+            producer.execute(
+                "SELECT jobfence.enqueue('award_points', 'loyalty', 'r-2', '{}', NULL, NULL, '0',"
+                " %s)",
+                (TP,),
+            )
+            producer.commit()
+        with psycopg.connect(database_url) as admin:
+            admin.execute(
+                "INSERT INTO core.dead_letters (job_id, queue, consumer, payload, attempts,"
+                " last_error, error_class, traceparent) VALUES ('d-1', 'loyalty', 'c', '{}', 1,"
+                " 'x', 'X', %s)",
+                (TP,),
+            )
+            rows = admin.execute(
+                "SELECT job_id, traceparent IS NOT NULL FROM jobfence_queue.messages ORDER BY 1"
+            ).fetchall()
+        assert rows == [("r-1", True), ("r-2", True)]
+        with psycopg.connect(roles["alert_relay"]) as relay:
+            assert relay.execute("SELECT traceparent FROM core.dead_letters").fetchall() == [(TP,)]

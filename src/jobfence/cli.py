@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import importlib
 import logging
+import math
 import os
 import signal
 import sys
@@ -18,6 +19,7 @@ import psycopg
 from jobfence import cli_dead_letters, db, runtime, schema
 from jobfence.app import App
 from jobfence.errors import ConfigError, JobfenceError
+from jobfence.limits import MAX_LEASE_SECONDS
 from jobfence.queues import add_queue_url_option
 
 if TYPE_CHECKING:
@@ -109,6 +111,13 @@ async def _cmd_migrate(args: argparse.Namespace) -> int:
         else:
             await adopt_queue(conn, target)
             print(f"jobs go to {target.describe()}, as JOBFENCE_QUEUE_URL says")
+    return 0
+
+
+async def _cmd_roles(args: argparse.Namespace) -> int:
+    from jobfence.roles import ROLES, render_roles_sql
+
+    sys.stdout.write(render_roles_sql({role: getattr(args, role) for role in ROLES}))
     return 0
 
 
@@ -383,13 +392,6 @@ def _api_workers(text: str) -> int:
     return value
 
 
-def _port(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be between 0 and 65535, got {value}")
-    return value
-
-
 async def _cmd_demo(args: argparse.Namespace) -> int:
     from jobfence.demo import run_demo
     from jobfence.queues import queue_url_from_env
@@ -399,14 +401,22 @@ async def _cmd_demo(args: argparse.Namespace) -> int:
     )
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive, finite number, got {text}")
-    return value
+def _seconds(high: float) -> Callable[[str], float]:
+    """An argparse type for a number of seconds above 0 and at most ``high``; argparse puts the
+    flag's name in front of the refusal."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not 0 < value <= high:  # NaN and inf fail too
+            raise argparse.ArgumentTypeError(
+                f"must be a number of seconds from 0 (excluded) to {high:g}, got {text!r}"
+            )
+        return value
+
+    return parse
 
 
 def _duration_arg(text: str) -> float:
@@ -418,18 +428,40 @@ def _duration_arg(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+def _whole(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type for a whole number from ``low`` to ``high``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(
+                f"must be a whole number from {low} to {high}, got {text!r}"
+            )
+        return value
+
+    return parse
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+# The ranges of the commands' numeric flags: wide enough for any real use, narrow enough that a
+# value out of them (1e308, inf, a typo's extra zeros) is refused at start-up instead of failing
+# later, at every fetch or round.
+_lease_seconds = _seconds(MAX_LEASE_SECONDS)
+_handler_seconds = _seconds(MAX_LEASE_SECONDS)
+_grace_seconds = _seconds(86400)
+_every_seconds = _seconds(7 * 86400)
+_poll_seconds = _seconds(3600)
+_port = _whole(0, 65535)
+_concurrency = _whole(1, 10_000)
+_fetch_batch = _whole(1, 10_000)
+_rows_batch = _whole(1, 1_000_000)
+_pool_size = _whole(1, 10_000)
+_jobs = _whole(1, 1_000_000)
+_duplicates = _whole(0, 1_000_000)
+_item_cache_mb = _whole(0, 1_048_576)
+_alert_bound = _whole(1, 1_000_000)
 
 
 def _add_alert_relay_parser(sub: Any) -> None:
@@ -438,7 +470,7 @@ def _add_alert_relay_parser(sub: Any) -> None:
         help="deliver dead-letter alerts to Better Stack (needs JOBFENCE_BETTERSTACK_TOKEN)",
     )
     p.add_argument(
-        "--poll-seconds", type=_positive_float, default=1.0, help="idle wait between rounds (1)"
+        "--poll-seconds", type=_poll_seconds, default=1.0, help="idle wait between rounds (1)"
     )
     p.add_argument(
         "--retry-failed",
@@ -447,7 +479,7 @@ def _add_alert_relay_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--max-error-classes",
-        type=_positive_int,
+        type=_alert_bound,
         default=None,
         metavar="N",
         help="error classes of a consumer with an incident of their own at a time; the others "
@@ -455,7 +487,7 @@ def _add_alert_relay_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--max-new-incidents",
-        type=_positive_int,
+        type=_alert_bound,
         default=None,
         metavar="N",
         help="new incidents per --incident-period; beyond, one alert storm incident counts the "
@@ -474,6 +506,29 @@ def _add_alert_relay_parser(sub: Any) -> None:
     p.set_defaults(func=_cmd_alert_relay)
 
 
+def _add_roles_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "roles",
+        help="print the SQL that creates the least-privilege database roles (owner, producer,"
+        " worker, ops, relay, alert relay) and their grants",
+    )
+    p.add_argument(
+        "--print-sql",
+        action="store_true",
+        required=True,
+        help="print the SQL, to review and apply as a superuser after `jobfence migrate`",
+    )
+    for role in ("owner", "producer", "worker", "ops", "relay", "alert_relay"):
+        p.add_argument(
+            f"--{role.replace('_', '-')}",
+            dest=role,
+            default=None,
+            metavar="NAME",
+            help=f"the {role.replace('_', ' ')} role's name (jobfence_{role})",
+        )
+    p.set_defaults(func=_cmd_roles)
+
+
 def _add_outbox_relay_parser(sub: Any) -> None:
     p = sub.add_parser(
         "outbox-relay",
@@ -481,10 +536,10 @@ def _add_outbox_relay_parser(sub: Any) -> None:
     )
     add_queue_url_option(p)
     p.add_argument(
-        "--poll-seconds", type=_positive_float, default=1.0, help="idle wait between rounds (1)"
+        "--poll-seconds", type=_poll_seconds, default=1.0, help="idle wait between rounds (1)"
     )
     p.add_argument(
-        "--batch-size", type=_positive_int, default=100, help="rows per transaction (100)"
+        "--batch-size", type=_fetch_batch, default=100, help="rows per transaction (100)"
     )
     _add_metrics_options(p)
     p.set_defaults(func=_cmd_outbox_relay)
@@ -547,14 +602,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("worker", help="run the consumers of MODULE:APP")
     p.add_argument("app", help="the jobfence.App to run, as MODULE:ATTRIBUTE")
     p.add_argument("--queue", action="append", help="only these queues (repeatable)")
-    p.add_argument("--concurrency", type=_positive_int, default=4, help="jobs at once (4)")
-    p.add_argument("--batch-size", type=_positive_int, default=None, help="messages per fetch")
+    p.add_argument("--concurrency", type=_concurrency, default=4, help="jobs at once (4)")
+    p.add_argument("--batch-size", type=_fetch_batch, default=None, help="messages per fetch")
     p.add_argument(
-        "--lease-seconds", type=_positive_float, default=300.0, help="lease per delivery (300)"
+        "--lease-seconds", type=_lease_seconds, default=300.0, help="lease per delivery (300)"
     )
     p.add_argument(
         "--max-handler-seconds",
-        type=_positive_float,
+        type=_handler_seconds,
         default=None,
         metavar="S",
         help="keep each job's lease alive while it waits and its handler runs, up to S seconds"
@@ -569,7 +624,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--grace-seconds",
-        type=_positive_float,
+        type=_grace_seconds,
         default=30.0,
         help="on SIGTERM or SIGINT, time running jobs get to finish; a second signal stops at"
         " once (30)",
@@ -592,10 +647,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_worker)
 
     p = sub.add_parser("cleanup", help="delete expired fence rows in bounded batches")
-    p.add_argument("--batch-size", type=_positive_int, default=5000, help="rows per batch (5000)")
+    p.add_argument("--batch-size", type=_rows_batch, default=5000, help="rows per batch (5000)")
     p.add_argument(
         "--every",
-        type=_positive_float,
+        type=_every_seconds,
         default=None,
         metavar="SECONDS",
         help="repeat every SECONDS until SIGTERM (a failed round is logged and retried)",
@@ -604,10 +659,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_cleanup)
 
     p = sub.add_parser("demo", help="run the points-awarding demo workload")
-    p.add_argument("--jobs", type=_positive_int, default=200, help="distinct award jobs (200)")
-    p.add_argument(
-        "--duplicates", type=_non_negative_int, default=50, help="duplicate deliveries (50)"
-    )
+    p.add_argument("--jobs", type=_jobs, default=200, help="distinct award jobs (200)")
+    p.add_argument("--duplicates", type=_duplicates, default=50, help="duplicate deliveries (50)")
     add_queue_url_option(p)
     p.set_defaults(func=_cmd_demo)
 
@@ -619,17 +672,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
     p.add_argument("--port", type=_port, default=8080, help="port to listen on; 0: any (8080)")
     p.add_argument(
-        "--pool-size", type=_positive_int, default=10, help="database connections at most (10)"
+        "--pool-size", type=_pool_size, default=10, help="database connections at most (10)"
     )
     p.add_argument(
         "--bulk-chunk-size",
-        type=_positive_int,
+        type=_fetch_batch,
         default=500,
         help="dead letters per transaction in a bulk replay (500)",
     )
     p.add_argument(
         "--item-cache-mb",
-        type=_non_negative_int,
+        type=_item_cache_mb,
         default=64,
         help="MiB of list items kept in memory per process, never stale (docs/configuration.md);"
         " 0: none (64)",
@@ -652,6 +705,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_alert_relay_parser(sub)
 
+    _add_roles_parser(sub)
     _add_outbox_relay_parser(sub)
     cli_dead_letters.add_parser(sub)  # jobfence dead-letters ...: its commands set func
     return parser
@@ -685,7 +739,7 @@ def main(
         elif not getattr(args, "print_sql", False):
             db.check_database_setting()
     except JobfenceError as exc:
-        print(f"jobfence: error: {exc}", file=sys.stderr)
+        cli_dead_letters.error_line(str(exc))
         return 2
     # jobfence's own start-up and progress lines (the database in use, retry-policy overrides
     # with their rationale) are INFO; other libraries stay at WARNING unless -v. Configured
@@ -699,12 +753,11 @@ def main(
     try:
         return runtime.run(lambda: func(args))
     except JobfenceError as exc:
-        print(f"jobfence: error: {exc}", file=sys.stderr)
+        cli_dead_letters.error_line(str(exc))
         return 2
     except psycopg.Error as exc:
         # Permission denied, a lost connection...: one line, never the password.
-        reason = " ".join(str(exc).split())
-        print(f"jobfence: error: database error ({type(exc).__name__}): {reason}", file=sys.stderr)
+        cli_dead_letters.error_line(f"database error ({type(exc).__name__}): {exc}")
         return 1
     except BrokenPipeError:
         # The reader went away (``jobfence dead-letters list | head``): stop quietly.

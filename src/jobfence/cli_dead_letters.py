@@ -25,9 +25,11 @@ from psycopg_pool import AsyncConnectionPool
 
 from jobfence import db, ops, schema
 from jobfence.codec import PAYLOAD_BASE64, original_body
+from jobfence.config import secrets_from_env
 from jobfence.errors import DeadLetterConflict, DeadLetterNotFound
 from jobfence.ops import BulkReplay, BulkTooLarge, DeadLetterFilter, InvalidCursor, InvalidRequest
 from jobfence.queues import add_queue_url_option
+from jobfence.redact import printable, redact_text
 
 ENV_ACTOR = "JOBFENCE_ACTOR"
 EXIT_REFUSED = 1  # not found, not pending, failed or unfinished bulk items
@@ -50,6 +52,9 @@ class _OneLineParser(argparse.ArgumentParser):
 # --- parsing ------------------------------------------------------------------------------
 
 
+_MAX_BIGINT = 2**63 - 1
+
+
 def _positive_id(what: str) -> Callable[[str], int]:
     """An argparse type for a database id (an integer >= 1), naming ``what`` in its error."""
 
@@ -58,7 +63,7 @@ def _positive_id(what: str) -> Callable[[str], int]:
             value = int(text)
         except ValueError:
             value = 0
-        if value < 1:
+        if not 1 <= value <= _MAX_BIGINT:  # ids are PostgreSQL bigints
             raise argparse.ArgumentTypeError(f"not a {what} id: {text!r}")
         return value
 
@@ -317,8 +322,15 @@ def _in_flags(exc: InvalidRequest | BulkTooLarge) -> str:
 # --- formatting ---------------------------------------------------------------------------
 
 
-def _error(message: str) -> None:
-    print(f"jobfence: error: {message}", file=sys.stderr)
+def error_line(text: str) -> None:
+    """``jobfence: error: TEXT`` on stderr, every command's: one line, control characters
+    escaped, and no configured secret (a client library's error may quote a URL, or a piece
+    of one)."""
+    shown = printable(" ".join(text.split()))
+    print(f"jobfence: error: {redact_text(shown, secrets_from_env())}", file=sys.stderr)
+
+
+_error = error_line
 
 
 def _json_default(value: object) -> Any:
@@ -329,11 +341,6 @@ def _json_default(value: object) -> Any:
 
 def _print_json(document: object) -> None:
     print(json.dumps(document, default=_json_default, ensure_ascii=False, indent=2))
-
-
-def _printable(text: str) -> str:
-    """``text`` on one line: control characters escaped, never interpreted by the terminal."""
-    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
 
 
 def _when(value: datetime | None) -> str:
@@ -347,7 +354,7 @@ def _cell(value: object) -> str:
         return "-"
     if isinstance(value, datetime):
         return _when(value)
-    text = _printable(str(value))
+    text = printable(str(value))
     return text if len(text) <= CELL_WIDTH else text[: CELL_WIDTH - 3] + "..."
 
 
@@ -473,7 +480,7 @@ def _payload_lines(payload: Any, encoding: str, *, full: bool) -> tuple[list[str
         decoded, cut = _cut(text, full)
         lines += ["  decoded:", decoded]
     else:
-        escaped, cut = _cut(_printable(body.decode("utf-8", errors="backslashreplace")), full)
+        escaped, cut = _cut(printable(body.decode("utf-8", errors="backslashreplace")), full)
         lines.append(f"  decoded (not printable as text, escaped): {escaped}")
     return lines, left + cut
 
@@ -514,7 +521,7 @@ async def _cmd_show(args: argparse.Namespace) -> int:
     ]
     print(f"dead letter {letter.id}")
     for name, value in fields:
-        shown = "-" if value is None else _printable(str(value))
+        shown = "-" if value is None else printable(str(value))
         print(f"  {name + ':':<18}{shown}")
     lines, left_out = _payload_lines(letter.payload, letter.payload_encoding, full=args.full)
     print("\n".join(lines))
@@ -526,7 +533,7 @@ async def _cmd_show(args: argparse.Namespace) -> int:
     if body is not None:
         print(f"payload written to {args.payload_out} ({len(body):,} bytes)")
     print("last_error:")
-    print(letter.last_error)
+    print("\n".join(printable(line) for line in (letter.last_error or "").split("\n")))
     return 0
 
 
@@ -572,12 +579,12 @@ async def _cmd_replay(args: argparse.Namespace) -> int:
             }
         )
         return 0
-    what = f"job {_printable(m.job_id)} for consumer {_printable(m.consumer)}"
+    what = f"job {printable(m.job_id)} for consumer {printable(m.consumer)}"
     if result.published:
         print(
             f"dead letter {result.dead_letter_id} replayed: published {what} to queue "
-            f"{_printable(m.queue)} ({len(m.body)} bytes, correlation_id "
-            f"{_printable(m.correlation_id or '-')})"
+            f"{printable(m.queue)} ({len(m.body)} bytes, correlation_id "
+            f"{printable(m.correlation_id or '-')})"
         )
     else:
         print(
@@ -598,9 +605,9 @@ async def _cmd_discard(args: argparse.Namespace) -> int:
         _print_json(asdict(letter))
         return 0
     print(
-        f"dead letter {letter.id} discarded (job {_printable(letter.job_id)}, consumer "
-        f"{_printable(letter.consumer)}) by {_printable(letter.resolved_by or '-')}: "
-        f"{_printable(letter.discard_reason or '')}"
+        f"dead letter {letter.id} discarded (job {printable(letter.job_id)}, consumer "
+        f"{printable(letter.consumer)}) by {printable(letter.resolved_by or '-')}: "
+        f"{printable(letter.discard_reason or '')}"
     )
     return 0
 
@@ -705,7 +712,7 @@ async def _cmd_replay_bulk(args: argparse.Namespace) -> int:
             f"({_counts(final)})"
         )
         for item in failed[:FAILED_SHOWN]:
-            print(f"  failed: dead letter {item.dead_letter_id}: {_printable(item.detail or '')}")
+            print(f"  failed: dead letter {item.dead_letter_id}: {printable(item.detail or '')}")
         if len(failed) > FAILED_SHOWN:
             print(f"  ... and {len(failed) - FAILED_SHOWN} more failed (--json lists them all)")
         if unfinished:

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 from typing import Any
+
+from pydantic import ValidationError
+from pydantic_core import ErrorDetails
 
 from jobfence.errors import PoisonMessage
 from jobfence.model import Message
+from jobfence.redact import printable
 
 PAYLOAD_JSON = "json"
 PAYLOAD_BASE64 = "base64"
@@ -151,3 +156,106 @@ def encode_payload(payload: Any) -> bytes:
     if callable(dump):
         return str(dump()).encode("utf-8")
     return json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+# The placeholders of pydantic's error messages that come from the schema (a bound, a pattern,
+# the expected values), never from the input; any other one ({error}, {tag}, {attribute}...)
+# may quote the value that failed. An ``{error}`` of these types is a parser's own description
+# ("input is too short"), not the value.
+_SCHEMA_PLACEHOLDERS = frozenset(
+    [
+        "class_name",
+        "gt",
+        "ge",
+        "lt",
+        "le",
+        "multiple_of",
+        "field_type",
+        "min_length",
+        "max_length",
+        "expected_plural",
+        "actual_length",
+        "pattern",
+        "expected",
+        "encoding",
+        "discriminator",
+        "expected_tags",
+        "expected_schemes",
+        "expected_version",
+        "max_digits",
+        "decimal_places",
+        "whole_digits",
+        "class",
+        "method_name",
+        "tz_expected",
+    ]
+)
+_PARSER_ERRORS = frozenset(
+    [
+        "date_parsing",
+        "date_from_datetime_parsing",
+        "time_parsing",
+        "datetime_parsing",
+        "datetime_from_date_parsing",
+        "time_delta_parsing",
+        "url_parsing",
+        "url_syntax_violation",
+        "uuid_parsing",
+        "json_invalid",
+    ]
+)
+_PLACEHOLDER = re.compile(r"\{(\w+)\}")
+_ELIDED = "…"
+MAX_SHOWN_ERRORS = 10
+_templates: dict[str, str] = {}
+
+
+def _template(error_type: str) -> str | None:
+    """pydantic's message template of a built-in error type; None for a custom one."""
+    if not _templates:
+        from pydantic_core import _pydantic_core
+
+        for info in _pydantic_core.list_all_errors():
+            _templates[info["type"]] = info["message_template_python"]
+    return _templates.get(error_type)
+
+
+def _loc_part(part: object) -> str:
+    text = printable(str(part))
+    return text if len(text) <= 64 else text[:61] + "..."
+
+
+def _message(error: ErrorDetails) -> str:
+    """An error's message without the input: pydantic's own when every placeholder of its
+    template comes from the schema, else the template with the others elided."""
+    error_type = error["type"]
+    template = _template(error_type)
+    if template is None:  # a PydanticCustomError: its text is the schema author's
+        return _ELIDED
+    names = set(_PLACEHOLDER.findall(template))
+    safe = _SCHEMA_PLACEHOLDERS | ({"error"} if error_type in _PARSER_ERRORS else set())
+    if names <= safe:
+        return printable(error["msg"])
+    ctx = error.get("ctx") or {}
+
+    def fill(match: re.Match[str]) -> str:
+        name = match.group(1)
+        return printable(str(ctx.get(name, _ELIDED))) if name in safe else _ELIDED
+
+    return _PLACEHOLDER.sub(fill, template)
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    """A pydantic ValidationError on one line that names the fields and the errors and never
+    quotes a value of the input: ``2 validation errors: n: Input should be a valid integer,
+    unable to parse string as an integer [int_parsing]; k: Value error, … [value_error]``
+    (at most ``MAX_SHOWN_ERRORS``)."""
+    errors = exc.errors(include_url=False, include_input=False)
+    parts = [
+        f"{'.'.join(_loc_part(p) for p in error['loc']) or '(payload)'}: {_message(error)}"
+        f" [{error['type']}]"
+        for error in errors[:MAX_SHOWN_ERRORS]
+    ]
+    more = f"; and {len(errors) - MAX_SHOWN_ERRORS} more" if len(errors) > MAX_SHOWN_ERRORS else ""
+    count = f"{len(errors)} validation error{'s' if len(errors) != 1 else ''}"
+    return f"{count}: {'; '.join(parts)}{more}"

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from jobfence.errors import ConfigError
+from jobfence.redact import url_secrets
 
 ENV_DATABASE_URL = "JOBFENCE_DATABASE_URL"
 ENV_EMBEDDED_DIR = "JOBFENCE_EMBEDDED_DIR"
@@ -167,10 +168,9 @@ def secrets_from_env(environ: Mapping[str, str] | None = None) -> list[str]:
     """Values that must never appear in a log line: every ``JOBFENCE_*`` variable whose name
     says TOKEN, SECRET or PASSWORD (``JOBFENCE_BETTERSTACK_TOKEN``, ``JOBFENCE_JWT_SECRET``...),
     the ``JOBFENCE_*_HEARTBEAT_URL`` values (the URL carries the heartbeat's token),
-    ``PGPASSWORD``, and the passwords in ``JOBFENCE_DATABASE_URL`` and ``JOBFENCE_QUEUE_URL``
-    as written and decoded."""
-    from jobfence.db import url_passwords  # db imports this module
-
+    ``PGPASSWORD``, and the secrets in ``JOBFENCE_DATABASE_URL`` and ``JOBFENCE_QUEUE_URL``
+    (passwords, tokens, secret query parameters) in every form they may be echoed in
+    (:func:`jobfence.redact.url_secrets`)."""
     env = os.environ if environ is None else environ
     found = [
         value
@@ -187,12 +187,10 @@ def secrets_from_env(environ: Mapping[str, str] | None = None) -> list[str]:
     ]
     url = database_url_from_env(env)
     if url is not None:
-        found.extend(url_passwords(url))
+        found.extend(url_secrets(url))
     queue_url = env.get(ENV_QUEUE_URL, "").strip()
     if queue_url:
-        from jobfence.queues import _passwords  # queues imports this module's callers
-
-        found.extend(_passwords(queue_url))
+        found.extend(url_secrets(queue_url))
     return found
 
 

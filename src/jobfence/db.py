@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import re
 import select
 import time
 import warnings
@@ -13,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.conninfo import conninfo_to_dict
 from psycopg.pq import ConnStatus
 from psycopg_pool import AsyncConnectionPool
 
@@ -28,47 +27,9 @@ from jobfence.config import (
     similar_database_variables,
 )
 from jobfence.errors import ConfigError, DatabaseUnavailable
+from jobfence.redact import redact_url
 
 log = logging.getLogger("jobfence.db")
-
-
-def redact(url: str) -> str:
-    """The URL with its password removed, for messages and logs."""
-    try:
-        params = conninfo_to_dict(url)
-    except psycopg.ProgrammingError:
-        return "<unparseable database URL>"
-    if "password" in params:
-        params["password"] = "***"
-    return make_conninfo("", **params)
-
-
-# A password as written in a URI (scheme://user:PASSWORD@host) or a keyword string (password=...).
-_PASSWORD = re.compile(
-    r"^[A-Za-z][\w+.-]*://[^/?#@:]*:([^/?#]*)@|password\s*=\s*(?:'((?:[^'\\]|\\.)*)'|(\S+))"
-)
-
-
-def _without_password(text: str, url: str) -> str:
-    """``text`` (libpq quotes the URL, or a piece of it, in its parse errors) minus passwords."""
-    for match in _PASSWORD.finditer(url):
-        for secret in match.groups():
-            if secret:
-                text = text.replace(secret, "***")
-    return text
-
-
-def url_passwords(url: str) -> list[str]:
-    """The password of ``url`` in every form it may be logged in: as written (maybe
-    percent-encoded or quoted) and as libpq decodes it. Empty when there is none."""
-    found = [s for match in _PASSWORD.finditer(url) for s in match.groups() if s]
-    try:
-        decoded = conninfo_to_dict(url).get("password")
-    except psycopg.ProgrammingError:
-        decoded = None
-    if decoded:
-        found.append(str(decoded))
-    return found
 
 
 def validate_url(url: str) -> str:
@@ -76,7 +37,7 @@ def validate_url(url: str) -> str:
         conninfo_to_dict(url)
     except psycopg.ProgrammingError as exc:
         first_line = str(exc).splitlines()[0] if str(exc) else "invalid"
-        first_line = _without_password(first_line, url)
+        first_line = redact_url(url, first_line)  # libpq quotes the URL, or a piece of it
         raise ConfigError(
             f"{ENV_DATABASE_URL} is not a valid libpq connection string or URL ({first_line}); "
             f"expected e.g. {EXAMPLE_DATABASE_URL}"
@@ -164,9 +125,9 @@ async def check_connection(url: str, *, connect_timeout: int = 5) -> None:
     try:
         conn = await psycopg.AsyncConnection.connect(url, connect_timeout=connect_timeout)
     except psycopg.OperationalError as exc:
-        reason = " ".join(str(exc).split())
+        reason = redact_url(url, " ".join(str(exc).split()))
         raise DatabaseUnavailable(
-            f"cannot connect to the database at {redact(url)}: {reason}"
+            f"cannot connect to the database at {redact_url(url)}: {reason}"
         ) from None
     await conn.close()
 

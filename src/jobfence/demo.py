@@ -29,6 +29,7 @@ from jobfence.ports import QueuePort
 from jobfence.producer import publish_async
 from jobfence.queue_record import adopt_queue
 from jobfence.queues import QueueTarget, open_queue, parse_queue_url
+from jobfence.redact import redact_url
 from jobfence.retry import RetryPolicy
 from jobfence.schema import migrate
 from jobfence.worker import Worker
@@ -184,7 +185,7 @@ async def run_demo(
     url = db.resolve_database_url(embedded_when_unset=True)
     # The progress display and the summary say it all; keep per-job log lines out of the way.
     logging.getLogger("jobfence").setLevel(logging.ERROR)
-    print(f"database: {db.redact(url)}", file=out)
+    print(f"database: {redact_url(url)}", file=out)
     pool = await db.open_pool(url, max_size=8, name="jobfence-demo")
     run = f"demo-{uuid.uuid4().hex[:8]}"
     app = build_app()

@@ -31,10 +31,11 @@ class QueueUnavailable(JobfenceError):
 
 
 class JobRefused(JobfenceError, ValueError):
-    """A job refused at enqueue, before any SQL ran: an identifier breaks a limit, or the payload
-    holds what PostgreSQL cannot store. ``field`` names the offender (``job_id``,
-    ``tenant_id``, ``correlation_id``, ``consumer``, ``queue`` or ``payload``); the message says
-    what is wrong and the limit. The caller's transaction is untouched and stays usable."""
+    """A job refused at enqueue, before any SQL ran: an identifier breaks a limit, the payload
+    holds what PostgreSQL cannot store, or the delay is not a finite number of seconds within
+    its limit. ``field`` names the offender (``job_id``, ``tenant_id``, ``correlation_id``,
+    ``consumer``, ``queue``, ``payload`` or ``delay_seconds``); the message says what is wrong
+    and the limit. The caller's transaction is untouched and stays usable."""
 
     __module__ = "jobfence"
 

@@ -41,14 +41,21 @@ from jobfence._sql import Queries
 from jobfence.acks import AckBatcher
 from jobfence.alerts.outbox import record_dead_letter_alerts
 from jobfence.app import App, Consumer
-from jobfence.codec import decode_body, message_payload, stored_payload
+from jobfence.codec import (
+    decode_body,
+    describe_validation_error,
+    message_payload,
+    stored_payload,
+)
 from jobfence.errors import HardFailure, PoisonMessage, QueueUnavailable, TransactionAborted
 from jobfence.limits import (
+    MAX_ATTEMPT,
     MAX_CORRELATION_ID_BYTES,
     MAX_JOB_ID_BYTES,
     MAX_NAME_CHARS,
     MAX_TENANT_ID_BYTES,
     identifiers_problem,
+    recordable_attempt,
     shown_value,
     storable,
 )
@@ -145,7 +152,9 @@ def error_class_of(exc: BaseException) -> str:
 
 def first_line(exc: BaseException, limit: int = 200) -> str:
     """The first line of an exception's message, at most ``limit`` characters, for a log line."""
-    text = str(exc).strip()
+    text = (
+        describe_validation_error(exc) if isinstance(exc, ValidationError) else str(exc)
+    ).strip()
     line = text.splitlines()[0] if text else ""
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
@@ -155,7 +164,9 @@ def describe_error(exc: BaseException) -> str:
 
     The traceback starts at the first frame outside jobfence (the handler's own code), unless
     every frame is jobfence's."""
-    head = f"{error_class_of(exc)}: {exc}"
+    # A ValidationError (a handler may raise one) is told without the values it rejected.
+    message = describe_validation_error(exc) if isinstance(exc, ValidationError) else exc
+    head = f"{error_class_of(exc)}: {message}"
     frames: list[traceback.FrameSummary] = list(traceback.extract_tb(exc.__traceback__))
     skip = 0
     while skip < len(frames) and frames[skip].filename.startswith(_PACKAGE_DIR):
@@ -349,6 +360,7 @@ class Harness:
         rng: random.Random | None = None,
         acks: AckBatcher | None = None,
         sync: SyncExecutor | None = None,
+        trace_child: bool = False,
     ) -> None:
         """``acks`` batches the acknowledgements of finished jobs; without it each is acked
         right after its commit. ``sync`` runs the transactions of sync consumers (a worker
@@ -364,7 +376,7 @@ class Harness:
         self._delayed_retry = queue.capabilities.delayed_retry
         self._internal_log = _Throttle(INTERNAL_LOG_PER_MINUTE)
         # True: a job's process span is the child of its producer's context, not linked to it.
-        self.trace_child = False
+        self.trace_child = trace_child
 
     async def handle(
         self,
@@ -425,7 +437,7 @@ class Harness:
                 if conflict_try < CONFLICT_RETRIES:
                     log.info(
                         "job %s: %s, retrying at once",
-                        job.meta.job_id,
+                        shown_value(job.meta.job_id),
                         type(exc).__name__,
                         extra=log_fields(delivery, error_class=type(exc).__name__),
                     )
@@ -560,6 +572,22 @@ class Harness:
     def _prepare(self, delivery: Delivery) -> Job | PoisonMessage:
         """Decode and validate: the job to run, or why the delivery is poison (D6)."""
         message = delivery.message
+        if delivery.unreadable is not None:
+            return PoisonMessage(
+                f"the message cannot be read as it was published: {delivery.unreadable}",
+                error_class=UNFENCEABLE,
+            )
+        attempt = delivery.attempt
+        if (
+            isinstance(attempt, bool)
+            or not isinstance(attempt, int)
+            or not 1 <= attempt <= MAX_ATTEMPT
+        ):
+            return PoisonMessage(
+                f"its attempt {attempt!r} is not from 1 to {MAX_ATTEMPT} (the queue adapter"
+                " gave a delivery count it cannot have)",
+                error_class=UNFENCEABLE,
+            )
         found = identifiers_problem(
             queue=message.queue,
             consumer=message.consumer,
@@ -583,8 +611,10 @@ class Harness:
         except PoisonMessage as exc:
             return exc
         except ValidationError as exc:
+            # Names the fields and the errors, never a value: the dead letter keeps the payload.
             return PoisonMessage(
-                f"payload does not match {consumer.schema.__name__}: {exc}",
+                f"payload does not match {consumer.schema.__name__}:"
+                f" {describe_validation_error(exc)}",
                 error_class="SchemaInvalid",
             )
         meta = JobMeta(
@@ -632,7 +662,7 @@ class Harness:
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "job %s for %s %s",
-                meta.job_id,
+                shown_value(meta.job_id),
                 meta.consumer,
                 "succeeded" if fresh else "already processed: skipped",
                 extra=log_fields(job.delivery, outcome),
@@ -729,7 +759,7 @@ class Harness:
             self._metrics.job_outcome(message.queue, message.consumer, Outcome.RETRIED)
             log.info(
                 "job %s for %s failed (attempt %d of %d), retrying in %.1fs: %s",
-                message.job_id,
+                shown_value(message.job_id),
                 message.consumer,
                 delivery.attempt,
                 policy.max_deliveries,
@@ -748,7 +778,7 @@ class Harness:
         self._metrics.job_outcome(message.queue, message.consumer, Outcome.DEAD_LETTERED)
         log.warning(
             "job %s for %s dead-lettered after %d attempt(s): %s: %s",
-            message.job_id,
+            shown_value(message.job_id),
             message.consumer,
             delivery.attempt,
             error_class_of(exc),
@@ -836,7 +866,7 @@ class Harness:
         log.warning(
             "job %s for %s dead-lettered without running: delivered %d times with no outcome"
             " (its retry policy allows %d attempts)",
-            meta.job_id,
+            shown_value(meta.job_id),
             meta.consumer,
             delivery.attempt,
             allowed,
@@ -870,7 +900,8 @@ class Harness:
         queue, label = self._labels(delivery)
         self._metrics.job_outcome(queue, label, Outcome.INTERNAL_ERROR)
         fields = log_fields(delivery, Outcome.INTERNAL_ERROR, error_class=error_class_of(exc))
-        if delivery.attempt < INTERNAL_FAILURE_DELIVERIES:
+        # An attempt out of bounds (an adapter's bad count) never grows: the fallback at once.
+        if recordable_attempt(delivery.attempt) == delivery.attempt < INTERNAL_FAILURE_DELIVERIES:
             self._log_internal(
                 "internal error handling job %s for %s (delivery %d): %s: %s; it stays leased"
                 " and comes back when its lease runs out; at delivery %d it is dead-lettered as"
@@ -1000,7 +1031,9 @@ class Harness:
             "tenant_id": ids.tenant_id,
             "payload": payload_text,
             "payload_encoding": encoding,
-            "attempts": delivery.attempt,
+            # Within the column's bounds whatever a queue adapter said (the check above
+            # dead-letters a delivery whose attempt is out of them, and must not loop).
+            "attempts": recordable_attempt(delivery.attempt),
             "last_error": storable_text(text[:MAX_ERROR_CHARS]),
             "error_class": error_class[:200],
             "correlation_id": ids.correlation_id,

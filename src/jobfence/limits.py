@@ -11,12 +11,21 @@ plus headers, under half of PostgreSQL's limit. PostgreSQL text cannot hold a NU
 and UTF-8 cannot encode a lone surrogate: neither is allowed in any identifier.
 
 Lengths are counted in bytes of UTF-8 (what the index stores), not in characters.
+
+Numbers have limits too. An attempt count (deliveries of a job, the first included) is from 1 to
+``MAX_ATTEMPT``, what ``core.dead_letters.attempts`` (``integer``) can record; the deliveries a
+message says its job already had (a broker header, an outbox row's ``prior_attempts``) are from 0
+to ``MAX_PRIOR_ATTEMPTS``. A delay is a finite number of seconds up to ``MAX_DELAY_SECONDS``
+(a negative one counts as none).
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import re
+
+from jobfence.errors import JobRefused
 
 MAX_JOB_ID_BYTES = 1024
 MAX_CORRELATION_ID_BYTES = 1024
@@ -24,6 +33,13 @@ MAX_TENANT_ID_BYTES = 200
 MAX_NAME_CHARS = 200
 NAME_PATTERN = re.compile(r"[A-Za-z0-9_.:-]{1,200}")
 NAME_RULE = "1-200 characters of letters, digits and _ . : -"
+
+MAX_ATTEMPT = 2**31 - 1  # core.dead_letters.attempts is a PostgreSQL integer
+MAX_PRIOR_ATTEMPTS = MAX_ATTEMPT - 1  # so that the next delivery's attempt still fits
+MAX_DELAY_DAYS = 3650
+MAX_DELAY_SECONDS = MAX_DELAY_DAYS * 86400  # about ten years
+# A worker's lease per delivery (and the handler time it keeps a lease alive for): a week.
+MAX_LEASE_SECONDS = 7 * 86400
 
 # A bounded stand-in keeps this many characters of the value it stands for.
 _SHOWN_CHARS = 64
@@ -108,3 +124,35 @@ def shown_value(value: str | None) -> str | None:
     if value is None or (len(value) <= 200 and "\x00" not in value and value.isprintable()):
         return value
     return bounded(value)
+
+
+def delay_problem(field: str, value: object) -> str | None:
+    """Why ``value`` is not a delay in seconds (a finite real number, at most
+    ``MAX_DELAY_SECONDS``; a negative one counts as none); None when it is."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return f"{field} must be a number of seconds, not {type(value).__name__}"
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{field} must be a finite number of seconds, got {value}"
+    if value > MAX_DELAY_SECONDS:
+        return (
+            f"{field} is {value:g} seconds, over the limit of {MAX_DELAY_SECONDS:,}"
+            f" ({MAX_DELAY_DAYS:,} days)"
+        )
+    return None
+
+
+def checked_delay(value: object, field: str = "delay_seconds") -> float:
+    """``value`` as a delay in seconds (0 when negative), or :class:`~jobfence.JobRefused`
+    naming ``field`` when :func:`delay_problem` finds one."""
+    problem = delay_problem(field, value)
+    if problem is not None:
+        raise JobRefused(field, problem)
+    return max(float(value), 0.0)  # type: ignore[arg-type]
+
+
+def recordable_attempt(attempt: object) -> int:
+    """``attempt`` as ``core.dead_letters.attempts`` can hold it: within 1..``MAX_ATTEMPT``
+    (1 when it is not an integer at all)."""
+    if isinstance(attempt, bool) or not isinstance(attempt, int):
+        return 1
+    return min(max(attempt, 1), MAX_ATTEMPT)

@@ -31,11 +31,16 @@ class Delivery:
 
     ``attempt`` counts deliveries of this message, the first included (D1). ``receipt`` is the
     adapter's own handle for ack, retry and release; the core never looks inside it.
+
+    ``unreadable`` says why the adapter could not read the message as it was published (a
+    header or field that does not parse, or is out of bounds): ``message`` then holds what
+    could be read, and the harness dead-letters it at once as ``UnfenceableMessage``, whole.
     """
 
     message: Message
     attempt: int
     receipt: object
+    unreadable: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

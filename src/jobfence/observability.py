@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import sys
 import threading
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, MutableMapping
@@ -41,6 +40,7 @@ from jobfence import config, tracing
 from jobfence._sql import Queries
 from jobfence.app import App
 from jobfence.errors import ConfigError
+from jobfence.redact import Redactor, printable
 
 log = logging.getLogger("jobfence.observability")
 
@@ -355,21 +355,17 @@ async def _respond(send: Send, status: int, body: bytes, content_type: str) -> N
 LogFormat = Literal["text", "json"]
 LOG_FORMATS: tuple[LogFormat, ...] = ("text", "json")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-REDACTED = "***"
 _STANDARD_ATTRS = frozenset(RESERVED_ATTRS) | {"message", "asctime", "taskName"}
 
 
 class RedactSecrets(logging.Filter):
     """Replace every configured secret in a record (message, arguments, traceback, stack and
-    extra fields) with ``***`` before any formatter sees it. Never drops a record."""
+    extra fields) with ``***``, and the secrets of any URL or ``password=``-like pair it holds
+    (:class:`jobfence.redact.Redactor`), before any formatter sees it. Never drops a record."""
 
     def __init__(self, secrets: Iterable[str]) -> None:
         super().__init__()
-        distinct = sorted({s for s in secrets if s}, key=len, reverse=True)
-        self._pattern = re.compile("|".join(map(re.escape, distinct))) if distinct else None
-
-    def redact(self, text: str) -> str:
-        return self._pattern.sub(REDACTED, text) if self._pattern is not None else text
+        self.redact = Redactor(secrets)
 
     def _value(self, value: object) -> object:
         if isinstance(value, str):
@@ -385,8 +381,6 @@ class RedactSecrets(logging.Filter):
         return value if redacted == text else redacted
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if self._pattern is None:
-            return True
         if isinstance(record.msg, dict):
             record.msg = self._value(record.msg)
         else:
@@ -410,7 +404,47 @@ class RedactSecrets(logging.Filter):
         return True
 
 
-class _TracedJsonFormatter(JsonFormatter):
+def _block(text: str, indent: str = "") -> str:
+    """A traceback or a stack: each line escaped (:func:`jobfence.redact.printable`), then
+    prefixed with ``indent``."""
+    return "\n".join(indent + printable(line) for line in text.split("\n"))
+
+
+class TextFormatter(logging.Formatter):
+    """``TEXT_FORMAT`` lines that nothing logged can forge: the message has every character
+    that is not printable escaped (a newline as ``\\n``, ESC as ``\\x1b``), so a job id, a
+    name or an error text a producer chose stays inside its line; a traceback or a stack
+    follows on lines of its own, each escaped and indented by two spaces, so that none of
+    them (an exception's message may hold newlines) can pass for the start of a record."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        record.message = printable(record.getMessage())
+        if self.usesTime():
+            record.asctime = self.formatTime(record, self.datefmt)
+        line = self.formatMessage(record)
+        if record.exc_info and not record.exc_text:
+            record.exc_text = self.formatException(record.exc_info)
+        if record.exc_text:
+            line += "\n" + _block(record.exc_text.rstrip("\n"), "  ")
+        if record.stack_info:
+            line += "\n" + _block(self.formatStack(record.stack_info), "  ")
+        return line
+
+
+class _JsonFormatter(JsonFormatter):
+    """pythonjsonlogger's formatter, with the message and every text field escaped as in the
+    text format (a traceback keeps its line breaks: JSON escapes them)."""
+
+    def process_log_record(self, log_data: dict[str, Any]) -> dict[str, Any]:
+        for key, value in log_data.items():
+            if isinstance(value, str):
+                log_data[key] = (
+                    _block(value) if key in ("exc_info", "stack_info") else printable(value)
+                )
+        return log_data
+
+
+class _TracedJsonFormatter(_JsonFormatter):
     """Adds ``trace_id`` and ``span_id`` while an OpenTelemetry span is current."""
 
     def add_fields(
@@ -429,15 +463,10 @@ def json_formatter() -> logging.Formatter:
     """One JSON object per line: timestamp (ISO 8601, UTC), level, logger, message, the
     record's extra fields (job_id, consumer, queue, tenant_id, correlation_id, attempt,
     outcome on job events), trace_id and span_id while an OpenTelemetry span is current
-    (docs/observability.md), and exc_info when there is a traceback."""
-    if tracing.ENABLED:
-        return _TracedJsonFormatter(
-            "{levelname}{name}{message}",
-            style="{",
-            rename_fields={"levelname": "level", "name": "logger"},
-            timestamp=True,
-        )
-    return JsonFormatter(
+    (docs/observability.md), and exc_info when there is a traceback. Text values are escaped
+    (:func:`jobfence.redact.printable`), like the text format's."""
+    formatter = _TracedJsonFormatter if tracing.ENABLED else _JsonFormatter
+    return formatter(
         "{levelname}{name}{message}",
         style="{",
         rename_fields={"levelname": "level", "name": "logger"},
@@ -466,7 +495,7 @@ def configure_logging(
     if format == "json":
         handler.setFormatter(json_formatter())
     else:
-        handler.setFormatter(logging.Formatter(TEXT_FORMAT))
+        handler.setFormatter(TextFormatter(TEXT_FORMAT))
     handler.addFilter(RedactSecrets(config.secrets_from_env() if secrets is None else secrets))
     handler.set_name(_HANDLER_NAME)
     root = logging.getLogger()

@@ -38,9 +38,12 @@ from psycopg.rows import dict_row
 
 from jobfence import tracing
 from jobfence._sql import Queries
+from jobfence.adapters._shared import check_prior_attempts
 from jobfence.errors import ConfigError
+from jobfence.limits import MAX_PRIOR_ATTEMPTS, checked_delay
 from jobfence.model import Message
 from jobfence.ports import Clock, QueuePort
+from jobfence.redact import redact_text
 from jobfence.schema import ensure_migrated
 from jobfence.tracing import valid_traceparent, valid_tracestate
 
@@ -67,8 +70,7 @@ class OutboxMetricsSink(Protocol):
 def _params(
     message: Message, delay_seconds: float, clock: Clock | None, prior_attempts: int
 ) -> dict[str, object]:
-    if prior_attempts < 0:
-        raise ValueError(f"prior_attempts must be >= 0, got {prior_attempts}")
+    check_prior_attempts(prior_attempts)
     return {
         "queue": message.queue,
         "consumer": message.consumer,
@@ -79,7 +81,7 @@ def _params(
         "traceparent": message.traceparent,
         "tracestate": message.tracestate,
         "now": clock.now() if clock is not None else None,
-        "delay": timedelta(seconds=max(delay_seconds, 0.0)),
+        "delay": timedelta(seconds=checked_delay(delay_seconds)),
         "prior_attempts": prior_attempts,
     }
 
@@ -396,15 +398,19 @@ class OutboxRelay:
                 )
                 try:
                     # Returning means the broker confirmed it (the adapter's contract).
+                    # A count a producer wrote beyond what a delivery can carry goes as the
+                    # highest: that delivery is dead-lettered (DeliveryLimitExceeded).
                     with tracing.send(message) as sent_message:
                         await self._queue.publish(
-                            sent_message, prior_attempts=row["prior_attempts"]
+                            sent_message,
+                            prior_attempts=min(row["prior_attempts"], MAX_PRIOR_ATTEMPTS),
                         )
                 except Exception as exc:
                     failed = True
                     self._failures += 1
                     delay = self._backoff()
-                    text = " ".join(f"{type(exc).__name__}: {exc}".split())[:500]
+                    # Stored and logged: a broker client's error may quote its URL.
+                    text = redact_text(" ".join(f"{type(exc).__name__}: {exc}".split()))[:500]
                     log.warning(
                         "outbox relay: publishing job %s to queue %s failed (%s); it stays in"
                         " the outbox and is tried again in %.1fs",

@@ -113,7 +113,7 @@ async def publish_async(conn: AsyncTarget, message: Message, *, delay_seconds: f
     current trace context, under a ``create`` span (:mod:`jobfence.tracing`)."""
     if isinstance(conn, AsyncConnection):
         with tracing.create(message) as traced:
-            await conn.execute(SQL["produce"], publish_params(traced, delay_seconds))
+            await conn.execute(SQL[_query(traced)], publish_params(traced, delay_seconds))
         return
     require_async_target(conn)
     sa_conn: Any = conn
@@ -122,7 +122,9 @@ async def publish_async(conn: AsyncTarget, message: Message, *, delay_seconds: f
     _require_sqlalchemy_driver(sa_conn, "enqueue")
     # Through SQLAlchemy, so that its transaction begins and covers the job (see publish_sync).
     with tracing.create(message) as traced:
-        await sa_conn.exec_driver_sql(SQL.text("produce"), publish_params(traced, delay_seconds))
+        await sa_conn.exec_driver_sql(
+            SQL.text(_query(traced)), publish_params(traced, delay_seconds)
+        )
 
 
 def publish_sync(conn: object, message: Message, *, delay_seconds: float = 0.0) -> None:
@@ -134,16 +136,21 @@ def publish_sync(conn: object, message: Message, *, delay_seconds: float = 0.0) 
     The job carries the current trace context, under a ``create`` span (:mod:`jobfence.tracing`).
     """
     with tracing.create(message) as traced:
-        _publish_sync(conn, publish_params(traced, delay_seconds))
+        _publish_sync(conn, _query(traced), publish_params(traced, delay_seconds))
 
 
-def _publish_sync(conn: object, params: dict[str, object]) -> None:
+def _query(message: Message) -> str:
+    """``produce``, or ``produce_traced`` for a job with a trace context (migration 0024)."""
+    return "produce" if message.traceparent is None else "produce_traced"
+
+
+def _publish_sync(conn: object, query: str, params: dict[str, object]) -> None:
     if isinstance(conn, psycopg.Connection):
-        conn.execute(SQL["produce"], params)
+        conn.execute(SQL[query], params)
         return
     if _is_psycopg2(conn):
         with conn.cursor() as cur:  # type: ignore[attr-defined]
-            cur.execute(SQL.text("produce"), params)
+            cur.execute(SQL.text(query), params)
         return
     sa_conn = _sqlalchemy_connection(conn)
     if sa_conn is not None:
@@ -151,7 +158,7 @@ def _publish_sync(conn: object, params: dict[str, object]) -> None:
         # Through SQLAlchemy, so that its own transaction begins (autobegin) and its commit or
         # rollback covers the job; a statement run behind its back on the DBAPI connection
         # would be rolled back when the connection returns to the pool.
-        sa_conn.exec_driver_sql(SQL.text("produce"), params)
+        sa_conn.exec_driver_sql(SQL.text(query), params)
         return
     if isinstance(conn, AsyncConnection):
         raise TypeError(

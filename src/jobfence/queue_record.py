@@ -30,7 +30,8 @@ from jobfence.outbox import (
     record_queue,
 )
 from jobfence.outbox import SQL as OUTBOX_SQL
-from jobfence.queues import QueueTarget, open_broker, parse_queue_url, redact_url
+from jobfence.queues import QueueTarget, open_broker, parse_queue_url
+from jobfence.redact import redact_url
 
 log = logging.getLogger("jobfence.queues")
 

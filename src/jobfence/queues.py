@@ -46,6 +46,7 @@ from jobfence.config import ENV_QUEUE_URL
 from jobfence.errors import ConfigError
 from jobfence.outbox import POSTGRESQL
 from jobfence.ports import QueuePort
+from jobfence.redact import redact_url
 
 if TYPE_CHECKING:
     from psycopg_pool import AsyncConnectionPool
@@ -85,28 +86,6 @@ def queue_url_from_env(environ: Mapping[str, str] | None = None) -> str | None:
     env = os.environ if environ is None else environ
     value = env.get(ENV_QUEUE_URL, "").strip()
     return value or None
-
-
-def _passwords(url: str) -> list[str]:
-    """The passwords in ``url`` (each server's, for a NATS seed list), raw and unquoted."""
-    found: set[str] = set()
-    seeds = url.split(",") if url.lstrip().lower().startswith("nats://") else []
-    for part in [url, *seeds]:
-        try:
-            password = urlsplit(part.strip()).password
-        except ValueError:
-            continue
-        if password:
-            found.update({password, unquote(password)})
-    return sorted(found, key=len, reverse=True)
-
-
-def redact_url(url: str, text: str | None = None) -> str:
-    """``text`` (default: ``url`` itself) with the URL's password replaced by ``***``."""
-    result = url if text is None else text
-    for secret in _passwords(url):
-        result = result.replace(secret, "***")
-    return result
 
 
 # Where jobs live on a broker: the adapters' defaults, which a URL's parameters may change.
@@ -336,7 +315,8 @@ def parse_queue_url(url: str | None) -> QueueTarget:
         for name, param in _PARAMS[backend.kind].items()
         if param.names_place and _given(query, name)
     ]
-    location = ",".join(shown) + path + (f"?{'&'.join(names)}" if names else "")
+    # Redacted too: a password written with / or ? unescaped may be cut into host and path.
+    location = redact_url(text, ",".join(shown) + path + (f"?{'&'.join(names)}" if names else ""))
     client = ",".join(parts) + (f"?{client_query}" if client_query else "")
     return QueueTarget(
         kind=backend.kind,
@@ -494,8 +474,11 @@ async def open_broker(target: QueueTarget) -> QueuePort:
                 f"cannot open {target.describe()}: {redact_url(target.url, reason)}"
             ) from None
         raise ConfigError(
-            f"cannot open {target.describe()}: the broker did not connect and set up its "
-            f"queues within {OPEN_TIMEOUT_SECONDS:g}s"
+            redact_url(
+                target.url,
+                f"cannot open {target.describe()}: the broker did not connect and set up its "
+                f"queues within {OPEN_TIMEOUT_SECONDS:g}s",
+            )
         ) from None
     except ConfigError as exc:
         raise ConfigError(

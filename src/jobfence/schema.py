@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
-from psycopg import AsyncConnection
+from psycopg import AsyncConnection, errors
 from psycopg.sql import SQL
 
 from jobfence._sql import Queries
 from jobfence.errors import ConfigError
+
+log = logging.getLogger("jobfence.schema")
 
 CORE_SQL = Queries("jobfence.sql", "core.sql")
 
@@ -101,6 +104,21 @@ async def migrate(conn: AsyncConnection[Any]) -> list[Migration]:
     refused (its checksum no longer matches).
     """
     applied: list[Migration] = []
+    conn.add_notice_handler(_log_warning)
+    try:
+        await _apply(conn, applied)
+    finally:
+        conn.remove_notice_handler(_log_warning)
+    return applied
+
+
+def _log_warning(diag: errors.Diagnostic) -> None:
+    """A WARNING a migration raises (a check left NOT VALID, say) is logged, not dropped."""
+    if diag.severity_nonlocalized == "WARNING":
+        log.warning("%s", diag.message_primary)
+
+
+async def _apply(conn: AsyncConnection[Any], applied: list[Migration]) -> None:
     async with conn.transaction():
         await conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK_KEY,))
         await conn.execute(BOOKKEEPING)
@@ -120,7 +138,6 @@ async def migrate(conn: AsyncConnection[Any]) -> list[Migration]:
                 (m.version, m.name, m.checksum),
             )
             applied.append(m)
-    return applied
 
 
 async def ensure_migrated(conn: AsyncConnection[Any]) -> None:

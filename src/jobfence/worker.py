@@ -26,6 +26,7 @@ from jobfence.harness import (
     log_fields,
 )
 from jobfence.leases import LeaseKeeper
+from jobfence.limits import MAX_LEASE_SECONDS
 from jobfence.model import Delivery
 from jobfence.outage_log import PSYCOPG_LOGGERS, OutageLog, reason
 from jobfence.outbox import (
@@ -55,6 +56,13 @@ class WorkerStats:
     @property
     def handled(self) -> int:
         return sum(self.outcomes.values())
+
+
+def _trace_child(trace_parent: str) -> bool:
+    """``Worker(trace_parent=...)``: True for ``"child"``, False for ``"link"``."""
+    if trace_parent not in ("link", "child"):
+        raise ConfigError(f"trace_parent must be 'link' or 'child', got {trace_parent!r}")
+    return trace_parent == "child"
 
 
 class Worker:
@@ -113,8 +121,6 @@ class Worker:
         lease_metrics: LeaseMetricsSink | None = None,
         trace_parent: str = "link",
     ) -> None:
-        if trace_parent not in ("link", "child"):
-            raise ConfigError(f"trace_parent must be 'link' or 'child', got {trace_parent!r}")
         if concurrency < 1:
             raise ConfigError(f"concurrency must be >= 1, got {concurrency}")
         if batch_size is not None and batch_size < 1:
@@ -129,6 +135,10 @@ class Worker:
         ):
             if not (0 < value < float("inf")):
                 raise ConfigError(f"{label} must be a positive number of seconds, got {value}")
+        if lease_seconds > MAX_LEASE_SECONDS:
+            raise ConfigError(
+                f"lease_seconds must be at most {MAX_LEASE_SECONDS} (7 days), got {lease_seconds}"
+            )
         self.app = app
         self.queue = queue
         self.queues = list(queues) if queues else app.queues
@@ -145,8 +155,15 @@ class Worker:
         self.shutdown_grace_seconds = shutdown_grace_seconds
         self.metrics: MetricsSink = metrics if metrics is not None else PrometheusMetrics()
         self.acks = AckBatcher(queue, max_batch=ack_batch_size, max_delay=ack_delay_seconds)
-        self.harness = Harness(app, pool, queue, metrics=self.metrics, rng=rng, acks=self.acks)
-        self.harness.trace_child = trace_parent == "child"
+        self.harness = Harness(
+            app,
+            pool,
+            queue,
+            metrics=self.metrics,
+            rng=rng,
+            acks=self.acks,
+            trace_child=_trace_child(trace_parent),
+        )
         self.max_handler_seconds = max_handler_seconds
         if lease_metrics is None and isinstance(self.metrics, PrometheusMetrics):
             lease_metrics = self.metrics  # it is one, on the same registry

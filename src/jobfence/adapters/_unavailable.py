@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable
 from typing import ParamSpec, TypeVar
 
 from jobfence.errors import QueueUnavailable
+from jobfence.redact import redact_text
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -71,7 +72,7 @@ def hold_back(logger: str, prefixes: tuple[str, ...]) -> None:
 
 def _text(exc: BaseException) -> str:
     text = str(exc).strip()
-    first = text.splitlines()[0] if text else ""
+    first = redact_text(text.splitlines()[0]) if text else ""  # a client may quote its URL
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 

@@ -24,6 +24,7 @@ from psycopg import AsyncConnection
 
 from jobfence.adapters._shared import check_prior_attempts, receipt_of, refuse_tx
 from jobfence.errors import ConfigError
+from jobfence.limits import checked_delay
 from jobfence.model import Delivery, Message
 from jobfence.ports import Clock, QueueCapabilities, QueueSize
 
@@ -93,7 +94,7 @@ class MemoryQueue:
         self._entries[entry_id] = _Entry(
             id=entry_id,
             message=message,
-            run_at=self._clock.now() + timedelta(seconds=max(delay_seconds, 0.0)),
+            run_at=self._clock.now() + timedelta(seconds=checked_delay(delay_seconds)),
             attempts=check_prior_attempts(prior_attempts),
         )
         self._wakeup.set()

@@ -13,6 +13,9 @@ shared by every worker of that queue.
   message published with ``prior_attempts``).
 - **Fields**: the body is the payload; job id, consumer, tenant and correlation id travel in
   ``Jobfence-*`` headers, percent-encoded where a header could not carry them as they are.
+  Each is read once, with its bounds, by ``read_delivery``: a message whose header does not
+  parse is a delivery marked ``unreadable`` (the harness dead-letters it, whole; the rest of
+  its pull batch is handed out as usual), and a release naks it as it is.
 - **Stale receipts**: JetStream accepts an ack from an earlier delivery of a message that was
   delivered again (it acks by stream sequence). So the adapter keeps each delivery's lease
   deadline on the client (the pull request's send time + AckWait, minus a margin) and refuses
@@ -48,18 +51,25 @@ import random
 import re
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import quote, unquote
 
 from psycopg import AsyncConnection
 
-from jobfence.adapters._shared import check_prior_attempts, receipt_of, refuse_delay, refuse_tx
+from jobfence.adapters._shared import (
+    FieldNames,
+    check_prior_attempts,
+    read_delivery,
+    receipt_of,
+    refuse_delay,
+    refuse_tx,
+)
 from jobfence.adapters._unavailable import unavailable_on
 from jobfence.errors import ConfigError, QueueUnavailable
+from jobfence.limits import checked_delay
 from jobfence.model import Delivery, Message
 from jobfence.ports import QueueCapabilities, QueueSize
-from jobfence.tracing import carried
 
 try:
     import nats
@@ -157,6 +167,7 @@ class NatsReceipt:
     prior: int
     deadline: float  # time.monotonic() after which this delivery's lease counts as lost
     settled: bool = False
+    unreadable: bool = False  # a release gives the message back as it is (nak), never a copy
 
 
 def _receipt(delivery: Delivery) -> NatsReceipt:
@@ -171,6 +182,22 @@ def _header(value: str) -> str:
     """A header value: spaces, line breaks, ``%`` and non-ASCII percent-encoded (headers are
     line-based and trimmed), the rest as is."""
     return quote(value, safe=_HEADER_SAFE)
+
+
+def _unquote(value: str) -> str:
+    """A header value as :func:`_header` wrote it; ``UnicodeDecodeError`` when its
+    percent-encoding is not UTF-8."""
+    return unquote(value, errors="strict") if "%" in value else value
+
+
+_NAMES = FieldNames(
+    consumer=f"header {_H_CONSUMER}",
+    job_id=f"header {_H_JOB_ID}",
+    tenant_id=f"header {_H_TENANT}",
+    correlation_id=f"header {_H_CORRELATION}",
+    prior=f"header {_H_PRIOR}",
+    delivered="the delivery count",
+)
 
 
 def _lease_margin(lease_seconds: float) -> float:
@@ -349,7 +376,7 @@ class NatsQueue:
     ) -> None:
         if tx is not None:
             raise _refuse_tx("publish")
-        if delay_seconds > 0:
+        if checked_delay(delay_seconds) > 0:
             raise refuse_delay("NatsQueue", "publish", "JetStream cannot hold a new message back")
         await self._publish(message, prior=check_prior_attempts(prior_attempts))
 
@@ -469,23 +496,41 @@ class NatsQueue:
 
     @staticmethod
     def _delivery(queue: str, msg: Msg, lease_deadline: float) -> Delivery:
-        headers = msg.headers or {}
-        prior = int(headers.get(_H_PRIOR, "0"))
+        """Every field read by :func:`read_delivery`: one that does not parse makes this one
+        message an ``UnfenceableMessage`` dead letter, never a failed pull batch."""
+        receipt = NatsReceipt(msg=msg, prior=0, deadline=lease_deadline)
+        try:
+            headers = msg.headers or {}
+            delivered: object = msg.metadata.num_delivered
+        except Exception as exc:  # a reply subject the client cannot read: not ours to judge
+            headers, delivered = {}, 1
+            unreadable: str | None = f"its metadata cannot be read ({type(exc).__name__})"
+        else:
+            unreadable = None
+        consumer, job_id = headers.get(_H_CONSUMER, ""), headers.get(_H_JOB_ID, "")
         tenant, correlation = headers.get(_H_TENANT), headers.get(_H_CORRELATION)
-        traceparent, tracestate = carried(headers.get(_H_TRACEPARENT), headers.get(_H_TRACESTATE))
-        message = Message(
-            queue=queue,
-            consumer=unquote(headers.get(_H_CONSUMER, "")),
-            job_id=unquote(headers.get(_H_JOB_ID, "")),
-            body=bytes(msg.data),
-            tenant_id=None if tenant is None else unquote(tenant),
-            correlation_id=None if correlation is None else unquote(correlation),
-            traceparent=traceparent,
-            tracestate=tracestate,
+        encoded = any(
+            isinstance(v, str) and "%" in v for v in (consumer, job_id, tenant, correlation)
         )
-        delivered = int(msg.metadata.num_delivered)
-        receipt = NatsReceipt(msg=msg, prior=prior, deadline=lease_deadline)
-        return Delivery(message=message, attempt=prior + delivered, receipt=receipt)
+        delivery, receipt.prior = read_delivery(
+            _NAMES,
+            queue=queue,
+            body=bytes(msg.data),
+            consumer=consumer,
+            job_id=job_id,
+            tenant_id=tenant,
+            correlation_id=correlation,
+            prior=headers.get(_H_PRIOR),
+            delivered=delivered,
+            receipt=receipt,
+            decode=_unquote if encoded else None,
+            traceparent=headers.get(_H_TRACEPARENT),
+            tracestate=headers.get(_H_TRACESTATE),
+        )
+        if unreadable is not None and delivery.unreadable is None:
+            delivery = replace(delivery, unreadable=unreadable)
+        receipt.unreadable = delivery.unreadable is not None
+        return delivery
 
     @staticmethod
     def _holds(receipt: NatsReceipt) -> bool:
@@ -555,6 +600,9 @@ class NatsQueue:
         if not self._holds(receipt):
             return
         receipt.settled = True
+        if receipt.unreadable:  # back as it was published (counted: it is dead-lettered anyway)
+            await receipt.msg.nak()
+            return
         delivered = int(receipt.msg.metadata.num_delivered)
         try:
             await self._publish(delivery.message, prior=receipt.prior + delivered - 1)

@@ -25,6 +25,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from jobfence._sql import Queries
 from jobfence.adapters._shared import check_prior_attempts
+from jobfence.limits import checked_delay
 from jobfence.model import Delivery, Message
 from jobfence.ports import Clock, QueueCapabilities, QueueSize
 from jobfence.tracing import valid_traceparent, valid_tracestate
@@ -78,7 +79,9 @@ def require_async_connection(conn: object) -> None:
 def publish_params(
     message: Message, delay_seconds: float = 0.0, clock: Clock | None = None
 ) -> dict[str, object]:
-    """The parameters of the ``publish`` query: every producer, async or sync, runs it."""
+    """The parameters of the ``publish`` query: every producer, async or sync, runs it. A
+    delay that is not a finite number of seconds within ``MAX_DELAY_SECONDS`` is refused here
+    (:class:`~jobfence.JobRefused` naming ``delay_seconds``), before any statement."""
     return {
         "queue": message.queue,
         "consumer": message.consumer,
@@ -89,7 +92,7 @@ def publish_params(
         "traceparent": message.traceparent,
         "tracestate": message.tracestate,
         "now": _now(clock),
-        "delay": timedelta(seconds=max(delay_seconds, 0.0)),
+        "delay": timedelta(seconds=checked_delay(delay_seconds)),
     }
 
 

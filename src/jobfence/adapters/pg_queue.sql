@@ -38,8 +38,11 @@ WITH due AS (
     ORDER BY d.run_at, d.id
     LIMIT %(limit)s
 )
+-- The count is kept within integer's range whatever a producer wrote (a row with attempts at
+-- its top is delivered with the highest attempt and dead-lettered, never overflowed into an
+-- error that would stop every fetch).
 UPDATE jobfence_queue.messages m
-SET attempts = m.attempts + 1,
+SET attempts = least(greatest(m.attempts, 0), 2147483646) + 1,
     run_at = coalesce(%(now)s::timestamptz, now()) + %(lease)s::interval,
     lease_token = gen_random_uuid()
 FROM due

@@ -29,6 +29,10 @@ Every publish waits for the broker's publisher confirm; messages are persistent.
   buffered but never handed out is returned as a copy that keeps its count, so it does not
   count; if the connection drops (or the process dies) the broker returns it counted, so an
   attempt can then be one higher than the handler runs.
+- **Reading**: every header is read once, with its bounds, by ``read_delivery`` (at delivery
+  and when a buffered message is given back); a message whose header does not parse is a
+  delivery marked ``unreadable`` (the harness dead-letters it, whole), and a release or a
+  give-back returns it as it was published, never as a copy with rewritten headers.
 - **Stale receipts**: a delivery whose lease timer fired, or whose channel closed, refuses
   ack, extend, retry and release (``capabilities.exact_stale_ack`` is False: after its lease a
   delivery is refused even if nobody took the message over yet; the broker has it again).
@@ -65,16 +69,18 @@ from urllib.parse import unquote, urlsplit
 from psycopg import AsyncConnection
 
 from jobfence.adapters._shared import (
+    FieldNames,
     check_prior_attempts,
+    read_delivery,
     receipt_of,
     refuse_delay,
     refuse_tx,
 )
 from jobfence.adapters._unavailable import hold_back, unavailable_on
 from jobfence.errors import ConfigError
+from jobfence.limits import checked_delay
 from jobfence.model import Delivery, Message
 from jobfence.ports import QueueCapabilities, QueueSize
-from jobfence.tracing import carried
 
 try:
     import aio_pika
@@ -100,8 +106,17 @@ _H_TENANT = "x-jobfence-tenant-id"
 _H_CORRELATION = "x-jobfence-correlation-id"
 _SHORTSTR_BYTES = 255  # AMQP's message-id and correlation-id properties hold no more
 _H_PRIOR = "x-jobfence-prior"
-_H_TRACEPARENT = "traceparent"
+_H_TRACEPARENT = "traceparent"  # the W3C names, as other OpenTelemetry clients use
 _H_TRACESTATE = "tracestate"
+_H_COUNT = "x-delivery-count"  # set by the broker: the deliveries before this one
+_NAMES = FieldNames(
+    consumer=f"header {_H_CONSUMER}",
+    job_id=f"header {_H_JOB_ID}",
+    tenant_id=f"header {_H_TENANT}",
+    correlation_id=f"header {_H_CORRELATION}",
+    prior=f"header {_H_PRIOR}",
+    delivered=f"header {_H_COUNT}",
+)
 _NAME = re.compile(r"^[A-Za-z0-9_.\-:]+$")
 # A consumer's prefetch is what the first receive asked for plus this: a finished job stays
 # unacked until the worker's ack batch goes (up to 100 acks or 0.1 s by default).
@@ -217,6 +232,7 @@ class RabbitReceipt:
     settled: bool = False
     lost: bool = False
     timer: asyncio.TimerHandle | None = field(default=None, repr=False)
+    unreadable: bool = False  # a release gives the message back as it is, never a copy
 
 
 @dataclass(slots=True, eq=False)
@@ -345,7 +361,7 @@ class RabbitMQQueue:
     ) -> None:
         if tx is not None:
             raise _refuse_tx("publish")
-        if delay_seconds > 0:
+        if checked_delay(delay_seconds) > 0:
             raise _refuse_delay("publish")
         await self._publish(message, prior=check_prior_attempts(prior_attempts))
 
@@ -564,15 +580,18 @@ class RabbitMQQueue:
         if buffered.channel.is_closed:
             return
         incoming = buffered.incoming
-        headers = incoming.headers or {}
-        prior = int(str(headers.get(_H_PRIOR, 0)))
-        count = int(str(headers.get("x-delivery-count", 0)))
+        seen, _ = self._read(queue, incoming, None)
+        if seen.unreadable is not None:
+            # Back as it was published (counted: it is dead-lettered at its delivery anyway).
+            with contextlib.suppress(Exception):
+                await incoming.reject(requeue=True)
+            return
         copy = {
             k: v
-            for k, v in headers.items()
+            for k, v in incoming.headers.items()
             if k.startswith("x-jobfence-") or k in (_H_TRACEPARENT, _H_TRACESTATE)
         }
-        copy[_H_PRIOR] = prior + count
+        copy[_H_PRIOR] = seen.attempt - 1  # the deliveries so far: this one does not count
         try:
             await buffered.channel.default_exchange.publish(
                 aio_pika.Message(
@@ -599,32 +618,43 @@ class RabbitMQQueue:
         channel: AbstractChannel,
         lease_seconds: float,
     ) -> Delivery:
-        headers = incoming.headers or {}
-        prior = int(str(headers.get(_H_PRIOR, 0)))
-        count = int(str(headers.get("x-delivery-count", 0)))
-        tenant, correlation = headers.get(_H_TENANT), headers.get(_H_CORRELATION)
-        traceparent, tracestate = carried(headers.get(_H_TRACEPARENT), headers.get(_H_TRACESTATE))
-        message = Message(
-            queue=queue,
-            consumer=str(headers.get(_H_CONSUMER, "")),
-            job_id=str(headers.get(_H_JOB_ID, "")),
-            body=bytes(incoming.body),
-            tenant_id=None if tenant is None else str(tenant),
-            correlation_id=None if correlation is None else str(correlation),
-            traceparent=traceparent,
-            tracestate=tracestate,
-        )
         receipt = RabbitReceipt(
             incoming=incoming,
             channel=channel,
             queue_name=self._name(queue),
-            prior=prior,
-            delivery_count=count,
+            prior=0,
+            delivery_count=0,
         )
+        delivery, receipt.prior = self._read(queue, incoming, receipt)
+        receipt.delivery_count = delivery.attempt - receipt.prior - 1
+        receipt.unreadable = delivery.unreadable is not None
         loop = asyncio.get_running_loop()
         receipt.timer = loop.call_later(lease_seconds, self._lease_ran_out, receipt)
         self._held.add(receipt)
-        return Delivery(message=message, attempt=prior + count + 1, receipt=receipt)
+        return delivery
+
+    @staticmethod
+    def _read(
+        queue: str, incoming: _Incoming, receipt: RabbitReceipt | None
+    ) -> tuple[Delivery, int]:
+        """The one reading of a message's headers (at its delivery, and when a buffered one
+        is given back): a header that does not parse makes it ``Delivery.unreadable``."""
+        headers = incoming.headers
+        return read_delivery(
+            _NAMES,
+            queue=queue,
+            body=incoming.body,
+            consumer=headers.get(_H_CONSUMER, ""),
+            job_id=headers.get(_H_JOB_ID, ""),
+            tenant_id=headers.get(_H_TENANT),
+            correlation_id=headers.get(_H_CORRELATION),
+            prior=headers.get(_H_PRIOR),
+            delivered=headers.get(_H_COUNT, 0),
+            receipt=receipt,
+            counted_before=True,
+            traceparent=headers.get(_H_TRACEPARENT),
+            tracestate=headers.get(_H_TRACESTATE),
+        )
 
     def _lease_ran_out(self, receipt: RabbitReceipt) -> None:
         if receipt.settled or receipt.lost:
@@ -699,6 +729,9 @@ class RabbitMQQueue:
     async def release(self, delivery: Delivery) -> None:
         receipt = _receipt(delivery)
         if not self._take_hold(receipt):
+            return
+        if receipt.unreadable:  # back as it was published (counted: dead-lettered anyway)
+            await self._give_back(receipt)
             return
         await self._republish(receipt, delivery.message, prior=delivery.attempt - 1)
 

@@ -11,7 +11,9 @@ Each jobfence queue is one stream, ``<prefix>:{<queue>}:stream``, read by one co
 - **Attempt**: the PEL's delivery count (``times_delivered``, kept by Redis and raised by each
   claim), plus the deliveries of earlier entries of the same job (the ``prior`` field, written
   when a retry or release republishes the job as a new entry, or by a publish with
-  ``prior_attempts``).
+  ``prior_attempts``). Every field is read once, with its bounds, by ``read_delivery``: an
+  entry whose field does not parse is a delivery marked ``unreadable`` (the harness
+  dead-letters it, whole), and a release copies it with its fields as they were.
 - **Stale receipts**: ack, extend, retry and release each run as one Lua script that first
   checks the PEL: the entry must still be pending for this consumer with the delivery count the
   receipt saw.
@@ -44,16 +46,18 @@ from typing import Any, Literal
 from psycopg import AsyncConnection
 
 from jobfence.adapters._shared import (
+    FieldNames,
     check_prior_attempts,
+    read_delivery,
     receipt_of,
     refuse_delay,
     refuse_tx,
 )
 from jobfence.adapters._unavailable import unavailable_on
 from jobfence.errors import ConfigError
+from jobfence.limits import checked_delay
 from jobfence.model import Delivery, Message
 from jobfence.ports import QueueCapabilities, QueueSize
-from jobfence.tracing import carried
 
 try:
     import redis.asyncio as aioredis
@@ -171,6 +175,8 @@ class RedisReceipt:
     times_delivered: int
     prior: int
     settled: bool = False
+    # The prior field of an entry that could not be read (Delivery.unreadable), as it was.
+    raw_prior: bytes | None = None
 
 
 def _receipt(delivery: Delivery) -> RedisReceipt:
@@ -203,9 +209,14 @@ def _fields(message: Message, prior: int) -> dict[str, bytes | str]:
     return fields
 
 
-def _text(fields: dict[bytes, bytes], name: bytes) -> str | None:
-    value = fields.get(name)
-    return None if value is None else value.decode()
+_NAMES = FieldNames(
+    consumer="field consumer",
+    job_id="field job_id",
+    tenant_id="field tenant_id",
+    correlation_id="field correlation_id",
+    prior="field prior",
+    delivered="the delivery count",
+)
 
 
 def _glob_escape(text: str) -> str:
@@ -281,7 +292,7 @@ class RedisStreamsQueue:
     ) -> None:
         if tx is not None:
             raise _refuse_tx("publish")
-        if delay_seconds > 0:
+        if checked_delay(delay_seconds) > 0:
             raise _refuse_delay("publish")
         fields = _fields(message, check_prior_attempts(prior_attempts))
         stream = self._stream(message.queue)
@@ -361,28 +372,37 @@ class RedisStreamsQueue:
     def _delivery(
         self, stream: str, entry_id: bytes | str, fields: dict[bytes, bytes], delivered: int
     ) -> Delivery:
-        prior = int(fields.get(b"prior", b"0"))
-        traceparent, tracestate = carried(fields.get(b"traceparent"), fields.get(b"tracestate"))
-        message = Message(
-            queue=self._queue_of(stream),
-            consumer=_text(fields, b"consumer") or "",
-            job_id=_text(fields, b"job_id") or "",
-            body=fields.get(b"body", b""),
-            tenant_id=_text(fields, b"tenant_id"),
-            correlation_id=_text(fields, b"correlation_id"),
-            traceparent=traceparent,
-            tracestate=tracestate,
-        )
+        """Every field read by :func:`read_delivery`: one that does not parse makes this entry
+        an ``UnfenceableMessage`` dead letter, never a failed read."""
         receipt = RedisReceipt(
             stream=stream,
             entry_id=entry_id.decode() if isinstance(entry_id, bytes) else entry_id,
             consumer=self._consumer,
             times_delivered=delivered,
-            prior=prior,
+            prior=0,
         )
-        return Delivery(message=message, attempt=prior + delivered, receipt=receipt)
+        delivery, receipt.prior = read_delivery(
+            _NAMES,
+            queue=self._queue_of(stream),
+            body=fields.get(b"body", b""),
+            consumer=fields.get(b"consumer", b""),
+            job_id=fields.get(b"job_id", b""),
+            tenant_id=fields.get(b"tenant_id"),
+            correlation_id=fields.get(b"correlation_id"),
+            prior=fields.get(b"prior"),
+            delivered=delivered,
+            receipt=receipt,
+            traceparent=fields.get(b"traceparent"),
+            tracestate=fields.get(b"tracestate"),
+        )
+        if delivery.unreadable is not None:
+            # A release copies the entry as it is: its prior field unchanged.
+            receipt.raw_prior = fields.get(b"prior", b"")
+        return delivery
 
-    async def _settle_entry(self, receipt: RedisReceipt, *, again: bool, prior: int = 0) -> bool:
+    async def _settle_entry(
+        self, receipt: RedisReceipt, *, again: bool, prior: int | bytes = 0
+    ) -> bool:
         if receipt.settled:
             return False
         done = await self._settle(
@@ -451,6 +471,9 @@ class RedisStreamsQueue:
     @_unavailable
     async def release(self, delivery: Delivery) -> None:
         receipt = _receipt(delivery)
+        if receipt.raw_prior is not None:  # unreadable: copied as it was published
+            await self._settle_entry(receipt, again=True, prior=receipt.raw_prior)
+            return
         await self._settle_entry(
             receipt, again=True, prior=receipt.prior + receipt.times_delivered - 1
         )

@@ -107,3 +107,36 @@ BEGIN
     RETURN message_id;
 END
 $$;
+
+-- jobfence.produce (migration 0019) the same way: what the Python producers run for a job with
+-- a trace context. Not SECURITY DEFINER: the caller needs EXECUTE on the seven-argument
+-- function, as before, and nothing more.
+CREATE FUNCTION jobfence.produce(
+    consumer       text,
+    queue          text,
+    job_id         text,
+    body           bytea,
+    tenant_id      text,
+    correlation_id text,
+    delay          interval,
+    traceparent    text,
+    tracestate     text DEFAULT NULL
+) RETURNS bigint
+LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    message_id bigint;
+    saved_parent text := current_setting('jobfence.traceparent', true);
+    saved_state text := current_setting('jobfence.tracestate', true);
+BEGIN
+    PERFORM set_config('jobfence.traceparent',
+                       coalesce(jobfence.valid_traceparent(produce.traceparent), ''), true);
+    PERFORM set_config('jobfence.tracestate',
+                       coalesce(jobfence.valid_tracestate(produce.tracestate), ''), true);
+    message_id := jobfence.produce(produce.consumer, produce.queue, produce.job_id, produce.body,
+                                   produce.tenant_id, produce.correlation_id, produce.delay);
+    PERFORM set_config('jobfence.traceparent', coalesce(saved_parent, ''), true);
+    PERFORM set_config('jobfence.tracestate', coalesce(saved_state, ''), true);
+    RETURN message_id;
+END
+$$;

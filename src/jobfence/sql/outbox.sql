@@ -4,38 +4,23 @@
 
 -- name: produce
 -- What every producer runs (App.enqueue, enqueue_sync, Producer), on the caller's connection,
--- never committing it: the queue row (with the NOTIFY that wakes workers at commit) when this
--- database's queue is PostgreSQL, the outbox row (waking the relay) when it is external. One
--- statement, so that it waits for jobfence.set_queue's lock before reading the setting.
--- The trace context (validated by the producer) wins over the session's (migration 0024).
-WITH target AS (
-    SELECT s.queue_kind <> 'postgresql' AS external FROM jobfence.settings s
-), trace AS (
-    SELECT coalesce(%(traceparent)s::text, jobfence.session_traceparent()) AS traceparent,
-           CASE WHEN %(traceparent)s::text IS NULL THEN jobfence.session_tracestate()
-                ELSE %(tracestate)s::text END AS tracestate
-), queued AS (
-    INSERT INTO jobfence_queue.messages (
-        queue, consumer, job_id, body, tenant_id, correlation_id, run_at, traceparent, tracestate
-    )
-    SELECT %(queue)s::text, %(consumer)s::text, %(job_id)s::text, %(body)s::bytea,
-           %(tenant_id)s::text, %(correlation_id)s::text,
-           coalesce(%(now)s::timestamptz, now()) + %(delay)s::interval,
-           t.traceparent, t.tracestate
-    FROM target, trace t WHERE NOT target.external
-    RETURNING id, pg_notify('jobfence_queue', queue)
-), outboxed AS (
-    INSERT INTO jobfence.outbox (
-        queue, consumer, job_id, body, tenant_id, correlation_id, due_at, traceparent, tracestate
-    )
-    SELECT %(queue)s::text, %(consumer)s::text, %(job_id)s::text, %(body)s::bytea,
-           %(tenant_id)s::text, %(correlation_id)s::text,
-           coalesce(%(now)s::timestamptz, now()) + %(delay)s::interval,
-           t.traceparent, t.tracestate
-    FROM target, trace t WHERE target.external
-    RETURNING id, pg_notify('jobfence_outbox', '')
-)
-SELECT id FROM queued UNION ALL SELECT id FROM outboxed;
+-- never committing it. jobfence.produce (migration 0019, SECURITY DEFINER) checks the job and
+-- writes the queue row (with the NOTIFY that wakes workers at commit) when this database's queue
+-- is PostgreSQL, the outbox row (waking the relay) when it is external, so that a producer role
+-- needs EXECUTE on it and no privilege on any table.
+SELECT jobfence.produce(
+    %(consumer)s::text, %(queue)s::text, %(job_id)s::text, %(body)s::bytea,
+    %(tenant_id)s::text, %(correlation_id)s::text, %(delay)s::interval
+);
+
+-- name: produce_traced
+-- produce for a job with a trace context (jobfence.tracing): the nine-argument jobfence.produce
+-- of migration 0024 sets it for the seven-argument one's insert only.
+SELECT jobfence.produce(
+    %(consumer)s::text, %(queue)s::text, %(job_id)s::text, %(body)s::bytea,
+    %(tenant_id)s::text, %(correlation_id)s::text, %(delay)s::interval,
+    %(traceparent)s::text, %(tracestate)s::text
+);
 
 -- name: outbox_insert
 -- An outbox row whatever the setting: a replay's republish when the queue is external, or a
@@ -84,7 +69,7 @@ SELECT jobfence.note_broker_queues(array_agg(DISTINCT queue)) FROM sent;
 -- name: outbox_mark_failed
 -- A publish that failed: the row stays, due again after the relay's backoff.
 UPDATE jobfence.outbox
-SET attempts = attempts + 1, last_error = %(error)s, fell_due_at = coalesce(fell_due_at, due_at),
+SET attempts = least(greatest(attempts, 0), 2147483646) + 1, last_error = %(error)s, fell_due_at = coalesce(fell_due_at, due_at),
     due_at = coalesce(%(now)s::timestamptz, now())
              + make_interval(secs => %(delay_seconds)s::double precision)
 WHERE id = %(id)s;

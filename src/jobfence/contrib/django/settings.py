@@ -98,8 +98,8 @@ def require_app(config: JobfenceSettings) -> str:
 
 def database_url(alias: str | None = None) -> str:
     """The libpq connection string of ``DATABASES[alias]`` (default: ``DATABASE_ALIAS``), as
-    Django's own connections use it; it holds the password: never print it (``jobfence.db.
-    redact``)."""
+    Django's own connections use it; it holds the password: never print it (``jobfence.redact.
+    redact_url``)."""
     alias = jobfence_settings().database_alias if alias is None else alias
     params = connections[alias].get_connection_params()
     for key in _NOT_LIBPQ:

@@ -1,0 +1,269 @@
+"""A hand-made broker message whose fields do not parse is one dead letter, and the queue goes on.
+
+Each test publishes straight to the real broker (not through the adapter), as a producer in
+another language would. Every field jobfence reads from a message (consumer, job id, tenant,
+correlation id, the deliveries its job already had, the broker's delivery count) is read in one
+function with its bounds (``jobfence.adapters._shared.read_delivery``). A message that fails is
+exactly one ``UnfenceableMessage`` dead letter that keeps the whole message, it is acked, and
+the jobs behind it run. Without that, an attempt header ``abc`` looped once per lease forever
+("cannot fetch jobs (ValueError ...)"), and ``-100`` ran the handler with ``job.attempt = -99``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg_pool import AsyncConnectionPool
+
+import pointsapp
+from brokers import BROKERS, make_queue, on_broker
+from jobfence import Delivery, Message, PrometheusMetrics, QueuePort, Worker
+from jobfence.codec import PAYLOAD_MESSAGE, original_message
+from jobfence.harness import UNFENCEABLE
+from support import scalar
+
+BODY = b'{"account_id": 1, "points": 5}'
+
+
+@pytest.fixture(params=BROKERS)
+async def broker(request: pytest.FixtureRequest) -> AsyncIterator[tuple[str, str, str, QueuePort]]:
+    async with on_broker(request, [pointsapp.QUEUE]) as (kind, url, name):
+        queue = make_queue(kind, url, name)
+        yield kind, url, name, queue
+        await queue.close()
+
+
+async def publish_raw(kind: str, url: str, name: str, fields: dict[str, Any]) -> None:
+    """Publish a message straight to the broker, as the adapter would name its fields (the
+    adapter's queue, stream or consumer group exists already), with ``fields`` as given."""
+    if kind == "redis":
+        import redis.asyncio as aioredis
+
+        client = aioredis.Redis.from_url(url)
+        await client.xadd(f"{name}:{{{pointsapp.QUEUE}}}:stream", {"body": BODY, **fields})
+        await client.aclose()
+    elif kind == "nats":
+        import nats
+
+        nc = await nats.connect(url)
+        headers = {f"Jobfence-{k.title().replace('_', '-')}": str(v) for k, v in fields.items()}
+        await nc.jetstream().publish(
+            f"{name}.{pointsapp.QUEUE}", BODY, stream=name.upper(), headers=headers
+        )
+        await nc.close()
+    else:
+        import aio_pika
+
+        connection = await aio_pika.connect(url)
+        channel = await connection.channel(publisher_confirms=True)
+        headers = {f"x-jobfence-{k.replace('_', '-')}": v for k, v in fields.items()}
+        await channel.default_exchange.publish(
+            aio_pika.Message(BODY, headers=headers), routing_key=f"{name}.{pointsapp.QUEUE}"
+        )
+        await connection.close()
+
+
+def _message_fields(job_id: str, prior: object) -> dict[str, Any]:
+    return {"consumer": "award_points", "job_id": job_id, "prior": prior}
+
+
+async def _run_until_empty(
+    pool: AsyncConnectionPool[Any], queue: QueuePort, **kwargs: Any
+) -> PrometheusMetrics:
+    metrics = PrometheusMetrics()
+    worker = Worker(
+        pointsapp.build_app(),
+        pool,
+        queue,
+        concurrency=2,
+        poll_seconds=0.05,
+        lease_seconds=30,
+        metrics=metrics,
+        **kwargs,
+    )
+    await asyncio.wait_for(worker.run(until="empty"), 60)
+    return metrics
+
+
+async def _unfenceable_letters(conn: psycopg.AsyncConnection[Any]) -> list[dict[str, Any]]:
+    async with conn.cursor(row_factory=psycopg.rows.dict_row) as cur:
+        await cur.execute(
+            "SELECT job_id, error_class, attempts, payload::text AS payload_text,"
+            " payload_encoding, last_error FROM core.dead_letters ORDER BY id"
+        )
+        return await cur.fetchall()
+
+
+@pytest.mark.parametrize(
+    "prior",
+    [
+        pytest.param("abc", id="abc"),
+        pytest.param("-100", id="minus-100"),
+        pytest.param(str(10**12), id="10e12"),
+    ],
+)
+async def test_a_bad_attempt_header_is_one_dead_letter_and_the_jobs_behind_it_run(
+    broker: tuple[str, str, str, QueuePort],
+    pool: AsyncConnectionPool[Any],
+    conn: psycopg.AsyncConnection[Any],
+    prior: str,
+) -> None:
+    kind, url, name, queue = broker
+    await conn.execute(pointsapp.SCHEMA_SQL)
+    app = pointsapp.build_app()
+    award = {"account_id": 1, "points": 5}
+    await queue.publish(app.message("award_points", award, job_id="before"))
+    # RabbitMQ carries numbers as numbers: a producer there would send -100 and 10^12 as ints.
+    raw: object = int(prior) if kind == "rabbitmq" and prior != "abc" else prior
+    await publish_raw(kind, url, name, _message_fields("bad-attempt", raw))
+    for n in range(3):
+        await queue.publish(app.message("award_points", award, job_id=f"after-{n}"))
+
+    metrics = await _run_until_empty(pool, queue)
+
+    assert metrics.count("succeeded") == 4
+    assert metrics.count("poison") == 1
+    assert await scalar(conn, "SELECT points FROM public.accounts WHERE id = 1") == 20
+    (letter,) = await _unfenceable_letters(conn)
+    assert letter["error_class"] == UNFENCEABLE
+    assert letter["job_id"] == "bad-attempt"
+    assert letter["attempts"] == 1  # the broker's own count: the header could not say
+    assert letter["payload_encoding"] == PAYLOAD_MESSAGE
+    assert "is not a whole number from 0 to 2147483646" in letter["last_error"]
+    assert repr(prior) in letter["last_error"] or prior in letter["last_error"]
+    kept = original_message(letter["payload_text"])
+    assert kept == Message(pointsapp.QUEUE, "award_points", "bad-attempt", BODY)
+    assert "cannot be read as it was published" in json.loads(letter["payload_text"])["note"]
+    # Acked: nothing left on the broker, and no fence for the unread message.
+    assert (await queue.size([pointsapp.QUEUE])).total == 0
+    assert await scalar(conn, "SELECT count(*) FROM core.processed_jobs") == 4
+
+
+async def test_on_nats_one_unreadable_header_does_not_fail_the_pull_batch(
+    request: pytest.FixtureRequest,
+    pool: AsyncConnectionPool[Any],
+    conn: psycopg.AsyncConnection[Any],
+) -> None:
+    """The batch of one pull holds a good job, one with ``Jobfence-Prior: abc``, one without
+    any header (a consumer-less message: poison) and one whose job id is percent-encoding
+    that is not UTF-8: one receive hands out all four, and each bad one is its own dead
+    letter."""
+    request.param = "nats"
+    async with on_broker(request, [pointsapp.QUEUE]) as (kind, url, name):
+        queue = make_queue(kind, url, name)
+        try:
+            app = pointsapp.build_app()
+            award = {"account_id": 1, "points": 5}
+            await queue.publish(app.message("award_points", award, job_id="good-1"))
+            await publish_raw(kind, url, name, _message_fields("bad-prior", "abc"))
+            import nats
+
+            nc = await nats.connect(url)
+            js = nc.jetstream()
+            await js.publish(f"{name}.{pointsapp.QUEUE}", BODY, stream=name.upper())
+            await js.publish(
+                f"{name}.{pointsapp.QUEUE}",
+                BODY,
+                stream=name.upper(),
+                headers={"Jobfence-Consumer": "award_points", "Jobfence-Job-Id": "bad-%FF%FE"},
+            )
+            await nc.close()
+            await queue.publish(app.message("award_points", award, job_id="good-2"))
+
+            got: list[Delivery] = await queue.receive(
+                [pointsapp.QUEUE], max_messages=10, lease_seconds=30
+            )
+            assert len(got) == 5
+            unreadable = [d.unreadable for d in got if d.unreadable is not None]
+            assert len(unreadable) == 2
+            assert "header Jobfence-Prior 'abc' is not a whole number" in unreadable[0]
+            assert (
+                "header Jobfence-Job-Id 'bad-%FF%FE' is not valid percent-encoded"
+                in (unreadable[1])
+            )
+            for delivery in got:  # give them back, uncounted, for the worker
+                await queue.release(delivery)
+
+            await conn.execute(pointsapp.SCHEMA_SQL)
+            metrics = await _run_until_empty(pool, queue)
+            assert metrics.count("succeeded") == 2
+            assert metrics.count("poison") == 3
+            letters = await _unfenceable_letters(conn)
+            assert sorted(d["error_class"] for d in letters) == [UNFENCEABLE] * 3
+            assert (await queue.size([pointsapp.QUEUE])).total == 0
+        finally:
+            await queue.close()
+
+
+async def test_on_redis_a_job_id_that_is_not_utf8_is_one_dead_letter(
+    request: pytest.FixtureRequest,
+    pool: AsyncConnectionPool[Any],
+    conn: psycopg.AsyncConnection[Any],
+) -> None:
+    request.param = "redis"
+    async with on_broker(request, [pointsapp.QUEUE]) as (kind, url, name):
+        queue = make_queue(kind, url, name)
+        try:
+            await conn.execute(pointsapp.SCHEMA_SQL)
+            app = pointsapp.build_app()
+            award = {"account_id": 1, "points": 5}
+            await queue.publish(app.message("award_points", award, job_id="good-1"))
+            await publish_raw(
+                kind, url, name, {"consumer": "award_points", "job_id": b"bad-\xff\xfe"}
+            )
+            await queue.publish(app.message("award_points", award, job_id="good-2"))
+            metrics = await _run_until_empty(pool, queue)
+            assert (metrics.count("succeeded"), metrics.count("poison")) == (2, 1)
+            (letter,) = await _unfenceable_letters(conn)
+            assert "field job_id is not valid UTF-8" in letter["last_error"]
+            assert letter["job_id"] == "bad-\\xff\\xfe"
+            assert (await queue.size([pointsapp.QUEUE])).total == 0
+        finally:
+            await queue.close()
+
+
+async def test_on_rabbitmq_a_buffered_bad_attempt_header_goes_back_and_the_rest_too(
+    request: pytest.FixtureRequest,
+) -> None:
+    """The adapter reads the attempt header in two places: at delivery, and when it gives a
+    buffered message back to the queue (a busy receiver). Both read it the same way: the bad
+    one goes back as it is, and the good one behind it goes back too (the give-back used to
+    stop at the bad header, leaving the rest unacked on the channel)."""
+    request.param = "rabbitmq"
+    async with on_broker(request, [pointsapp.QUEUE]) as (kind, url, name):
+        first = make_queue(kind, url, name)
+        second = make_queue(kind, url, name)
+        try:
+            app = pointsapp.build_app()
+            award = {"account_id": 1, "points": 5}
+            await first.publish(app.message("award_points", award, job_id="taken"))
+            await publish_raw(kind, url, name, _message_fields("bad-prior", "abc"))
+            await first.publish(app.message("award_points", award, job_id="buffered"))
+            (taken,) = await first.receive([pointsapp.QUEUE], max_messages=1, lease_seconds=1.0)
+            assert taken.message.job_id == "taken"
+            assert await first.ack(taken)
+            # The other two wait in the first adapter's buffer; after 1 s unclaimed it gives
+            # them back to the queue, where the second adapter takes them.
+            seen: list[Delivery] = []
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 20
+            while len(seen) < 2 and loop.time() < deadline:
+                seen += await second.receive(
+                    [pointsapp.QUEUE], max_messages=10, lease_seconds=30, wait_seconds=0.5
+                )
+            assert sorted(d.message.job_id for d in seen) == ["bad-prior", "buffered"]
+            bad = next(d for d in seen if d.message.job_id == "bad-prior")
+            assert bad.unreadable is not None and "x-jobfence-prior 'abc'" in bad.unreadable
+            good = next(d for d in seen if d.message.job_id == "buffered")
+            assert good.unreadable is None and good.attempt == 1
+            for delivery in seen:
+                assert await second.ack(delivery)
+            assert (await second.size([pointsapp.QUEUE])).total == 0
+        finally:
+            await first.close()
+            await second.close()

@@ -1,0 +1,223 @@
+"""A row a producer writes can never stop a queue: it is refused by a check, or taken and ends
+as one dead letter while the jobs beside it run.
+
+Producers write ``jobfence_queue.messages`` and ``jobfence.outbox`` rows (``App.enqueue``,
+``jobfence.enqueue``, or an INSERT of their own). The checks of migration 0016 hold for every role,
+a superuser included; the queries stay robust for what the checks allow. Without that, one row
+with ``attempts = 2147483647`` made every fetch fail with "integer out of range" and the jobs
+behind it never ran, and an outbox row with ``prior_attempts = 2147483647`` looped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from importlib import resources
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import errors
+from psycopg_pool import AsyncConnectionPool
+
+import pointsapp
+from brokers import make_queue, on_broker
+from jobfence import PgQueue, PrometheusMetrics, Worker
+from jobfence.harness import DELIVERY_LIMIT
+from jobfence.outbox import OutboxRelaySettings, record_queue
+from jobfence.queues import parse_queue_url
+from support import run_jobfence, scalar
+
+INT_MAX = 2**31 - 1
+BODY = b'{"account_id": 1, "points": 5}'
+
+INSERT_ROW = (
+    "INSERT INTO jobfence_queue.messages (queue, consumer, job_id, body, attempts, run_at)"
+    " VALUES ('loyalty', 'award_points', %s, %s, %s, %s)"
+)
+INSERT_OUTBOX_ROW = (
+    "INSERT INTO jobfence.outbox (queue, consumer, job_id, body, attempts, due_at,"
+    " prior_attempts) VALUES ('loyalty', 'award_points', %s, %s, %s, %s, %s)"
+)
+
+
+async def _enqueue_five(conn: psycopg.AsyncConnection[Any]) -> None:
+    app = pointsapp.build_app()
+    for n in range(5):
+        await app.enqueue(conn, "award_points", {"account_id": 1, "points": 1}, job_id=f"ok-{n}")
+
+
+async def _dead_letters(conn: psycopg.AsyncConnection[Any]) -> list[tuple[Any, ...]]:
+    cur = await conn.execute(
+        "SELECT job_id, error_class, attempts, status FROM core.dead_letters ORDER BY id"
+    )
+    return await cur.fetchall()
+
+
+async def test_a_queue_row_with_attempts_at_the_top_of_integer_is_one_dead_letter_and_the_rest_run(
+    pool: AsyncConnectionPool[Any], conn: psycopg.AsyncConnection[Any]
+) -> None:
+    await conn.execute(pointsapp.SCHEMA_SQL)
+    await conn.execute(INSERT_ROW, ("huge", BODY, INT_MAX, "now"))
+    await _enqueue_five(conn)
+    metrics = PrometheusMetrics()
+    queue = PgQueue(pool)
+    try:
+        worker = Worker(
+            pointsapp.build_app(), pool, queue, concurrency=2, poll_seconds=0.05, metrics=metrics
+        )
+        await asyncio.wait_for(worker.run(until="empty"), 60)
+    finally:
+        await queue.close()
+
+    assert metrics.count("succeeded") == 5
+    assert await scalar(conn, "SELECT points FROM public.accounts WHERE id = 1") == 5
+    # Delivered with the highest attempt there is: far past its policy, so dead-lettered
+    # without running, and the count is what the dead letter can record.
+    assert await _dead_letters(conn) == [("huge", DELIVERY_LIMIT, INT_MAX, "pending_review")]
+    assert await scalar(conn, "SELECT count(*) FROM jobfence_queue.messages") == 0
+
+
+@pytest.mark.parametrize(
+    ("attempts", "run_at", "check"),
+    [
+        pytest.param(-1, "now", "messages_attempts_check", id="negative-attempts"),
+        pytest.param(0, "infinity", "messages_run_at_check", id="run-at-infinity"),
+        pytest.param(0, "-infinity", "messages_run_at_check", id="run-at-minus-infinity"),
+    ],
+)
+async def test_the_queue_table_refuses_a_row_no_worker_could_take_even_from_a_superuser(
+    conn: psycopg.AsyncConnection[Any], attempts: int, run_at: str, check: str
+) -> None:
+    assert await scalar(conn, "SELECT rolsuper FROM pg_roles WHERE rolname = current_user")
+    with pytest.raises(errors.CheckViolation, match=check):
+        await conn.execute(INSERT_ROW, ("bad", BODY, attempts, run_at))
+
+
+@pytest.mark.parametrize(
+    ("attempts", "due_at", "prior", "check"),
+    [
+        pytest.param(-1, "now", 0, "outbox_attempts_check", id="negative-attempts"),
+        pytest.param(0, "infinity", 0, "outbox_due_at_check", id="due-at-infinity"),
+        pytest.param(0, "now", -1, "outbox_prior_attempts_check", id="negative-prior"),
+    ],
+)
+async def test_the_outbox_refuses_a_row_the_relay_could_not_take_even_from_a_superuser(
+    conn: psycopg.AsyncConnection[Any], attempts: int, due_at: str, prior: int, check: str
+) -> None:
+    with pytest.raises(errors.CheckViolation, match=check):
+        await conn.execute(INSERT_OUTBOX_ROW, ("bad", BODY, attempts, due_at, prior))
+
+
+async def test_an_outbox_row_whose_publish_keeps_failing_at_the_top_of_attempts_stays_due(
+    conn: psycopg.AsyncConnection[Any],
+) -> None:
+    """The relay's failed-publish count never overflows: the row is pushed back, not stuck."""
+    await conn.execute(INSERT_OUTBOX_ROW, ("j", BODY, INT_MAX, "now", 0))
+    sql = resources.files("jobfence.sql").joinpath("outbox.sql").read_text()
+    mark = sql.split("-- name: outbox_mark_failed\n", 1)[1].split("-- name:", 1)[0]
+    row_id = await scalar(conn, "SELECT id FROM jobfence.outbox")
+    await conn.execute(mark, {"id": row_id, "error": "refused", "now": None, "delay_seconds": 1})
+    assert await scalar(conn, "SELECT attempts FROM jobfence.outbox") == INT_MAX
+
+
+@pytest.fixture(params=["redis"])
+async def redis_target(request: pytest.FixtureRequest) -> Any:
+    async with on_broker(request, [pointsapp.QUEUE], prefix="jfhostile") as (kind, url, name):
+        queue = make_queue(kind, url, name)
+        yield url, queue
+        await queue.close()
+
+
+async def test_an_outbox_row_with_prior_attempts_at_the_top_is_one_dead_letter_and_the_rest_run(
+    redis_target: tuple[str, Any],
+    pool: AsyncConnectionPool[Any],
+    conn: psycopg.AsyncConnection[Any],
+) -> None:
+    url, queue = redis_target
+    await conn.execute(pointsapp.SCHEMA_SQL)
+    target = parse_queue_url(url)
+    await record_queue(conn, target.kind, target.location)
+    await conn.execute(INSERT_OUTBOX_ROW, ("huge-prior", BODY, 0, "now", INT_MAX))
+    await _enqueue_five(conn)
+    assert await scalar(conn, "SELECT count(*) FROM jobfence.outbox") == 6
+    metrics = PrometheusMetrics()
+    worker = Worker(
+        pointsapp.build_app(),
+        pool,
+        queue,
+        concurrency=2,
+        poll_seconds=0.05,
+        lease_seconds=30,
+        metrics=metrics,
+        outbox_settings=OutboxRelaySettings(poll_seconds=0.05),
+    )
+    await asyncio.wait_for(worker.run(until="empty"), 60)
+
+    assert metrics.count("succeeded") == 5
+    assert await scalar(conn, "SELECT points FROM public.accounts WHERE id = 1") == 5
+    assert await _dead_letters(conn) == [("huge-prior", DELIVERY_LIMIT, INT_MAX, "pending_review")]
+    assert await scalar(conn, "SELECT count(*) FROM jobfence.outbox") == 0
+    assert (await queue.size([pointsapp.QUEUE])).total == 0
+
+
+async def test_a_check_stays_not_valid_with_a_warning_when_a_row_already_breaks_it(
+    database_url: str, conn: psycopg.AsyncConnection[Any]
+) -> None:
+    """``jobfence migrate`` on a database that already holds a breaking row does not fail the
+    deploy: that check stays NOT VALID (new rows are still checked), the others are validated,
+    and the migration's WARNING is printed."""
+    await conn.execute(
+        "ALTER TABLE jobfence_queue.messages DROP CONSTRAINT messages_attempts_check,"
+        " DROP CONSTRAINT messages_run_at_check;"
+        " ALTER TABLE jobfence.outbox DROP CONSTRAINT outbox_attempts_check,"
+        " DROP CONSTRAINT outbox_due_at_check;"
+        " DELETE FROM jobfence.schema_migrations WHERE version = 16"
+    )
+    await conn.execute(INSERT_ROW, ("old", BODY, -3, "now"))
+
+    result = await asyncio.to_thread(run_jobfence, database_url, "migrate")
+
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "applied 0016_hostile_rows\n"
+    assert (
+        "WARNING jobfence.schema: jobfence: jobfence_queue.messages holds rows where attempts < 0:"
+        " check messages_attempts_check stays NOT VALID (new and updated rows are checked);"
+        " validate it once they are gone"
+    ) in result.stderr
+    cur = await conn.execute(
+        "SELECT conname, convalidated FROM pg_constraint WHERE conname IN"
+        " ('messages_attempts_check', 'messages_run_at_check', 'outbox_attempts_check',"
+        " 'outbox_due_at_check') ORDER BY conname"
+    )
+    assert await cur.fetchall() == [
+        ("messages_attempts_check", False),
+        ("messages_run_at_check", True),
+        ("outbox_attempts_check", True),
+        ("outbox_due_at_check", True),
+    ]
+    with pytest.raises(errors.CheckViolation, match="messages_attempts_check"):
+        await conn.execute(INSERT_ROW, ("new", BODY, -1, "now"))
+
+
+async def test_a_row_a_producer_wrote_with_a_lease_token_runs_like_any_other(
+    pool: AsyncConnectionPool[Any], conn: psycopg.AsyncConnection[Any]
+) -> None:
+    """The columns only workers mean to write (``lease_token``, ``last_error``, ``attempts``)
+    change nothing when a producer sets them: a due row is taken under a fresh lease."""
+    await conn.execute(pointsapp.SCHEMA_SQL)
+    await conn.execute(
+        "INSERT INTO jobfence_queue.messages (queue, consumer, job_id, body, attempts,"
+        " lease_token, last_error) VALUES ('loyalty', 'award_points', 'leased', %s, 2,"
+        " gen_random_uuid(), 'made up')",
+        (BODY,),
+    )
+    queue = PgQueue(pool)
+    try:
+        stats = await asyncio.wait_for(
+            Worker(pointsapp.build_app(), pool, queue, poll_seconds=0.05).run(until="empty"), 30
+        )
+    finally:
+        await queue.close()
+    assert stats.outcomes == {"succeeded": 1}
+    assert await scalar(conn, "SELECT points FROM public.accounts WHERE id = 1") == 5
+    assert await scalar(conn, "SELECT count(*) FROM jobfence_queue.messages") == 0
