@@ -157,8 +157,15 @@ def _text(value: str | None) -> str:
     return "" if value is None else value[:_MAX_ATTRIBUTE_CHARS]
 
 
+_TRACERS: list[Any] = []
+
+
 def _tracer() -> Any:
-    return _trace.get_tracer("jobfence", SEMCONV_VERSION)
+    """jobfence's tracer, got once: the API's proxy, which follows the provider the application
+    sets (before or after this first call)."""
+    if not _TRACERS:
+        _TRACERS.append(_trace.get_tracer("jobfence", SEMCONV_VERSION))
+    return _TRACERS[0]
 
 
 def _message_attributes(message: Message, operation: str, kind: str) -> dict[str, Any]:
