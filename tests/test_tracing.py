@@ -34,8 +34,10 @@ from alert_helpers import (
 )
 from fake_betterstack import FakeBetterStack
 from jobfence import PgQueue, Producer, RetryPolicy, Worker, ops, tracing
+from jobfence.api.schemas import DeadLetterDetailOut
 from jobfence.dead_letters import get_dead_letter, replay_dead_letter
 from jobfence.observability import json_formatter
+from jobfence.ops.show import show_dead_letter_json
 from roles_support import deployed_roles
 from support import scalar, wait_until
 from tracing_support import Traces, hexid, linked, parent_of, recording
@@ -338,6 +340,10 @@ async def test_a_retried_then_dead_lettered_job_records_its_failed_attempts_trac
     assert (letter.traceparent or "").startswith(f"00-{hexid(second)[0]}-{hexid(second)[1]}-")
     detail = await ops.show_dead_letter(conn, dead_id)
     assert detail.dead_letter.trace_id == hexid(second)[0]
+    # The API's item, rendered by PostgreSQL, and the model it documents.
+    shown = json.loads(await show_dead_letter_json(conn, dead_id))
+    assert shown["trace_id"] == hexid(second)[0]
+    assert DeadLetterDetailOut.of(detail).trace_id == hexid(second)[0]
 
     # Replayed: a span of its own with the actor, linked to the failed attempt's span; the
     # replayed job's process span links to both.
@@ -696,3 +702,29 @@ def test_the_producer_role_enqueues_a_traced_job_and_the_alert_relay_reads_its_t
         assert rows == [("r-1", True), ("r-2", True)]
         with psycopg.connect(roles["alert_relay"]) as relay:
             assert relay.execute("SELECT traceparent FROM core.dead_letters").fetchall() == [(TP,)]
+
+
+def test_dead_letters_show_prints_the_failed_attempts_trace_id(database_url: str) -> None:
+    with psycopg.connect(database_url) as admin:
+        row = admin.execute(
+            "INSERT INTO core.dead_letters (job_id, queue, consumer, payload, attempts,"
+            " last_error, error_class, traceparent) VALUES ('d-1', 'loyalty', 'c', '{}', 1,"
+            " 'x', 'X', %s) RETURNING id",
+            (TP,),
+        ).fetchone()
+    assert row is not None
+    env = {**os.environ, "JOBFENCE_DATABASE_URL": database_url, "JOBFENCE_ACTOR": "t"}
+    shown = [
+        subprocess.run(
+            [sys.executable, "-m", "jobfence.cli", "dead-letters", "show", str(row[0]), *json_],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
+        for json_ in ([], ["--json"])
+    ]
+    assert f"  trace_id:         {TP[3:35]}\n" in shown[0]
+    as_json = json.loads(shown[1])
+    assert (as_json["trace_id"], as_json["traceparent"]) == (TP[3:35], TP)
