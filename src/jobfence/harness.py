@@ -42,7 +42,8 @@ from jobfence.acks import AckBatcher
 from jobfence.alerts.outbox import record_dead_letter_alerts
 from jobfence.app import App, Consumer
 from jobfence.codec import decode_body, message_payload, stored_payload
-from jobfence.errors import HardFailure, PoisonMessage, QueueUnavailable, TransactionAborted
+from jobfence.errors import HardFailure, PoisonMessage, QueueUnavailable
+from jobfence.guard import after_handler, guarded
 from jobfence.limits import (
     MAX_CORRELATION_ID_BYTES,
     MAX_JOB_ID_BYTES,
@@ -496,7 +497,8 @@ class Harness:
                 if ran:
                     begun = time.perf_counter()
                     try:
-                        returned = job.consumer.handler(job.payload, job.meta, tx)  # type: ignore[arg-type]
+                        with guarded(tx) as guard:
+                            returned = job.consumer.handler(job.payload, job.meta, tx)  # type: ignore[arg-type]
                     finally:
                         timings.append((job.meta, time.perf_counter() - begun))
                     if inspect.isawaitable(returned):
@@ -506,6 +508,7 @@ class Harness:
                             f"the sync handler of consumer {job.consumer.name!r} returned an"
                             " awaitable: declare it `async def` to get an AsyncConnection"
                         )
+                    after_handler(tx, guard)
             return fresh
 
         try:
@@ -515,18 +518,16 @@ class Harness:
                 self._metrics.handler_duration(meta.queue, meta.consumer, seconds)
 
     async def _run_handler(self, job: Job, conn: AsyncConnection[Any]) -> None:
-        """The handler, timed; a database error it caught leaves nothing to commit."""
+        """The handler, timed, on ``conn`` lent (jobfence.guard): a call it was refused, or a
+        transaction it ended or doomed, fails the job whatever the handler did afterwards."""
         meta = job.meta
         begun = time.perf_counter()
         try:
-            await job.consumer.handler(job.payload, meta, conn)  # type: ignore[arg-type,misc]
+            with guarded(conn) as guard:
+                await job.consumer.handler(job.payload, meta, conn)  # type: ignore[arg-type,misc]
         finally:
             self._metrics.handler_duration(meta.queue, meta.consumer, time.perf_counter() - begun)
-        if conn.pgconn.transaction_status == TransactionStatus.INERROR:
-            raise TransactionAborted(
-                "the handler returned after a database error aborted its transaction"
-                " (caught, not raised): nothing of this job can commit"
-            )
+        after_handler(conn, guard)
 
     def _prepare(self, delivery: Delivery) -> Job | PoisonMessage:
         """Decode and validate: the job to run, or why the delivery is poison (D6)."""
