@@ -5,11 +5,17 @@ work-log words (sessions, issue numbers, an unpublished spec's jargon) out of wh
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import shlex
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
+from psycopg.conninfo import conninfo_to_dict
 
 from jobfence.cli import build_parser
 
@@ -198,3 +204,79 @@ def test_every_decision_number_a_page_uses_is_defined_in_concepts_md() -> None:
         "decision numbers used without a definition in docs/concepts.md "
         f'(an anchor <a id="d4"></a> in its Behaviour reference): {undefined}'
     )
+
+
+# --- one rule, one wording; snippets that run -----------------------------------------------------
+
+RULE = re.compile(r"<!-- rule: (?P<name>[^>]+?) -->\n(?P<text>.*?)<!-- /rule -->", re.DOTALL)
+TRANSACTION_RULE_PAGES = ["sync.md", "sqlalchemy.md", "django.md", "concepts.md"]
+
+
+def test_the_transaction_rule_is_stated_in_the_same_words_on_every_handler_page() -> None:
+    """How a handler must not end its transaction, and what happens if it tries: one rule for
+    every flavour, the same text wherever it is stated."""
+    stated: dict[str, str] = {}
+    for name in TRANSACTION_RULE_PAGES:
+        found = [
+            m.group("text")
+            for m in RULE.finditer(read(ROOT / "docs" / name))
+            if m.group("name") == "ending the transaction"
+        ]
+        assert len(found) == 1, f"docs/{name} states the transaction rule {len(found)} times"
+        stated[name] = found[0]
+    assert len(set(stated.values())) == 1, "the transaction rule differs between pages"
+    for page in user_docs():  # and nowhere is a commit in a handler said to be retried
+        assert "transient failure, so\n  the job is retried" not in read(page)
+
+
+def test_the_command_line_usage_lists_every_command() -> None:
+    parser = build_parser()
+    names = [path[0] for path, _ in commands(parser) if len(path) == 1]
+    usage = section(read(CONFIGURATION), "Command line")
+    shown = re.search(r"\{([a-z,-]+)\} \.\.\.", usage)
+    assert shown, "docs/configuration.md's usage line lists no commands"
+    assert shown.group(1).split(",") == names
+
+
+def test_the_sqlalchemy_extra_brings_what_the_asyncio_paths_need() -> None:
+    """The documented AsyncSession producer and async_session_for need greenlet, which
+    SQLAlchemy 2.1 installs only with its asyncio extra."""
+    import tomllib
+
+    extras = tomllib.loads(read(ROOT / "pyproject.toml"))["project"]["optional-dependencies"]
+    assert any(
+        re.match(r"sqlalchemy\[[^\]]*\basyncio\b", req) or req.startswith("greenlet")
+        for req in extras["sqlalchemy"]
+    ), extras["sqlalchemy"]
+
+
+def test_the_sqlalchemy_page_applies_the_schema_as_written(empty_database_url: str) -> None:
+    """docs/sqlalchemy.md's `jobfence migrate` line, run in a shell on a fresh database (its
+    example URL replaced by the test's), migrates it; run again, it is up to date."""
+    block = re.search(
+        r"## jobfence's schema\n.*?```sh\n(.*?)```",
+        read(ROOT / "docs" / "sqlalchemy.md"),
+        re.DOTALL,
+    )
+    assert block, "docs/sqlalchemy.md shows how to apply the schema"
+    parts = conninfo_to_dict(empty_database_url)
+    url = (
+        f"postgresql://{quote(parts.get('user', ''))}@/{quote(parts['dbname'])}"
+        f"?host={quote(parts.get('host', ''))}&port={parts.get('port', 5432)}"
+    )
+    env_password = {"PGPASSWORD": str(parts["password"])} if parts.get("password") else {}
+    command = block.group(1).strip().replace("postgresql://app@db:5432/app", shlex.quote(url))
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+    env = {**os.environ, **env_password, "PATH": path}
+    env.pop("JOBFENCE_DATABASE_URL", None)
+
+    def run() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            command, shell=True, env=env, capture_output=True, text=True, timeout=60, check=False
+        )
+
+    first = run()
+    assert first.returncode == 0, first.stderr
+    assert "applied 0001_" in first.stdout, first.stdout
+    again = run()
+    assert again.returncode == 0 and "already up to date" in again.stdout, again.stdout

@@ -263,11 +263,9 @@ def _guarded(command: Command) -> Command:
         try:
             return await command(args)
         except (DeadLetterNotFound, DeadLetterConflict, ops.BulkReplayNotFound) as exc:
-            _error(str(exc))
-            return EXIT_REFUSED
+            return report_error(str(exc), EXIT_REFUSED, as_json=args.json)
         except (InvalidRequest, BulkTooLarge) as exc:
-            _error(_in_flags(exc))
-            return EXIT_INVALID
+            return report_error(_in_flags(exc), EXIT_INVALID, as_json=args.json)
 
     return run
 
@@ -317,8 +315,13 @@ def _in_flags(exc: InvalidRequest | BulkTooLarge) -> str:
 # --- formatting ---------------------------------------------------------------------------
 
 
-def _error(message: str) -> None:
+def report_error(message: str, exit_code: int, *, as_json: bool) -> int:
+    """An error a command ends with: one line on stderr and, for a ``--json`` command, the JSON
+    object ``{"error": message, "exit_code": exit_code}`` on stdout; returns ``exit_code``."""
     print(f"jobfence: error: {message}", file=sys.stderr)
+    if as_json:
+        print(json.dumps({"error": message, "exit_code": exit_code}), flush=True)
+    return exit_code
 
 
 def _json_default(value: object) -> Any:

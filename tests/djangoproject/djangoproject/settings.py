@@ -33,3 +33,14 @@ JOBFENCE = {
     # a test's own keys, merged in (for the errors of bad settings and the docs example)
     **json.loads(os.environ.get("DJANGOPROJECT_JOBFENCE", "{}")),
 }
+
+if os.environ.get("DJANGOPROJECT_ROOT_LOGGING"):
+    # A project whose LOGGING gives the root logger a console handler (tests/test_django.py):
+    # manage.py jobfence_worker logs through it, each line once.
+    LOGGING = {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {"project": {"format": "project-format %(levelname)s %(name)s: %(message)s"}},
+        "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "project"}},
+        "root": {"handlers": ["console"], "level": "INFO"},
+    }
