@@ -16,9 +16,8 @@ to throw its work away commit it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from typing import Any, NoReturn
+from collections.abc import Callable
+from typing import Any
 
 import psycopg
 from psycopg.pq import TransactionStatus
@@ -30,7 +29,8 @@ ENDED_BY_HANDLER = (
     " together; do not call {what}() on the connection (or session) a handler is given"
 )
 
-# The attribute of a lent psycopg connection that holds its job's guard.
+# The attribute of a psycopg connection that holds the guard of the job it is lent to (None
+# between jobs); its presence says the refusing shadows below are installed on it.
 _GUARD = "_jobfence_guard"
 
 # What a lent connection refuses: attribute shadowed -> the call named in the error. The
@@ -51,12 +51,15 @@ _ASYNC_PLAIN = frozenset({"_set_autocommit"})
 
 
 class TxGuard:
-    """One job's record of the calls refused to its handler (the first one named)."""
+    """One job's record of the calls refused to its handler (the first one named). As a
+    context manager (:func:`guarded`) it lends ``tx`` for the block: an exception the block
+    raises after a refusal becomes the refusal's ``TransactionMisuse``."""
 
-    __slots__ = ("refused",)
+    __slots__ = ("_tx", "refused")
 
-    def __init__(self) -> None:
+    def __init__(self, tx: object = None) -> None:
         self.refused: str | None = None
+        self._tx = tx
 
     def refuse(self, what: str, hint: str = "") -> TransactionMisuse:
         """Record that ``what()`` was refused; the exception to raise at the caller."""
@@ -74,6 +77,23 @@ class TxGuard:
             " and nothing of it is applied)"
         )
 
+    def __enter__(self) -> TxGuard:
+        attrs = _lendable(self._tx)
+        if attrs is not None:
+            attrs[_GUARD] = self
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: object
+    ) -> None:
+        attrs = _lendable(self._tx)
+        if attrs is not None:
+            attrs[_GUARD] = None
+        if isinstance(exc, Exception):
+            misuse = self.misuse()
+            if misuse is not None:
+                raise misuse from exc
+
 
 def guard_of(conn: object) -> TxGuard | None:
     """The guard of the job ``conn`` is lent to, if it is lent."""
@@ -90,44 +110,58 @@ def refuse_on(conn: object, what: str, hint: str = "") -> TransactionMisuse:
     return guard.refuse(what, hint)
 
 
-def _sync_refuser(guard: TxGuard, what: str) -> Callable[..., NoReturn]:
-    def refuse(*args: object, **kwargs: object) -> NoReturn:
-        raise guard.refuse(what)
-
-    return refuse
-
-
-def _async_refuser(guard: TxGuard, what: str) -> Callable[..., Any]:
-    async def refuse(*args: object, **kwargs: object) -> NoReturn:
-        raise guard.refuse(what)
-
-    return refuse
+def _lendable(tx: object) -> dict[str, Any] | None:
+    """The attributes of ``tx`` with its refusals installed (once per connection), or None
+    when ``tx`` is not a psycopg connection."""
+    if not isinstance(tx, psycopg.Connection | psycopg.AsyncConnection):
+        return None
+    attrs: dict[str, Any] = tx.__dict__
+    if _GUARD not in attrs:
+        _install(tx, attrs)
+    return attrs
 
 
-@contextmanager
-def lend(tx: object, guard: TxGuard) -> Iterator[None]:
-    """While the block runs, ``tx`` (a psycopg ``Connection`` or ``AsyncConnection``; anything
-    else is lent as it is) refuses every call that would end its transaction, recording each on
-    ``guard``."""
-    if isinstance(tx, psycopg.AsyncConnection):
-        shadows = {
-            name: (_sync_refuser if name in _ASYNC_PLAIN else _async_refuser)(guard, what)
-            for name, what in _ENDERS.items()
-        }
-    elif isinstance(tx, psycopg.Connection):
-        shadows = {name: _sync_refuser(guard, what) for name, what in _ENDERS.items()}
-    else:
-        yield
-        return
-    attrs = tx.__dict__
-    attrs.update(shadows)
-    attrs[_GUARD] = guard
-    try:
-        yield
-    finally:
-        for name in shadows:
-            attrs.pop(name, None)
-        attrs.pop(_GUARD, None)
+def _install(
+    conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any], attrs: dict[str, Any]
+) -> None:
+    """Shadow each call that ends a transaction on ``conn`` with one that is refused while the
+    connection is lent (its guard set) and otherwise does what it did. Installed once: lending
+    then sets one attribute, which keeps the job path cheap."""
+    cls = type(conn)
+    asynchronous = isinstance(conn, psycopg.AsyncConnection)
+    for name, what in _ENDERS.items():
+        original = getattr(cls, name)
+        if asynchronous and name not in _ASYNC_PLAIN:
+            attrs[name] = _async_shadow(conn, original, what)
+        else:
+            attrs[name] = _sync_shadow(conn, original, what)
+    attrs[_GUARD] = None
+
+
+def _sync_shadow(conn: object, original: Callable[..., Any], what: str) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        guard = conn.__dict__[_GUARD]
+        if guard is not None:
+            raise guard.refuse(what)
+        return original(conn, *args, **kwargs)
+
+    return call
+
+
+def _async_shadow(conn: object, original: Callable[..., Any], what: str) -> Callable[..., Any]:
+    async def call(*args: Any, **kwargs: Any) -> Any:
+        guard = conn.__dict__[_GUARD]
+        if guard is not None:
+            raise guard.refuse(what)
+        return await original(conn, *args, **kwargs)
+
+    return call
+
+
+def guarded(tx: object) -> TxGuard:
+    """Run a handler on ``tx``, lent (``with guarded(tx) as guard: ...``); the caller then
+    calls :func:`after_handler` once it returned."""
+    return TxGuard(tx)
 
 
 def after_handler(tx: object, guard: TxGuard) -> None:
@@ -137,7 +171,9 @@ def after_handler(tx: object, guard: TxGuard) -> None:
     if misuse is not None:
         raise misuse
     if isinstance(tx, psycopg.Connection | psycopg.AsyncConnection):
-        check_still_open(tx.info.transaction_status, tx.closed)
+        if tx.closed:
+            raise TransactionMisuse(ENDED_BY_HANDLER.format(what="close"))
+        check_still_open(TransactionStatus(tx.pgconn.transaction_status), closed=False)
 
 
 def check_still_open(status: TransactionStatus, closed: bool) -> None:
@@ -155,19 +191,3 @@ def check_still_open(status: TransactionStatus, closed: bool) -> None:
             " what it did up to there committed or rolled back with the fence, and anything after"
             " ran outside it; the fence transaction is committed by jobfence, never by a handler"
         )
-
-
-@contextmanager
-def guarded(tx: object) -> Iterator[TxGuard]:
-    """Run a handler on ``tx``, lent: an exception it raises after a refusal becomes the
-    refusal's ``TransactionMisuse`` (the original one its cause); the caller then calls
-    :func:`after_handler` once it returned."""
-    guard = TxGuard()
-    with lend(tx, guard):
-        try:
-            yield guard
-        except Exception as exc:
-            misuse = guard.misuse()
-            if misuse is not None:
-                raise misuse from exc
-            raise

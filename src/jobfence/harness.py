@@ -7,6 +7,10 @@ r"""One delivery, from bytes to exactly one effect or one dead letter.
     identifiers that break a limit (jobfence.limits): UnfenceableMessage dead letter at once
     an error inside jobfence itself, again at delivery INTERNAL_FAILURE_DELIVERIES: InternalFailure
 
+While the handler runs, its connection refuses every call that would end the transaction
+(jobfence.guard); once one was refused the job fails as TransactionMisuse, decided here after the
+handler, whatever the handler did with the refusal.
+
 The fence row is inserted first (``ON CONFLICT DO NOTHING``): a concurrent duplicate blocks on
 the uncommitted key and, once the first commits, finds it and skips. There is no "in progress"
 state that could get stuck: a crash rolls the whole transaction back, fence included.
