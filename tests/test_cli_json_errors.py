@@ -6,17 +6,13 @@ database)."""
 from __future__ import annotations
 
 import json
-import re
 import subprocess
-from pathlib import Path
 from typing import Any
 
 import pytest
 from psycopg.conninfo import make_conninfo
 
 from test_cli_dead_letters import dl
-
-CONFIGURATION = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 
 
 def json_error(done: subprocess.CompletedProcess[str]) -> dict[str, Any]:
@@ -27,16 +23,6 @@ def json_error(done: subprocess.CompletedProcess[str]) -> dict[str, Any]:
     [line] = done.stderr.strip().splitlines()[-1:]
     assert line == f"jobfence: error: {doc['error']}", done.stderr
     return doc
-
-
-def test_the_documented_json_error_is_what_the_command_prints(database_url: str) -> None:
-    block = re.search(
-        r"```\n\$ (jobfence dead-letters show .*)\n(\{.*\})\n```", CONFIGURATION.read_text()
-    )
-    assert block, "docs/configuration.md shows a --json error"
-    command, shown = block.group(1).split()[1:], json.loads(block.group(2))
-    done = dl(*command[1:], url=database_url)
-    assert json_error(done) == shown
 
 
 @pytest.mark.parametrize(

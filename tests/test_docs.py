@@ -1,10 +1,15 @@
 """The documentation states facts the code decides: the newest migration, every command, flag
-and environment variable, and links between pages. These tests keep the two in step, and keep
-work-log words (sessions, issue numbers, an unpublished spec's jargon) out of what users read."""
+and environment variable, and links between pages. These tests keep the two in step, run the
+snippets whose output the pages show (sqlalchemy.md's schema command, configuration.md's --json
+error; the code examples of the other pages run in test_docs_producers.py,
+test_docs_sqlalchemy.py, test_readme.py and test_django.py), hold the rules stated on several
+pages to one wording, and keep work-log words (sessions, issue numbers, an unpublished spec's
+jargon) out of what users read."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shlex
@@ -18,6 +23,8 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict
 
 from jobfence.cli import build_parser
+from test_cli_dead_letters import dl
+from test_cli_json_errors import json_error
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGURATION = ROOT / "docs" / "configuration.md"
@@ -280,3 +287,13 @@ def test_the_sqlalchemy_page_applies_the_schema_as_written(empty_database_url: s
     assert "applied 0001_" in first.stdout, first.stdout
     again = run()
     assert again.returncode == 0 and "already up to date" in again.stdout, again.stdout
+
+
+def test_the_documented_json_error_is_what_the_command_prints(database_url: str) -> None:
+    block = re.search(
+        r"```\n\$ (jobfence dead-letters show .*)\n(\{.*\})\n```", read(CONFIGURATION)
+    )
+    assert block, "docs/configuration.md shows a --json error"
+    command, shown = block.group(1).split()[1:], json.loads(block.group(2))
+    done = dl(*command[1:], url=database_url)
+    assert json_error(done) == shown
