@@ -167,6 +167,9 @@ SESSION_CALLS: dict[str, tuple[str, Callable[[Any], object]]] = {
         "rollback",
         lambda session: session.connection().rollback(),
     ),
+    "session.close": ("close", lambda session: session.close()),
+    "session.reset": ("reset", lambda session: session.reset()),
+    "session.connection().close": ("close", lambda session: session.connection().close()),
 }
 
 
@@ -201,8 +204,14 @@ async def _connection_rollback(session: Any) -> None:
     await (await session.connection()).rollback()
 
 
+async def _connection_close(session: Any) -> None:
+    await (await session.connection()).close()
+
+
 ASYNC_SESSION_CALLS["session.connection().commit"] = ("commit", _connection_commit)
 ASYNC_SESSION_CALLS["session.connection().rollback"] = ("rollback", _connection_rollback)
+ASYNC_SESSION_CALLS["session.close"] = ("close", lambda session: session.close())
+ASYNC_SESSION_CALLS["session.connection().close"] = ("close", _connection_close)
 
 
 @pytest.mark.parametrize("how", sorted(ASYNC_SESSION_CALLS))

@@ -16,8 +16,9 @@ fence, or not at all. SQLAlchemy never owns that transaction:
 - the engine behind these sessions (one per process, created on first use) gets its DBAPI
   connection from the handler (``creator``), never pools, resets or closes it, and its dialect
   (psycopg's, subclassed) never commits or rolls back on it: only jobfence ends the transaction;
-- ``session.commit()`` and ``session.rollback()``, and ``commit()`` and ``rollback()`` on the
-  session's ``Connection``, raise :class:`jobfence.TransactionMisuse`; once one was refused the
+- ``session.commit()``, ``session.rollback()`` and ``session.close()`` (inside the block),
+  and ``commit()``, ``rollback()`` and ``close()`` on the session's ``Connection``, raise
+  :class:`jobfence.TransactionMisuse`; once one was refused the
   job fails with it even if the handler catches it: nothing of it is applied and it is
   dead-lettered at once (a handler that does this does it every time). To give up the job,
   raise: jobfence rolls the whole transaction back, fence included, and applies the consumer's
@@ -139,8 +140,11 @@ def _dbapi_of(sa_conn: Connection) -> object:
 
 class FenceSAConnection(Connection):
     """The ``Connection`` of these engines (``session.connection()``): ``commit()`` and
-    ``rollback()`` raise :class:`jobfence.TransactionMisuse` (the rollback SQLAlchemy does when
-    it lets the connection go stays silent: the transaction is jobfence's to end)."""
+    ``rollback()`` raise :class:`jobfence.TransactionMisuse`, and so does ``close()`` inside
+    the ``session_for`` block (the rollback SQLAlchemy does when the block lets the connection
+    go stays silent: the transaction is jobfence's to end)."""
+
+    _jobfence_open = False  # inside the session_for block
 
     def commit(self) -> None:
         raise refuse_on(_dbapi_of(self), "commit")
@@ -148,18 +152,37 @@ class FenceSAConnection(Connection):
     def rollback(self) -> None:
         raise refuse_on(_dbapi_of(self), "rollback", _ROLLBACK_HINT)
 
+    def close(self) -> None:
+        if self._jobfence_open:
+            raise refuse_on(_dbapi_of(self), "close")
+        super().close()
+
 
 class FenceSession(Session):
     """A ``Session`` that refuses to end the fence transaction: ``commit()`` and
     ``rollback()`` raise :class:`jobfence.TransactionMisuse`."""
 
     _jobfence_tx: object = None  # the psycopg connection of the handler (set by session_for)
+    _jobfence_open = False  # inside the session_for block
 
     def commit(self) -> None:
         raise refuse_on(self._jobfence_tx, "commit")
 
     def rollback(self) -> None:
         raise refuse_on(self._jobfence_tx, "rollback", _ROLLBACK_HINT)
+
+    def close(self) -> None:
+        """Refused inside the ``session_for`` block (it would roll back SQLAlchemy's view of
+        the transaction and leave the flushed rows to commit); the block closes it."""
+        if self._jobfence_open:
+            raise refuse_on(self._jobfence_tx, "close")
+        super().close()
+
+    def reset(self) -> None:
+        """As :meth:`close`."""
+        if self._jobfence_open:
+            raise refuse_on(self._jobfence_tx, "reset")
+        super().reset()
 
 
 class FenceAsyncSession(AsyncSession):
@@ -218,13 +241,16 @@ async def async_session_for(
         _lent_async.reset(token)
     try:
         session = FenceAsyncSession(bind=sa_conn, **session_kwargs)
-        sync_session = session.sync_session
+        sync_session, sync_conn = session.sync_session, sa_conn.sync_connection
         assert isinstance(sync_session, FenceSession)
+        assert isinstance(sync_conn, FenceSAConnection)
         sync_session._jobfence_tx = tx
+        sync_session._jobfence_open = sync_conn._jobfence_open = True
         try:
             yield session
             await session.flush()
         finally:
+            sync_session._jobfence_open = sync_conn._jobfence_open = False
             await session.close()
     finally:
         await sa_conn.close()
@@ -272,10 +298,13 @@ def session_for(tx: psycopg.Connection[Any], **session_kwargs: Any) -> Iterator[
     try:
         session = FenceSession(bind=sa_conn, **session_kwargs)
         session._jobfence_tx = tx
+        assert isinstance(sa_conn, FenceSAConnection)
+        session._jobfence_open = sa_conn._jobfence_open = True
         try:
             yield session
             session.flush()
         finally:
+            session._jobfence_open = sa_conn._jobfence_open = False
             session.close()
     finally:
         sa_conn.close()
