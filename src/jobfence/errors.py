@@ -61,11 +61,13 @@ class TransactionAborted(JobfenceError):
 
 
 class TransactionMisuse(JobfenceError, HardFailure):
-    """A sync handler (or its SQLAlchemy session) tried to end the work transaction itself:
-    ``commit()``, ``rollback()`` or ``close()`` on the connection jobfence lent it, or a
-    ``COMMIT`` it sent. The fence transaction is committed by jobfence, with the handler's work
-    and its fence together. The call is refused before anything is sent, the transaction rolls
-    back, and the job is dead-lettered at once: a handler that does this does it every time."""
+    """A handler (or its SQLAlchemy session, or Django's ``transaction``) tried to end the work
+    transaction itself: ``commit()``, ``rollback()``, ``close()`` or ``set_autocommit()`` on the
+    connection jobfence lent it, or a ``COMMIT`` it sent. The fence transaction is committed by
+    jobfence, with the handler's work and its fence together. The call is refused before
+    anything is sent, and once one was refused the job fails with this error even if the handler
+    caught it: the transaction rolls back and the job is dead-lettered at once (a handler that
+    does this does it every time)."""
 
     __module__ = "jobfence"
 
