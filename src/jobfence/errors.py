@@ -30,6 +30,16 @@ class QueueUnavailable(JobfenceError):
     __module__ = "jobfence"
 
 
+class PublishRefused(JobfenceError):
+    """The broker refuses this one message for good (it is over the broker's size limit, for
+    example): publishing it again would fail the same way. A queue adapter raises it from
+    ``publish`` and ``publish_many`` for that message only; the outbox relay turns the message
+    into a dead letter of error class ``PublishRefused`` (with its alert), replayable once the
+    cause is fixed, and goes on with the others."""
+
+    __module__ = "jobfence"
+
+
 class JobRefused(JobfenceError, ValueError):
     """A job refused at enqueue, before any SQL ran: an identifier breaks a limit, or the payload
     holds what PostgreSQL cannot store. ``field`` names the offender (``job_id``,

@@ -108,3 +108,15 @@ def shown_value(value: str | None) -> str | None:
     if value is None or (len(value) <= 200 and "\x00" not in value and value.isprintable()):
         return value
     return bounded(value)
+
+
+def storable_text(text: str) -> str:
+    """``text`` as PostgreSQL text can hold it: NULs and lone surrogates escaped."""
+    if "\x00" in text:
+        text = text.replace("\x00", "\\x00")
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text

@@ -37,8 +37,11 @@ from psycopg import AsyncConnection
 from psycopg.rows import dict_row
 
 from jobfence._sql import Queries
-from jobfence.errors import ConfigError
-from jobfence.model import Message
+from jobfence.alerts.outbox import record_dead_letter_alerts
+from jobfence.codec import stored_payload
+from jobfence.errors import ConfigError, PublishRefused, QueueUnavailable
+from jobfence.limits import shown_value, storable_text
+from jobfence.model import Message, Outgoing
 from jobfence.ports import Clock, QueuePort
 from jobfence.schema import ensure_migrated
 
@@ -190,27 +193,50 @@ async def record_queue(conn: AsyncConnection[Any], kind: str, location: str | No
 
 # -- the relay --------------------------------------------------------------------------------
 
+# Error classes of the dead letters the relay writes: a message the broker refuses for good, and
+# one whose publishes kept failing (the broker answered each time, so it is not an outage).
+PUBLISH_REFUSED = "PublishRefused"
+PUBLISH_FAILED = "PublishFailed"
+_STILL_DOWN_EVERY = 30.0  # seconds between two "broker still unreachable" lines
+
 
 @dataclass(frozen=True, slots=True)
 class OutboxRelaySettings:
-    """How the relay paces itself (seconds). A failed publish waits
-    ``min(retry_base * 2^(n-1), retry_cap) * U(0.5, 1)`` after the n-th failure in a row, and
-    so does its row."""
+    """How the relay paces itself (seconds).
+
+    - ``batch_size``: rows claimed and published together, their confirms outstanding at once.
+    - A message whose publish fails while the broker answers (not an outage) waits
+      ``min(retry_base * 2^(n-1), retry_cap) * U(0.5, 1)`` after its n-th failure (its row's
+      own count), and becomes a dead letter (``PublishFailed``) at the
+      ``max_publish_failures``-th.
+    - A broker that is unreachable is one outage: the relay stops publishing and probes it with
+      one message after ``min(retry_base * 2^(k-1), probe_cap) * U(0.5, 1)`` (k: failed
+      probes so far), so it is used again within ``probe_cap`` of its return.
+    - ``claim_seconds``: how long a claimed row is left to the relay that claimed it (a relay
+      that takes over clears the claims at once).
+    """
 
     batch_size: int = 100
     poll_seconds: float = 1.0
     retry_base_seconds: float = 0.5
     retry_cap_seconds: float = 30.0
     reconnect_cap_seconds: float = 30.0
+    probe_cap_seconds: float = 2.0
+    claim_seconds: float = 30.0
+    max_publish_failures: int = 10
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.max_publish_failures < 1:
+            raise ConfigError(f"max_publish_failures must be >= 1, got {self.max_publish_failures}")
         for name in (
             "poll_seconds",
             "retry_base_seconds",
             "retry_cap_seconds",
             "reconnect_cap_seconds",
+            "probe_cap_seconds",
+            "claim_seconds",
         ):
             value = getattr(self, name)
             if not 0 < value < float("inf"):
@@ -219,12 +245,47 @@ class OutboxRelaySettings:
 
 @dataclass
 class OutboxRelayStats:
+    """``failed``: failed publish attempts (a batch or a probe that met a broker outage counts
+    once; a message that failed on its own, once each). ``dead_lettered``: messages the broker
+    refused for good, or that failed ``max_publish_failures`` times."""
+
     rounds: int = 0
     published: int = 0
     failed: int = 0
+    dead_lettered: int = 0
+    outages: int = 0
 
     def summary(self) -> str:
-        return f"published {self.published}, failed publishes {self.failed}"
+        return (
+            f"published {self.published}, failed publishes {self.failed}, dead letters"
+            f" {self.dead_lettered}, broker outages {self.outages}"
+        )
+
+
+@dataclass(slots=True)
+class _Outage:
+    since: float  # loop time
+    failed_probes: int = 0
+    failed_attempts: int = 1
+    next_still_down: float = 0.0
+
+
+def _error_text(exc: BaseException) -> str:
+    return " ".join(f"{type(exc).__name__}: {exc}".split())[:500]
+
+
+def _outgoing(row: dict[str, Any]) -> Outgoing:
+    return Outgoing(
+        Message(
+            queue=row["queue"],
+            consumer=row["consumer"],
+            job_id=row["job_id"],
+            body=bytes(row["body"]),
+            tenant_id=row["tenant_id"],
+            correlation_id=row["correlation_id"],
+        ),
+        prior_attempts=row["prior_attempts"],
+    )
 
 
 class OutboxRelay:
@@ -235,6 +296,11 @@ class OutboxRelay:
     It holds one connection of its own to ``conninfo``, with a session advisory lock: one relay
     publishes per database, the others stand by and take over when it goes away. ``queue`` is
     the caller's to close.
+
+    Each round is three steps, no transaction open while the broker is waited for: claim up to
+    ``batch_size`` due rows (a short transaction), publish them with ``queue.publish_many``
+    (their confirms outstanding together), then, in one short transaction, delete the confirmed
+    rows, turn the refused ones into dead letters and give the others back.
     """
 
     def __init__(
@@ -254,13 +320,18 @@ class OutboxRelay:
         self._clock = clock
         self._rng = rng if rng is not None else random.Random()
         self._stopping = asyncio.Event()
-        self._failures = 0
+        self._outage: _Outage | None = None
         self.stats = OutboxRelayStats()
         self.active = False
 
     def stop(self) -> None:
         """Finish the current batch and return from :meth:`run`."""
         self._stopping.set()
+
+    @property
+    def broker_down(self) -> bool:
+        """True during a broker outage (from a failed publish to the next confirmed one)."""
+        return self._outage is not None
 
     def _now(self) -> object:
         return self._clock.now() if self._clock is not None else None
@@ -303,12 +374,17 @@ class OutboxRelay:
             if self._stopping.is_set():
                 return
         self.active = True
+        # The relay that held the lock before is gone: what it claimed is due again now.
+        await conn.execute(SQL["outbox_release_claims"])
         log.info("outbox relay active")
         await conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
         try:
             while not self._stopping.is_set():
                 wait = await self.run_round(conn)
-                if wait > 0:
+                if self._outage is not None:
+                    # One backoff for the whole broker: a producer's NOTIFY does not wake it.
+                    await self._sleep(wait)
+                elif wait > 0:
                     await self._wait(conn, wait)
         finally:
             self.active = False
@@ -332,84 +408,207 @@ class OutboxRelay:
             pass
 
     async def run_round(self, conn: AsyncConnection[Any]) -> float:
-        """Publish one batch of due rows on ``conn`` (which should hold the relay lock);
-        returns the seconds until the next round is useful (0: more are due now)."""
-        published, failed = await self._publish_batch(conn)
+        """Publish one batch of due rows on ``conn`` (which should hold the relay lock; it must
+        not be in a transaction); returns the seconds until the next round is useful (0: more
+        are due now). During a broker outage the batch is one message, a probe."""
+        probing = self._outage is not None
+        limit = 1 if probing else self.settings.batch_size
+        async with conn.cursor(row_factory=dict_row) as cur:
+            await cur.execute(
+                SQL["outbox_claim"],
+                {
+                    "now": self._now(),
+                    "limit": limit,
+                    "claim_seconds": self.settings.claim_seconds,
+                },
+            )
+            rows = sorted(await cur.fetchall(), key=lambda r: (r["due_at"], r["id"]))
+        if rows:
+            await self._publish(conn, rows)
         self.stats.rounds += 1
         if self._metrics is not None:
             counts = await outbox_counts(conn, clock=self._clock)
             self._metrics.outbox_waiting(counts.waiting, counts.oldest_age_seconds)
-        if failed:
-            return self._backoff()
-        if published >= self.settings.batch_size:
-            return 0.0
-        cur = await conn.execute(SQL["outbox_next_due"], {"now": self._now()})
-        row = await cur.fetchone()
+        if self._outage is not None:
+            return self._probe_delay(self._outage)
+        if len(rows) >= limit:
+            return 0.0  # more may be due (those that failed on their own wait their backoff)
+        found = await conn.execute(SQL["outbox_next_due"], {"now": self._now()})
+        next_due = await found.fetchone()
         wait = self.settings.poll_seconds
-        if row is not None and row[0] is not None:
-            wait = min(wait, max(float(row[0]), 0.0))
+        if next_due is not None and next_due[0] is not None:
+            wait = min(wait, max(float(next_due[0]), 0.0))
         return wait
 
-    def _backoff(self) -> float:
+    def _probe_delay(self, outage: _Outage) -> float:
         s = self.settings
-        exponent = max(self._failures - 1, 0)
-        nominal: float = min(s.retry_base_seconds * 2.0**exponent, s.retry_cap_seconds)
+        exponent = max(outage.failed_probes - 1, 0)
+        nominal = min(
+            min(s.retry_base_seconds, s.probe_cap_seconds) * 2.0**exponent, s.probe_cap_seconds
+        )
         return nominal * self._rng.uniform(0.5, 1.0)
 
-    async def _publish_batch(self, conn: AsyncConnection[Any]) -> tuple[int, bool]:
-        """Publish due rows in order until one fails; delete the published ones and push the
-        failed one back by the backoff, all in one transaction."""
+    def _row_backoff(self, failures: int) -> float:
+        """The wait of a message after its ``failures``-th failed publish (its row's count)."""
+        s = self.settings
+        nominal: float = min(
+            s.retry_base_seconds * 2.0 ** max(failures - 1, 0), s.retry_cap_seconds
+        )
+        return nominal * self._rng.uniform(0.5, 1.0)
+
+    async def _publish(self, conn: AsyncConnection[Any], rows: list[dict[str, Any]]) -> int:
+        """Publish the claimed ``rows`` and settle each in one short transaction; returns how
+        many were confirmed."""
+        try:
+            results = await self._queue.publish_many([_outgoing(row) for row in rows])
+        except Exception as exc:  # an adapter that raised instead of reporting per message
+            results = [exc] * len(rows)
         sent: list[int] = []
-        failed = False
-        async with conn.transaction():
-            async with conn.cursor(row_factory=dict_row) as cur:
-                await cur.execute(
-                    SQL["outbox_take"], {"now": self._now(), "limit": self.settings.batch_size}
-                )
-                rows = await cur.fetchall()
-            for row in rows:
-                message = Message(
-                    queue=row["queue"],
-                    consumer=row["consumer"],
-                    job_id=row["job_id"],
-                    body=bytes(row["body"]),
-                    tenant_id=row["tenant_id"],
-                    correlation_id=row["correlation_id"],
-                )
-                try:
-                    # Returning means the broker confirmed it (the adapter's contract).
-                    await self._queue.publish(message, prior_attempts=row["prior_attempts"])
-                except Exception as exc:
-                    failed = True
-                    self._failures += 1
-                    delay = self._backoff()
-                    text = " ".join(f"{type(exc).__name__}: {exc}".split())[:500]
-                    log.warning(
-                        "outbox relay: publishing job %s to queue %s failed (%s); it stays in"
-                        " the outbox and is tried again in %.1fs",
-                        message.job_id,
-                        message.queue,
-                        text,
-                        delay,
-                    )
-                    await conn.execute(
-                        SQL["outbox_mark_failed"],
-                        {
-                            "id": row["id"],
-                            "error": text,
-                            "now": self._now(),
-                            "delay_seconds": delay,
-                        },
-                    )
-                    self.stats.failed += 1
-                    if self._metrics is not None:
-                        self._metrics.outbox_failed()
-                    break
+        away: list[int] = []
+        away_error: Exception | None = None
+        refused: list[tuple[dict[str, Any], Exception]] = []
+        failed: list[tuple[dict[str, Any], Exception]] = []
+        for row, result in zip(rows, results, strict=True):
+            if result is None:
                 sent.append(row["id"])
-                self._failures = 0
+            elif isinstance(result, QueueUnavailable):
+                away.append(row["id"])
+                away_error = away_error or result
+            elif isinstance(result, PublishRefused):
+                refused.append((row, result))
+            else:
+                failed.append((row, result))
+        dead_lettered = await self._settle(
+            conn, sent=sent, away=away, away_error=away_error, refused=refused, failed=failed
+        )
+        self.stats.published += len(sent)
+        self.stats.dead_lettered += dead_lettered
+        failed_attempts = len(failed) + (1 if away else 0)
+        self.stats.failed += failed_attempts
+        if self._metrics is not None:
+            if sent:
+                self._metrics.outbox_published(len(sent))
+            for _ in range(failed_attempts):
+                self._metrics.outbox_failed()
+        if away_error is not None:
+            self._went_away(away_error, probe=not sent and self._outage is not None)
+        elif sent or refused or failed:
+            self._back()
+        return len(sent)
+
+    async def _settle(
+        self,
+        conn: AsyncConnection[Any],
+        *,
+        sent: list[int],
+        away: list[int],
+        away_error: Exception | None,
+        refused: list[tuple[dict[str, Any], Exception]],
+        failed: list[tuple[dict[str, Any], Exception]],
+    ) -> int:
+        """One short transaction: delete the confirmed rows, give back those the outage
+        caught, dead-letter the refused ones, push back those that failed on their own;
+        returns the dead letters written."""
+        dead_letters: list[tuple[dict[str, Any], str, str, int | None]] = []
+        async with conn.transaction():
             if sent:
                 await conn.execute(SQL["outbox_delete_sent"], {"ids": sent})
-        self.stats.published += len(sent)
-        if sent and self._metrics is not None:
-            self._metrics.outbox_published(len(sent))
-        return len(sent), failed
+            if away:
+                assert away_error is not None
+                await conn.execute(
+                    SQL["outbox_unclaim"], {"ids": away, "error": _error_text(away_error)}
+                )
+            for row, refusal in refused:
+                text = _error_text(refusal)
+                dl = await self._dead_letter(conn, row, PUBLISH_REFUSED, text)
+                dead_letters.append((row, PUBLISH_REFUSED, text, dl))
+            for row, failure in failed:
+                failures = int(row["attempts"]) + 1
+                text = _error_text(failure)
+                if failures >= self.settings.max_publish_failures:
+                    dl = await self._dead_letter(conn, row, PUBLISH_FAILED, text)
+                    dead_letters.append((row, PUBLISH_FAILED, text, dl))
+                    continue
+                delay = self._row_backoff(failures)
+                await conn.execute(
+                    SQL["outbox_mark_failed"],
+                    {"id": row["id"], "error": text, "now": self._now(), "delay_seconds": delay},
+                )
+                log.warning(
+                    "outbox relay: publishing job %s to queue %s failed (%s); it stays in the"
+                    " outbox and is tried again in %.1fs (failure %d of %d)",
+                    shown_value(row["job_id"]),
+                    row["queue"],
+                    text,
+                    delay,
+                    failures,
+                    self.settings.max_publish_failures,
+                )
+        for row, error_class, text, dl in dead_letters:
+            log.warning(
+                "outbox relay: job %s for queue %s is a dead letter (%s: %s)%s",
+                shown_value(row["job_id"]),
+                row["queue"],
+                error_class,
+                text,
+                f", id {dl}" if dl is not None else ", beside the one already pending review",
+            )
+        return len(dead_letters)
+
+    async def _dead_letter(
+        self, conn: AsyncConnection[Any], row: dict[str, Any], error_class: str, text: str
+    ) -> int | None:
+        payload, encoding = stored_payload(bytes(row["body"]))
+        cur = await conn.execute(
+            SQL["outbox_dead_letter"],
+            {
+                "id": row["id"],
+                "payload": payload,
+                "payload_encoding": encoding,
+                "last_error": storable_text(text),
+                "error_class": error_class,
+            },
+        )
+        inserted = await cur.fetchone()
+        if inserted is None:
+            return None
+        await record_dead_letter_alerts(conn, [inserted[0]])
+        return int(inserted[0])
+
+    def _went_away(self, exc: Exception, *, probe: bool) -> None:
+        loop_time = asyncio.get_running_loop().time()
+        outage = self._outage
+        if outage is None:
+            self._outage = _Outage(since=loop_time, next_still_down=loop_time + _STILL_DOWN_EVERY)
+            self.stats.outages += 1
+            log.warning(
+                "outbox relay: broker went away (%s): publishing paused, the messages stay in"
+                " the outbox; probing it with one message at most every %.1fs",
+                _error_text(exc),
+                self.settings.probe_cap_seconds,
+            )
+            return
+        outage.failed_attempts += 1
+        if probe:
+            outage.failed_probes += 1
+        if loop_time >= outage.next_still_down:
+            outage.next_still_down = loop_time + _STILL_DOWN_EVERY
+            log.warning(
+                "outbox relay: broker still unreachable after %.0fs (%s); probing",
+                loop_time - outage.since,
+                _error_text(exc),
+            )
+        else:
+            log.debug("outbox relay: broker still unreachable: %s", _error_text(exc))
+
+    def _back(self) -> None:
+        outage, self._outage = self._outage, None
+        if outage is None:
+            return
+        gone = asyncio.get_running_loop().time() - outage.since
+        log.info(
+            "outbox relay: broker back after %.1fs: publishing resumed (%d failed publish"
+            " attempt(s) during the outage)",
+            gone,
+            outage.failed_attempts,
+        )

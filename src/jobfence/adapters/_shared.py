@@ -3,10 +3,11 @@ transaction and of a delay an adapter cannot honour."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Literal, TypeVar
 
 from jobfence.errors import ConfigError
-from jobfence.model import Delivery
+from jobfence.model import Delivery, Outgoing
 
 R = TypeVar("R")
 
@@ -61,3 +62,19 @@ def check_prior_attempts(prior_attempts: int) -> int:
     if prior_attempts < 0:
         raise ValueError(f"prior_attempts must be >= 0, got {prior_attempts}")
     return prior_attempts
+
+
+async def publish_each(
+    publish: Callable[[Outgoing], Awaitable[None]], outgoing: Sequence[Outgoing]
+) -> list[Exception | None]:
+    """``publish_many`` for an adapter whose publishes are cheap and local (the memory queue,
+    the PostgreSQL queue): one after the other, each message's error in its place."""
+    results: list[Exception | None] = []
+    for item in outgoing:
+        try:
+            await publish(item)
+        except Exception as exc:
+            results.append(exc)
+        else:
+            results.append(None)
+    return results

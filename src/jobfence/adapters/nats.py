@@ -43,6 +43,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import logging
 import re
 import time
 from collections.abc import Sequence
@@ -54,8 +55,8 @@ from psycopg import AsyncConnection
 
 from jobfence.adapters._shared import check_prior_attempts, receipt_of, refuse_delay, refuse_tx
 from jobfence.adapters._unavailable import unavailable_on
-from jobfence.errors import ConfigError
-from jobfence.model import Delivery, Message
+from jobfence.errors import ConfigError, PublishRefused
+from jobfence.model import Delivery, Message, Outgoing
 from jobfence.ports import QueueCapabilities, QueueSize
 
 try:
@@ -106,6 +107,19 @@ _WAIT_SLICE_SECONDS = 1.0
 _NO_WAIT_ANSWER_SECONDS = 5.0
 
 
+# How often the client tries to reconnect to a server that went away: a broker that is back is
+# used again within this (nats-py's default is 2 s).
+_RECONNECT_SECONDS = 0.5
+
+_log = logging.getLogger("jobfence.adapters.nats")
+
+
+async def _client_error(exc: Exception) -> None:
+    """nats-py reports each failed reconnection here (its default logs an ERROR with a
+    traceback every time); the adapter's callers see the outage as ``QueueUnavailable``."""
+    _log.debug("NATS client: %s: %s", type(exc).__name__, exc)
+
+
 @dataclass(slots=True)
 class NatsReceipt:
     msg: Msg
@@ -126,6 +140,13 @@ def _header(value: str) -> str:
     """A header value: spaces, line breaks, ``%`` and non-ASCII percent-encoded (headers are
     line-based and trimmed), the rest as is."""
     return quote(value, safe=_HEADER_SAFE)
+
+
+def _headers_size(headers: dict[str, str], stream: str) -> int:
+    """The bytes ``headers`` take on the wire (``NATS/1.0``, a line per header, the expected
+    stream's header included), which count towards the server's ``max_payload``."""
+    lines = [f"{k}: {v}" for k, v in headers.items()] + [f"Nats-Expected-Stream: {stream}"]
+    return len("NATS/1.0\r\n\r\n") + sum(len(line.encode()) + 2 for line in lines)
 
 
 def _lease_margin(lease_seconds: float) -> float:
@@ -169,8 +190,17 @@ class NatsQueue:
 
     async def _jetstream(self) -> JetStreamContext:
         async with self._connect_lock:
+            if self._nc is not None and self._nc.is_closed and not self._closed:
+                # The client gave up reconnecting (or was closed under us): a new one, so
+                # that the queue comes back with its broker.
+                self._nc, self._js = None, None
             if self._js is None:
-                self._nc = await nats.connect(self._url.split(","), name="jobfence")
+                self._nc = await nats.connect(
+                    self._url.split(","),
+                    name="jobfence",
+                    reconnect_time_wait=_RECONNECT_SECONDS,
+                    error_cb=_client_error,
+                )
                 js = self._nc.jetstream()
                 try:
                     await js.stream_info(self._stream)
@@ -246,8 +276,60 @@ class NatsQueue:
             raise refuse_delay("NatsQueue", "publish", "JetStream cannot hold a new message back")
         await self._publish(message, prior=check_prior_attempts(prior_attempts))
 
+    async def publish_many(self, outgoing: Sequence[Outgoing]) -> list[Exception | None]:
+        """Every message's JetStream publish sent at once, their acks awaited together: one
+        round trip for the lot instead of one per message. A message over the server's
+        ``max_payload`` is refused (:class:`~jobfence.errors.PublishRefused`) without being
+        sent; a lost connection is ``QueueUnavailable`` for each message it caught."""
+        if not outgoing:
+            return []
+        try:
+            await self._ready_to_publish({item.message.queue for item in outgoing})
+        except Exception as exc:
+            return [exc] * len(outgoing)
+        results = await asyncio.gather(
+            *(
+                self._publish_one(item.message, check_prior_attempts(item.prior_attempts))
+                for item in outgoing
+            ),
+            return_exceptions=True,
+        )
+        out: list[Exception | None] = []
+        for result in results:
+            if isinstance(result, BaseException) and not isinstance(result, Exception):
+                raise result
+            out.append(result)
+        return out
+
+    @_unavailable
+    async def _ready_to_publish(self, queues: set[str]) -> None:
+        await self._jetstream()
+        for queue in sorted(queues):
+            if _SUBJECT_TOKEN.match(queue):  # else its messages are refused one by one
+                await self._consumer(queue, None)
+
+    @_unavailable
+    async def _publish_one(self, message: Message, prior: int) -> None:
+        try:
+            self._subject(message.queue)
+        except ConfigError as exc:
+            raise PublishRefused(f"NATS refuses this message: {exc}") from None
+        await self._publish(message, prior=prior)
+
+    @property
+    def max_payload(self) -> int | None:
+        """The largest message (headers and body, bytes) the connected server accepts: its
+        ``max_payload``, from the INFO it sent at connect; None before connecting."""
+        if self._nc is None or not self._nc.is_connected:
+            return None
+        return int(self._nc.max_payload)
+
     async def _publish(self, message: Message, *, prior: int) -> None:
         js = await self._jetstream()
+        if self._nc is not None and not self._nc.is_connected:
+            # nats-py would buffer the publish and time out its ack 5 s later: the broker is
+            # away now, and the caller (the outbox relay) backs off instead.
+            raise nats.errors.ConnectionReconnectingError
         await self._consumer(message.queue, None)
         headers = {
             _H_CONSUMER: _header(message.consumer),
@@ -258,6 +340,14 @@ class NatsQueue:
             headers[_H_TENANT] = _header(message.tenant_id)
         if message.correlation_id is not None:
             headers[_H_CORRELATION] = _header(message.correlation_id)
+        limit = self.max_payload
+        if limit is not None:
+            size = len(message.body) + _headers_size(headers, self._stream)
+            if size > limit:
+                raise PublishRefused(
+                    f"NATS refuses this message: {size:,} bytes with its headers, over the"
+                    f" server's max_payload of {limit:,} bytes"
+                )
         await js.publish(
             self._subject(message.queue), message.body, stream=self._stream, headers=headers
         )

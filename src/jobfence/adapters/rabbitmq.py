@@ -70,8 +70,8 @@ from jobfence.adapters._shared import (
     refuse_tx,
 )
 from jobfence.adapters._unavailable import unavailable_on
-from jobfence.errors import ConfigError
-from jobfence.model import Delivery, Message
+from jobfence.errors import ConfigError, PublishRefused
+from jobfence.model import Delivery, Message, Outgoing
 from jobfence.ports import QueueCapabilities, QueueSize
 
 try:
@@ -320,6 +320,44 @@ class RabbitMQQueue:
         if delay_seconds > 0:
             raise _refuse_delay("publish")
         await self._publish(message, prior=check_prior_attempts(prior_attempts))
+
+    async def publish_many(self, outgoing: Sequence[Outgoing]) -> list[Exception | None]:
+        """Every message published at once on the confirming channel, the broker's publisher
+        confirms outstanding together: one round trip for the lot instead of one per message.
+        A lost connection is ``QueueUnavailable`` for each message it caught."""
+        if not outgoing:
+            return []
+        try:
+            await self._declare_all({item.message.queue for item in outgoing})
+        except Exception as exc:
+            return [exc] * len(outgoing)
+        results = await asyncio.gather(
+            *(
+                self._publish_one(item.message, check_prior_attempts(item.prior_attempts))
+                for item in outgoing
+            ),
+            return_exceptions=True,
+        )
+        out: list[Exception | None] = []
+        for result in results:
+            if isinstance(result, BaseException) and not isinstance(result, Exception):
+                raise result
+            out.append(result)
+        return out
+
+    @_unavailable
+    async def _declare_all(self, queues: set[str]) -> None:
+        for queue in sorted(queues):
+            if _NAME.match(queue):  # else its messages are refused one by one
+                await self._queue(queue)
+
+    @_unavailable
+    async def _publish_one(self, message: Message, prior: int) -> None:
+        try:
+            self._name(message.queue)
+        except ConfigError as exc:
+            raise PublishRefused(f"RabbitMQ refuses this message: {exc}") from None
+        await self._publish(message, prior=prior)
 
     async def _publish(self, message: Message, *, prior: int) -> None:
         await self._queue(message.queue)

@@ -47,33 +47,80 @@ RETURNING id, pg_notify('jobfence_outbox', '');
 -- name: outbox_withdraw
 -- Takes back a retry's row written for a delivery that then turned out to have lost its lease
 -- (the ack was refused: another delivery holds the job now). Deleted unless the relay already
--- published it (gone) or is publishing it right now (locked: left to the relay; the fence makes
--- that copy harmless). Returns the id when it was deleted.
+-- published it (gone) or is publishing it right now (claimed: left to the relay; the fence
+-- makes that copy harmless). Returns the id when it was deleted.
 DELETE FROM jobfence.outbox
-WHERE id = (SELECT o.id FROM jobfence.outbox o WHERE o.id = %(id)s FOR UPDATE SKIP LOCKED)
+WHERE id = (
+    SELECT o.id FROM jobfence.outbox o
+    WHERE o.id = %(id)s AND (o.claimed_until IS NULL OR o.claimed_until <= now())
+    FOR UPDATE SKIP LOCKED
+)
 RETURNING id;
 
--- name: outbox_take
--- The relay's next due rows, oldest first, locked until its transaction ends (a relay that
--- dies releases them; the next one publishes them again).
-SELECT id, queue, consumer, job_id, body, tenant_id, correlation_id, attempts, prior_attempts
-FROM jobfence.outbox
-WHERE due_at <= coalesce(%(now)s::timestamptz, now())
-ORDER BY due_at, id
-LIMIT %(limit)s
-FOR UPDATE SKIP LOCKED;
+-- name: outbox_claim
+-- The relay's next due rows, oldest first, claimed until %(claim_seconds)s from now in a
+-- transaction of their own: the relay publishes them after the commit, with no transaction
+-- open while it waits for the broker. A row claimed by a relay that died is taken again once
+-- its claim ended (or at once, after outbox_release_claims).
+WITH clock AS (SELECT coalesce(%(now)s::timestamptz, now()) AS at),
+taken AS (
+    SELECT o.id FROM jobfence.outbox o, clock c
+    WHERE o.due_at <= c.at AND (o.claimed_until IS NULL OR o.claimed_until <= c.at)
+    ORDER BY o.due_at, o.id
+    LIMIT %(limit)s
+    FOR UPDATE OF o SKIP LOCKED
+)
+UPDATE jobfence.outbox o
+SET claimed_until = c.at + make_interval(secs => %(claim_seconds)s::double precision)
+FROM taken, clock c
+WHERE o.id = taken.id
+RETURNING o.id, o.queue, o.consumer, o.job_id, o.body, o.tenant_id, o.correlation_id,
+          o.attempts, o.prior_attempts, o.due_at;
+
+-- name: outbox_release_claims
+-- A relay that becomes the active one clears every claim: the relay that made them is gone
+-- (it held the lock this one now holds), so its rows are due again at once.
+UPDATE jobfence.outbox SET claimed_until = NULL WHERE claimed_until IS NOT NULL;
 
 -- name: outbox_delete_sent
 -- Rows the broker confirmed: gone, so the table never grows with history.
 DELETE FROM jobfence.outbox WHERE id = ANY(%(ids)s::bigint[]);
 
+-- name: outbox_unclaim
+-- Rows not published because the broker went away: claimed no more and not pushed back (the
+-- relay backs off as a whole, once per outage); due as they were when it is back.
+UPDATE jobfence.outbox
+SET claimed_until = NULL, last_error = %(error)s
+WHERE id = ANY(%(ids)s::bigint[]);
+
 -- name: outbox_mark_failed
--- A publish that failed: the row stays, due again after the relay's backoff.
+-- A publish of this one message that failed while the broker answered (not an outage): the
+-- row stays, due again after its own backoff (%(delay_seconds)s, from its own count of failed
+-- publishes, which the others' successes do not reset).
 UPDATE jobfence.outbox
 SET attempts = attempts + 1, last_error = %(error)s, fell_due_at = coalesce(fell_due_at, due_at),
+    claimed_until = NULL,
     due_at = coalesce(%(now)s::timestamptz, now())
              + make_interval(secs => %(delay_seconds)s::double precision)
 WHERE id = %(id)s;
+
+-- name: outbox_dead_letter
+-- A message the broker refuses for good (or that failed too often): its row leaves the outbox
+-- for a dead letter of its own error class, in one statement; the caller records the alert
+-- with the id returned (none when the job already has a dead letter pending review, D5).
+WITH gone AS (
+    DELETE FROM jobfence.outbox WHERE id = %(id)s
+    RETURNING queue, consumer, job_id, tenant_id, correlation_id, prior_attempts
+)
+INSERT INTO core.dead_letters (
+    job_id, queue, consumer, tenant_id, payload, payload_encoding, attempts,
+    last_error, error_class, correlation_id
+)
+SELECT g.job_id, g.queue, g.consumer, g.tenant_id, %(payload)s, %(payload_encoding)s,
+       greatest(g.prior_attempts, 1), %(last_error)s, %(error_class)s, g.correlation_id
+FROM gone g
+ON CONFLICT (job_id, consumer) WHERE status = 'pending_review' DO NOTHING
+RETURNING id;
 
 -- name: outbox_counts
 -- For metrics: rows waiting (due or not), how long the longest-waiting publishable row has
@@ -91,8 +138,9 @@ FROM clock c LEFT JOIN rows r ON true
 GROUP BY c.at;
 
 -- name: outbox_next_due
--- Seconds until the next row falls due (NULL: the outbox is empty).
-SELECT extract(epoch FROM (min(due_at) - coalesce(%(now)s::timestamptz, now())))::double precision
+-- Seconds until the next row falls due or its claim ends (NULL: the outbox is empty).
+SELECT extract(epoch FROM (min(greatest(due_at, coalesce(claimed_until, due_at)))
+                           - coalesce(%(now)s::timestamptz, now())))::double precision
 FROM jobfence.outbox;
 
 -- name: outbox_try_lock
