@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import re
 from collections import deque
 from collections.abc import Sequence
@@ -84,6 +85,25 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError(
         "jobfence.adapters.rabbitmq needs aio-pika: pip install 'jobfence[rabbitmq]'"
     ) from exc
+
+
+
+class _ConnectionLossNoise(logging.Filter):
+    """On aiormq's connection logger: its ERROR "Unexpected connection close from remote" and
+    its WARNING "Cancelling cause reader exited abnormally" (with a traceback) come with every
+    lost connection and every failed reconnection, while the adapter reports the same loss as
+    ``QueueUnavailable`` to its caller, which logs the outage once (the worker, the outbox
+    relay). They are held back, unless that logger is at DEBUG (``jobfence -v``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if _AIORMQ_LOG.isEnabledFor(logging.DEBUG):
+            return True
+        return not str(record.msg).startswith(_CONNECTION_LOSS_MESSAGES)
+
+
+_AIORMQ_LOG = logging.getLogger("aiormq.connection")
+_CONNECTION_LOSS_MESSAGES = ("Unexpected connection close from remote", "Cancelling cause reader")
+_AIORMQ_LOG.addFilter(_ConnectionLossNoise())
 
 # A lost or refused connection (aiormq's AMQPConnectionError, the socket's ConnectionError), a
 # timeout, or aio-pika's "closed" RuntimeError: the broker is unreachable (D7).
