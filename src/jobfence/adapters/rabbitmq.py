@@ -87,7 +87,6 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 
-
 class _ConnectionLossNoise(logging.Filter):
     """On aiormq's connection logger: its ERROR "Unexpected connection close from remote" and
     its WARNING "Cancelling cause reader exited abnormally" (with a traceback) come with every
