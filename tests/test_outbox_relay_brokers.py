@@ -8,20 +8,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import shutil
+import socket
 import subprocess
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 import pytest
+from psycopg_pool import AsyncConnectionPool
 
 import pointsapp
 from brokers import BROKERS, make_queue, on_broker
-from jobfence import QueuePort
-from jobfence.outbox import OutboxRelay, OutboxRelaySettings, record_queue
+from jobfence import Message, QueuePort, replay_dead_letter
+from jobfence.adapters.nats import NatsQueue
+from jobfence.outbox import OutboxRelay, OutboxRelaySettings, record_queue, write
 from jobfence.queues import parse_queue_url
 from support import scalar, wait_until
 from tcp_proxy import TcpProxy
@@ -239,3 +245,96 @@ async def test_a_broker_outage_under_a_trickle_of_commits_is_one_backoff_and_two
     ]
     assert not noisy, [f"{r.name}: {r.getMessage()}" for r in noisy]
     assert "StopAsyncIteration" not in caplog.text
+
+
+@contextlib.contextmanager
+def private_nats(tmp_path: Path, *, max_payload: int) -> Iterator[str]:
+    """A NATS server of this test's own (JetStream, ``max_payload`` bytes), on a free port."""
+    nats_server = shutil.which("nats-server")
+    if nats_server is None:
+        pytest.skip("nats-server is not installed")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    config = tmp_path / f"nats-{port}.conf"
+    config.write_text(
+        f'port: {port}\nmax_payload: {max_payload}\njetstream {{ store_dir: "{tmp_path}/js" }}\n'
+    )
+    proc = subprocess.Popen(
+        [nats_server, "-c", str(config)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise AssertionError("the private nats-server did not start")
+            time.sleep(0.05)
+        yield f"nats://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+async def test_a_message_over_the_brokers_limit_is_a_dead_letter_with_its_alert_then_replayable(
+    database_url: str,
+    conn: psycopg.AsyncConnection[Any],
+    pool: AsyncConnectionPool[Any],
+    tmp_path: Path,
+) -> None:
+    """1.5 MB on a NATS server whose max_payload is 1 MB: refused for good, so a dead letter of
+    its own class (``PublishRefused``) with its alert at once, no retry, no outage, while the
+    messages around it are published; once the limit is raised, its replay goes through."""
+    with private_nats(tmp_path, max_payload=1024 * 1024) as small:
+        await _external(conn, small)
+        blob = json.dumps({"account_id": 1, "points": 1, "note": "x" * 1_500_000}).encode()
+        for job_id, body in (("small-1", b"{}"), ("too-big", blob), ("small-2", b"{}")):
+            await write(conn, Message(pointsapp.QUEUE, AWARD, job_id, body))
+        queue = NatsQueue(small, stream="JFBIG", subject_prefix="jfbig")
+        relay = OutboxRelay(database_url, queue, settings=OutboxRelaySettings(poll_seconds=0.05))
+        try:
+            async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as c:
+                await relay.run_round(c)
+            assert relay.stats.published == 2 and relay.stats.dead_lettered == 1
+            assert relay.stats.outages == 0 and not relay.broker_down
+            assert (await queue.size([pointsapp.QUEUE])).total == 2
+        finally:
+            await queue.close()
+    cur = await conn.execute(
+        "SELECT id, job_id, error_class, last_error, attempts, octet_length(payload::text) > 1e6"
+        " FROM core.dead_letters"
+    )
+    ((dead_letter_id, job_id, error_class, last_error, attempts, whole),) = await cur.fetchall()
+    assert (job_id, error_class, attempts, whole) == ("too-big", "PublishRefused", 1, True)
+    assert "max_payload of 1,048,576 bytes" in last_error, last_error
+    assert await scalar(conn, "SELECT count(*) FROM jobfence.outbox") == 0
+    assert (
+        await scalar(
+            conn,
+            "SELECT count(*) FROM jobfence.alert_outbox WHERE dead_letter_id = %s",
+            (dead_letter_id,),
+        )
+        == 1
+    )
+
+    # The cause fixed (a server that takes 4 MB): the replay is published and applied once.
+    with private_nats(tmp_path / "large", max_payload=4 * 1024 * 1024) as large:
+        queue = NatsQueue(large, stream="JFBIG", subject_prefix="jfbig")
+        try:
+            result = await replay_dead_letter(pool, queue, dead_letter_id, resolved_by="ops")
+            assert result.published
+            relay = OutboxRelay(database_url, queue)
+            async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as c:
+                await relay.run_round(c)
+            assert relay.stats.published == 1 and relay.stats.dead_lettered == 0
+            (delivery,) = await queue.receive(
+                [pointsapp.QUEUE], max_messages=5, lease_seconds=30, wait_seconds=10
+            )
+            assert delivery.message.job_id == "too-big"
+            assert len(delivery.message.body) > 1_500_000
+            await queue.ack(delivery)
+        finally:
+            await queue.close()

@@ -546,7 +546,7 @@ class OutboxRelay:
                 )
         for row, error_class, text, dl in dead_letters:
             log.warning(
-                "outbox relay: job %s for queue %s is a dead letter (%s: %s)%s",
+                "outbox relay: job %s for queue %s is a dead letter of class %s (%s)%s",
                 shown_value(row["job_id"]),
                 row["queue"],
                 error_class,
