@@ -216,7 +216,7 @@ class OutboxRelaySettings:
       that takes over clears the claims at once).
     """
 
-    batch_size: int = 100
+    batch_size: int = 500
     poll_seconds: float = 1.0
     retry_base_seconds: float = 0.5
     retry_cap_seconds: float = 30.0
@@ -321,6 +321,7 @@ class OutboxRelay:
         self._rng = rng if rng is not None else random.Random()
         self._stopping = asyncio.Event()
         self._outage: _Outage | None = None
+        self._claimed: list[dict[str, Any]] = []  # claimed ahead for the next round
         self.stats = OutboxRelayStats()
         self.active = False
 
@@ -388,6 +389,7 @@ class OutboxRelay:
                     await self._wait(conn, wait)
         finally:
             self.active = False
+            await self._release_claimed(conn)
             if not conn.closed and not conn.broken:
                 with contextlib.suppress(psycopg.Error):
                     await conn.execute(SQL["outbox_unlock"], {"key": RELAY_LOCK_KEY})
@@ -410,9 +412,45 @@ class OutboxRelay:
     async def run_round(self, conn: AsyncConnection[Any]) -> float:
         """Publish one batch of due rows on ``conn`` (which should hold the relay lock; it must
         not be in a transaction); returns the seconds until the next round is useful (0: more
-        are due now). During a broker outage the batch is one message, a probe."""
+        are due now). During a broker outage the batch is one message, a probe.
+
+        A full batch claims the next one while the broker confirms it, so that the database's
+        part of a round and the broker's overlap; the next round publishes those rows."""
         probing = self._outage is not None
         limit = 1 if probing else self.settings.batch_size
+        rows, self._claimed = self._claimed, []
+        if not rows:
+            rows = await self._claim(conn, limit)
+        if rows:
+            publishing = asyncio.ensure_future(self._publish_many(rows))
+            try:
+                if not probing and len(rows) >= limit:
+                    self._claimed = await self._claim(conn, limit)
+            finally:
+                results = await publishing
+            await self._settle_results(conn, rows, results)
+            if self._outage is not None and self._claimed:
+                claimed, self._claimed = self._claimed, []
+                await conn.execute(
+                    SQL["outbox_unclaim"],
+                    {"ids": [row["id"] for row in claimed], "error": None},
+                )
+        self.stats.rounds += 1
+        if self._metrics is not None:
+            counts = await outbox_counts(conn, clock=self._clock)
+            self._metrics.outbox_waiting(counts.waiting, counts.oldest_age_seconds)
+        if self._outage is not None:
+            return self._probe_delay(self._outage)
+        if len(rows) >= limit or self._claimed:
+            return 0.0  # more may be due (those that failed on their own wait their backoff)
+        found = await conn.execute(SQL["outbox_next_due"], {"now": self._now()})
+        next_due = await found.fetchone()
+        wait = self.settings.poll_seconds
+        if next_due is not None and next_due[0] is not None:
+            wait = min(wait, max(float(next_due[0]), 0.0))
+        return wait
+
+    async def _claim(self, conn: AsyncConnection[Any], limit: int) -> list[dict[str, Any]]:
         async with conn.cursor(row_factory=dict_row) as cur:
             await cur.execute(
                 SQL["outbox_claim"],
@@ -422,23 +460,17 @@ class OutboxRelay:
                     "claim_seconds": self.settings.claim_seconds,
                 },
             )
-            rows = sorted(await cur.fetchall(), key=lambda r: (r["due_at"], r["id"]))
-        if rows:
-            await self._publish(conn, rows)
-        self.stats.rounds += 1
-        if self._metrics is not None:
-            counts = await outbox_counts(conn, clock=self._clock)
-            self._metrics.outbox_waiting(counts.waiting, counts.oldest_age_seconds)
-        if self._outage is not None:
-            return self._probe_delay(self._outage)
-        if len(rows) >= limit:
-            return 0.0  # more may be due (those that failed on their own wait their backoff)
-        found = await conn.execute(SQL["outbox_next_due"], {"now": self._now()})
-        next_due = await found.fetchone()
-        wait = self.settings.poll_seconds
-        if next_due is not None and next_due[0] is not None:
-            wait = min(wait, max(float(next_due[0]), 0.0))
-        return wait
+            return sorted(await cur.fetchall(), key=lambda r: (r["due_at"], r["id"]))
+
+    async def _release_claimed(self, conn: AsyncConnection[Any]) -> None:
+        """Give back the rows claimed ahead for the next round (the relay stops)."""
+        claimed, self._claimed = self._claimed, []
+        if claimed and not conn.closed and not conn.broken:
+            with contextlib.suppress(psycopg.Error):
+                await conn.execute(
+                    SQL["outbox_unclaim"],
+                    {"ids": [row["id"] for row in claimed], "error": None},
+                )
 
     def _probe_delay(self, outage: _Outage) -> float:
         s = self.settings
@@ -456,13 +488,20 @@ class OutboxRelay:
         )
         return nominal * self._rng.uniform(0.5, 1.0)
 
-    async def _publish(self, conn: AsyncConnection[Any], rows: list[dict[str, Any]]) -> int:
-        """Publish the claimed ``rows`` and settle each in one short transaction; returns how
-        many were confirmed."""
+    async def _publish_many(self, rows: list[dict[str, Any]]) -> list[Exception | None]:
         try:
-            results = await self._queue.publish_many([_outgoing(row) for row in rows])
+            return await self._queue.publish_many([_outgoing(row) for row in rows])
         except Exception as exc:  # an adapter that raised instead of reporting per message
-            results = [exc] * len(rows)
+            return [exc] * len(rows)
+
+    async def _settle_results(
+        self,
+        conn: AsyncConnection[Any],
+        rows: list[dict[str, Any]],
+        results: list[Exception | None],
+    ) -> int:
+        """Settle each of the claimed ``rows`` by its publish result, in one short
+        transaction; returns how many were confirmed."""
         sent: list[int] = []
         away: list[int] = []
         away_error: Exception | None = None

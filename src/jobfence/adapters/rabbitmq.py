@@ -141,6 +141,26 @@ def _short(value: str | None) -> str | None:
     return value
 
 
+class _NotConfirmed(Exception):
+    """The broker answered a publish with something else than its confirm (a nack, or the
+    message returned as unroutable): the message is not known to be in the queue."""
+
+
+def _headers(message: Message, prior: int) -> dict[str, Any]:
+    """The ids travel in headers (any length); the AMQP properties repeat them for tools when
+    they fit."""
+    headers: dict[str, Any] = {
+        _H_CONSUMER: message.consumer,
+        _H_JOB_ID: message.job_id,
+        _H_PRIOR: prior,
+    }
+    if message.tenant_id is not None:
+        headers[_H_TENANT] = message.tenant_id
+    if message.correlation_id is not None:
+        headers[_H_CORRELATION] = message.correlation_id
+    return headers
+
+
 @dataclass(slots=True, eq=False)
 class _Incoming:
     """One message delivered on a channel (pushed or taken with ``basic.get``), read straight
@@ -341,18 +361,19 @@ class RabbitMQQueue:
         await self._publish(message, prior=check_prior_attempts(prior_attempts))
 
     async def publish_many(self, outgoing: Sequence[Outgoing]) -> list[Exception | None]:
-        """Every message published at once on the confirming channel, the broker's publisher
+        """Every message published at once on the confirming channel (straight to aiormq's
+        channel, without waiting for each frame to leave the socket), the broker's publisher
         confirms outstanding together: one round trip for the lot instead of one per message.
         A lost connection is ``QueueUnavailable`` for each message it caught."""
         if not outgoing:
             return []
         try:
-            await self._declare_all({item.message.queue for item in outgoing})
+            raw = await self._publishing_channel({item.message.queue for item in outgoing})
         except Exception as exc:
             return [exc] * len(outgoing)
         results = await asyncio.gather(
             *(
-                self._publish_one(item.message, check_prior_attempts(item.prior_attempts))
+                self._publish_one(raw, item.message, check_prior_attempts(item.prior_attempts))
                 for item in outgoing
             ),
             return_exceptions=True,
@@ -365,37 +386,49 @@ class RabbitMQQueue:
         return out
 
     @_unavailable
-    async def _declare_all(self, queues: set[str]) -> None:
+    async def _publishing_channel(self, queues: set[str]) -> aiormq.abc.AbstractChannel:
         for queue in sorted(queues):
             if _NAME.match(queue):  # else its messages are refused one by one
                 await self._queue(queue)
+        channel = await self._open_channel()
+        return await channel.get_underlay_channel()
 
     @_unavailable
-    async def _publish_one(self, message: Message, prior: int) -> None:
+    async def _publish_one(
+        self, raw: aiormq.abc.AbstractChannel, message: Message, prior: int
+    ) -> None:
         try:
-            self._name(message.queue)
+            name = self._name(message.queue)
         except ConfigError as exc:
             raise PublishRefused(f"RabbitMQ refuses this message: {exc}") from None
-        await self._publish(message, prior=prior)
+        if raw.is_closed:
+            raise RuntimeError("the RabbitMQ channel is closed")
+        # wait=False: aiormq's Channel (its abstract class lacks the argument) then does not
+        # hold the channel's lock until each frame has left the socket.
+        confirmation = await raw.basic_publish(  # type: ignore[call-arg]
+            message.body,
+            routing_key=name,
+            properties=spec.Basic.Properties(
+                headers=_headers(message, prior),
+                message_id=_short(message.job_id),
+                correlation_id=_short(message.correlation_id),
+                delivery_mode=2,  # persistent
+            ),
+            mandatory=True,
+            wait=False,
+        )
+        if not isinstance(confirmation, spec.Basic.Ack):
+            raise _NotConfirmed(
+                f"RabbitMQ did not confirm the message ({type(confirmation).__name__})"
+            )
 
     async def _publish(self, message: Message, *, prior: int) -> None:
         await self._queue(message.queue)
-        # The ids travel in headers (any length); the AMQP properties repeat them for tools
-        # when they fit.
-        headers: dict[str, Any] = {
-            _H_CONSUMER: message.consumer,
-            _H_JOB_ID: message.job_id,
-            _H_PRIOR: prior,
-        }
-        if message.tenant_id is not None:
-            headers[_H_TENANT] = message.tenant_id
-        if message.correlation_id is not None:
-            headers[_H_CORRELATION] = message.correlation_id
         channel = await self._open_channel()
         await channel.default_exchange.publish(  # returns once the broker confirmed it
             aio_pika.Message(
                 message.body,
-                headers=headers,
+                headers=_headers(message, prior),
                 message_id=_short(message.job_id),
                 correlation_id=_short(message.correlation_id),
                 delivery_mode=aio_pika.DeliveryMode.PERSISTENT,

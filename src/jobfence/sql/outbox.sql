@@ -87,10 +87,11 @@ UPDATE jobfence.outbox SET claimed_until = NULL WHERE claimed_until IS NOT NULL;
 DELETE FROM jobfence.outbox WHERE id = ANY(%(ids)s::bigint[]);
 
 -- name: outbox_unclaim
--- Rows not published because the broker went away: claimed no more and not pushed back (the
--- relay backs off as a whole, once per outage); due as they were when it is back.
+-- Rows not published because the broker went away (%(error)s), or claimed ahead by a relay
+-- that stops (NULL): claimed no more and not pushed back (the relay backs off as a whole,
+-- once per outage); due as they were.
 UPDATE jobfence.outbox
-SET claimed_until = NULL, last_error = %(error)s
+SET claimed_until = NULL, last_error = coalesce(%(error)s, last_error)
 WHERE id = ANY(%(ids)s::bigint[]);
 
 -- name: outbox_mark_failed
