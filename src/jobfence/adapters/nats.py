@@ -55,7 +55,7 @@ from psycopg import AsyncConnection
 
 from jobfence.adapters._shared import check_prior_attempts, receipt_of, refuse_delay, refuse_tx
 from jobfence.adapters._unavailable import unavailable_on
-from jobfence.errors import ConfigError, PublishRefused
+from jobfence.errors import ConfigError, PublishRefused, QueueUnavailable
 from jobfence.model import Delivery, Message, Outgoing
 from jobfence.ports import QueueCapabilities, QueueSize
 
@@ -78,19 +78,17 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 # nats-py's errors for a closed, reconnecting or stale connection, no server to reach, and a
 # request or flush that timed out: the broker is unreachable (D7).
-_unavailable = unavailable_on(
-    "NATS",
-    (
-        nats.errors.ConnectionClosedError,
-        nats.errors.ConnectionReconnectingError,
-        nats.errors.StaleConnectionError,
-        nats.errors.NoServersError,
-        nats.errors.TimeoutError,
-        nats.errors.UnexpectedEOF,
-        ConnectionError,
-        TimeoutError,
-    ),
+_CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
+    nats.errors.ConnectionClosedError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.StaleConnectionError,
+    nats.errors.NoServersError,
+    nats.errors.TimeoutError,
+    nats.errors.UnexpectedEOF,
+    ConnectionError,
+    TimeoutError,
 )
+_unavailable = unavailable_on("NATS", _CONNECTION_ERRORS)
 
 _H_CONSUMER = "Jobfence-Consumer"
 _H_JOB_ID = "Jobfence-Job-Id"
@@ -106,6 +104,9 @@ _WAIT_SLICE_SECONDS = 1.0
 # How long the server gets to answer a no-wait pull request.
 _NO_WAIT_ANSWER_SECONDS = 5.0
 
+
+# How long publish_many waits for the JetStream acks of what it sent.
+_ACKS_WITHIN = 5.0
 
 # How often the client tries to reconnect to a server that went away: a broker that is back is
 # used again within this (nats-py's default is 2 s).
@@ -140,6 +141,16 @@ def _header(value: str) -> str:
     """A header value: spaces, line breaks, ``%`` and non-ASCII percent-encoded (headers are
     line-based and trimmed), the rest as is."""
     return quote(value, safe=_HEADER_SAFE)
+
+
+def _as_unavailable(exc: BaseException) -> Exception:
+    """A JetStream ack's error as the port reports it: a lost connection or a timeout is
+    ``QueueUnavailable``; anything else (an API error: no stream, a limit) as it is."""
+    if isinstance(exc, _CONNECTION_ERRORS):
+        unavailable = QueueUnavailable(f"NATS unreachable: {type(exc).__name__}: {exc}")
+        unavailable.__cause__ = exc
+        return unavailable
+    return exc if isinstance(exc, Exception) else RuntimeError(str(exc))
 
 
 def _headers_size(headers: dict[str, str], stream: str) -> int:
@@ -277,29 +288,50 @@ class NatsQueue:
         await self._publish(message, prior=check_prior_attempts(prior_attempts))
 
     async def publish_many(self, outgoing: Sequence[Outgoing]) -> list[Exception | None]:
-        """Every message's JetStream publish sent at once, their acks awaited together: one
-        round trip for the lot instead of one per message. A message over the server's
-        ``max_payload`` is refused (:class:`~jobfence.errors.PublishRefused`) without being
-        sent; a lost connection is ``QueueUnavailable`` for each message it caught."""
+        """Every message sent as an asynchronous JetStream publish, then their acks awaited
+        together (up to ``_ACKS_WITHIN`` seconds): one round trip for the lot instead of one
+        per message. A message over the server's ``max_payload`` is refused
+        (:class:`~jobfence.errors.PublishRefused`) without being sent; a lost connection, or
+        acks that do not come, are ``QueueUnavailable`` for each message concerned."""
         if not outgoing:
             return []
         try:
             await self._ready_to_publish({item.message.queue for item in outgoing})
         except Exception as exc:
             return [exc] * len(outgoing)
-        results = await asyncio.gather(
-            *(
-                self._publish_one(item.message, check_prior_attempts(item.prior_attempts))
-                for item in outgoing
-            ),
-            return_exceptions=True,
-        )
-        out: list[Exception | None] = []
-        for result in results:
-            if isinstance(result, BaseException) and not isinstance(result, Exception):
-                raise result
-            out.append(result)
-        return out
+        results: list[Exception | None] = [None] * len(outgoing)
+        acks: dict[int, asyncio.Future[Any]] = {}
+        for n, item in enumerate(outgoing):
+            try:
+                prior = check_prior_attempts(item.prior_attempts)
+                acks[n] = await self._send_async(item.message, prior)
+            except Exception as exc:
+                results[n] = exc
+        pending = await self._acks(list(acks.values()))
+        for n, future in acks.items():
+            if future in pending:
+                results[n] = QueueUnavailable(
+                    "NATS unreachable: the connection was lost, or no JetStream ack came"
+                    f" within {_ACKS_WITHIN:.0f}s"
+                )
+            elif (error := future.exception()) is not None:
+                results[n] = _as_unavailable(error)
+        return results
+
+    async def _acks(self, futures: list[asyncio.Future[Any]]) -> set[asyncio.Future[Any]]:
+        """Wait for ``futures`` (JetStream acks) up to ``_ACKS_WITHIN`` seconds, or until the
+        connection is lost (then they would never come); cancels and returns those pending."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _ACKS_WITHIN
+        pending = set(futures)
+        while pending:
+            remaining = deadline - loop.time()
+            if remaining <= 0 or self._nc is None or not self._nc.is_connected:
+                break
+            _, pending = await asyncio.wait(pending, timeout=min(remaining, 0.25))
+        for future in pending:
+            future.cancel()
+        return pending
 
     @_unavailable
     async def _ready_to_publish(self, queues: set[str]) -> None:
@@ -309,12 +341,19 @@ class NatsQueue:
                 await self._consumer(queue, None)
 
     @_unavailable
-    async def _publish_one(self, message: Message, prior: int) -> None:
+    async def _send_async(self, message: Message, prior: int) -> asyncio.Future[Any]:
+        """Send ``message`` as an asynchronous JetStream publish; the future is its ack."""
         try:
-            self._subject(message.queue)
+            subject = self._subject(message.queue)
         except ConfigError as exc:
             raise PublishRefused(f"NATS refuses this message: {exc}") from None
-        await self._publish(message, prior=prior)
+        js = await self._jetstream()
+        self._check_connected()
+        headers = self._headers_of(message, prior)
+        future: asyncio.Future[Any] = await js.publish_async(
+            subject, message.body, stream=self._stream, headers=headers
+        )
+        return future
 
     @property
     def max_payload(self) -> int | None:
@@ -324,13 +363,26 @@ class NatsQueue:
             return None
         return int(self._nc.max_payload)
 
-    async def _publish(self, message: Message, *, prior: int) -> None:
-        js = await self._jetstream()
+    def _check_connected(self) -> None:
         if self._nc is not None and not self._nc.is_connected:
             # nats-py would buffer the publish and time out its ack 5 s later: the broker is
             # away now, and the caller (the outbox relay) backs off instead.
             raise nats.errors.ConnectionReconnectingError
+
+    async def _publish(self, message: Message, *, prior: int) -> None:
+        js = await self._jetstream()
+        self._check_connected()
         await self._consumer(message.queue, None)
+        await js.publish(
+            self._subject(message.queue),
+            message.body,
+            stream=self._stream,
+            headers=self._headers_of(message, prior),
+        )
+
+    def _headers_of(self, message: Message, prior: int) -> dict[str, str]:
+        """The message's headers, or :class:`PublishRefused` when they and the body are over
+        the server's ``max_payload``."""
         headers = {
             _H_CONSUMER: _header(message.consumer),
             _H_JOB_ID: _header(message.job_id),
@@ -348,9 +400,7 @@ class NatsQueue:
                     f"NATS refuses this message: {size:,} bytes with its headers, over the"
                     f" server's max_payload of {limit:,} bytes"
                 )
-        await js.publish(
-            self._subject(message.queue), message.body, stream=self._stream, headers=headers
-        )
+        return headers
 
     @_unavailable
     async def receive(
