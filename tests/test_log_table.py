@@ -15,6 +15,7 @@ WORKER_MODULES = [
     "src/jobfence/leases.py",
     "src/jobfence/harness.py",
     "src/jobfence/outage_log.py",
+    "src/jobfence/outbox.py",  # the relay every worker on a broker runs
     "src/jobfence/adapters/pg_queue.py",
 ]
 LEVELS = {"warning", "error", "exception", "critical", "log"}  # log: a level chosen at run time
