@@ -6,13 +6,15 @@ queue is external (``jobfence.settings``, set by :func:`record_queue`), every pr
 exactly when that transaction commits, as with the PostgreSQL queue. A replay writes its outbox
 row in the transaction that moves the dead letter to ``replayed``.
 
-The :class:`OutboxRelay` then publishes the rows, oldest first: it takes a batch ``FOR UPDATE
-SKIP LOCKED``, publishes each message to the :class:`~jobfence.ports.QueuePort` (an adapter's
-``publish`` returning means the broker confirmed it) and deletes the published rows in the same
-transaction. A relay that dies after a publish and before its commit leaves the rows in place,
-and the next relay publishes them again: at least once, and the fence (``core.processed_jobs``)
-makes a duplicate delivery a skipped duplicate. A publish that fails keeps its row, due again
-after a backoff; nothing is dropped.
+The :class:`OutboxRelay` then publishes the rows, oldest first, with no transaction open while
+the broker works: a short transaction claims a batch of due rows (``claimed_until``), the relay
+publishes them with the :class:`~jobfence.ports.QueuePort`'s ``publish_many`` (their confirms
+outstanding together; ``None`` for a message means the broker confirmed it), and a second short
+transaction deletes the confirmed rows. A relay that dies after a publish and before that
+delete leaves the rows in place, and the next relay publishes them again: at least once, and
+the fence (``core.processed_jobs``) makes a duplicate delivery a skipped duplicate. A broker
+that is unreachable is one outage (the relay backs off as a whole and probes it); a message the
+broker refuses for good becomes a dead letter (``PublishRefused``); nothing is dropped.
 
 A message can wait in the outbox until a given time (``due_at``): a delayed enqueue does, and
 on a broker without native delayed retry (``capabilities.delayed_retry`` False: RabbitMQ, Redis
