@@ -13,6 +13,7 @@ import logging
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -25,7 +26,7 @@ from psycopg_pool import AsyncConnectionPool
 
 import pointsapp
 from brokers import BROKERS, make_queue, on_broker
-from jobfence import Message, QueuePort, replay_dead_letter
+from jobfence import Message, QueuePort, Worker, replay_dead_letter
 from jobfence.adapters.nats import NatsQueue
 from jobfence.outbox import OutboxRelay, OutboxRelaySettings, record_queue, write
 from jobfence.queues import parse_queue_url
@@ -338,3 +339,78 @@ async def test_a_message_over_the_brokers_limit_is_a_dead_letter_with_its_alert_
             await queue.ack(delivery)
         finally:
             await queue.close()
+
+
+async def test_a_relay_sigkilled_mid_batch_on_a_broker_loses_nothing_and_each_job_applies_once(
+    broker: tuple[str, str, str],
+    database_url: str,
+    conn: psycopg.AsyncConnection[Any],
+    pool: AsyncConnectionPool[Any],
+) -> None:
+    """2,000 rows; the relay process is SIGKILLed once some are on the broker and some still in
+    the outbox (its claims in flight). The next relay takes over at once, every job is on the
+    broker at least once, and the workers apply each exactly once."""
+    kind, url, name = broker
+    await _external(conn, url)
+    jobs = 2000
+    await conn.execute(
+        "INSERT INTO jobfence.outbox (queue, consumer, job_id, body)"
+        " SELECT %s, %s, 'k-' || g, convert_to('{\"account_id\": 1, \"points\": 1}', 'UTF8')"
+        " FROM generate_series(1, %s) g",
+        (pointsapp.QUEUE, AWARD, jobs),
+    )
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        str(Path(__file__).parent / "outbox_relay_kill_proc.py"),
+        database_url,
+        kind,
+        url,
+        name,
+        cwd=Path(__file__).parent,
+    )
+    queue = make_queue(kind, url, name)
+    try:
+
+        async def mid_batch() -> bool:
+            assert proc.returncode is None
+            return (await queue.size([pointsapp.QUEUE])).total >= 300
+
+        await wait_until(mid_batch, timeout=60, interval=0.005, message="publishes under way")
+        proc.kill()
+        await asyncio.wait_for(proc.wait(), 30)
+        left = await scalar(conn, "SELECT count(*) FROM jobfence.outbox")
+        claimed = await scalar(
+            conn, "SELECT count(*) FROM jobfence.outbox WHERE claimed_until > now()"
+        )
+        assert 0 < left < jobs, left  # killed mid-way: nothing lost so far
+
+        relay = OutboxRelay(database_url, queue, settings=OutboxRelaySettings(poll_seconds=0.05))
+        task = await _run(relay)
+        try:
+
+            async def empty() -> bool:
+                return await scalar(conn, "SELECT count(*) FROM jobfence.outbox") == 0
+
+            await wait_until(empty, timeout=60, message="the next relay to empty the outbox")
+        finally:
+            await _stop(relay, task, conn)
+        on_broker = (await queue.size([pointsapp.QUEUE])).total
+        assert on_broker >= jobs
+        app = pointsapp.build_app()
+        stats = await asyncio.wait_for(
+            Worker(app, pool, queue, poll_seconds=0.05, outbox_relay=False).run(until="empty"),
+            120,
+        )
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await asyncio.wait_for(proc.wait(), 30)
+        await queue.close()
+    print(
+        f"\n{kind}: killed with {left} rows in the outbox ({claimed} claimed);"
+        f" {on_broker - jobs} message(s) published twice"
+    )
+    assert stats.outcomes.get("succeeded") == jobs, stats.outcomes
+    assert stats.outcomes.get("duplicate", 0) == on_broker - jobs
+    cur = await conn.execute("SELECT count(DISTINCT job_id), count(*) FROM public.awards")
+    assert await cur.fetchone() == (jobs, jobs)
