@@ -26,7 +26,7 @@ from psycopg_pool import AsyncConnectionPool
 
 import pointsapp
 from brokers import BROKERS, make_queue, on_broker
-from jobfence import Message, QueuePort, Worker, replay_dead_letter
+from jobfence import JobRefused, Message, Producer, QueuePort, Worker, replay_dead_letter
 from jobfence.adapters.nats import NatsQueue
 from jobfence.outbox import OutboxRelay, OutboxRelaySettings, record_queue, write
 from jobfence.queues import parse_queue_url
@@ -302,6 +302,23 @@ async def test_a_message_over_the_brokers_limit_is_a_dead_letter_with_its_alert_
             assert relay.stats.published == 2 and relay.stats.dead_lettered == 1
             assert relay.stats.outages == 0 and not relay.broker_down
             assert (await queue.size([pointsapp.QUEUE])).total == 2
+
+            # The relay recorded the server's limit: a producer now refuses such a job at
+            # enqueue, naming the limit, and its transaction goes on.
+            producer = Producer(routes={AWARD: pointsapp.QUEUE})
+            async with await psycopg.AsyncConnection.connect(database_url) as tx:
+                with pytest.raises(JobRefused) as refused:
+                    await producer.enqueue(
+                        tx, AWARD, {"note": "x" * 1_500_000}, job_id="refused-at-enqueue"
+                    )
+                assert refused.value.field == "payload"
+                assert "1,048,576 bytes" in str(refused.value), refused.value
+                assert "nats" in str(refused.value)
+                await producer.enqueue(tx, AWARD, {"note": "small"}, job_id="still-fine")
+                await tx.commit()
+            cur = await conn.execute("SELECT job_id FROM jobfence.outbox")
+            assert await cur.fetchall() == [("still-fine",)]
+            await conn.execute("DELETE FROM jobfence.outbox")
         finally:
             await queue.close()
     cur = await conn.execute(

@@ -42,7 +42,10 @@ class PublishRefused(JobfenceError):
 
 class JobRefused(JobfenceError, ValueError):
     """A job refused at enqueue, before any SQL ran: an identifier breaks a limit, or the payload
-    holds what PostgreSQL cannot store. ``field`` names the offender (``job_id``,
+    holds what PostgreSQL cannot store; or by the enqueue statement itself, which then writes
+    nothing and raises nothing in the database: the payload is over the largest message the
+    external queue's broker accepts (recorded by the outbox relay, e.g. NATS's
+    ``max_payload``). ``field`` names the offender (``job_id``,
     ``tenant_id``, ``correlation_id``, ``consumer``, ``queue`` or ``payload``); the message says
     what is wrong and the limit. The caller's transaction is untouched and stays usable."""
 

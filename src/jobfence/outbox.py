@@ -200,6 +200,7 @@ async def record_queue(conn: AsyncConnection[Any], kind: str, location: str | No
 PUBLISH_REFUSED = "PublishRefused"
 PUBLISH_FAILED = "PublishFailed"
 _STILL_DOWN_EVERY = 30.0  # seconds between two "broker still unreachable" lines
+_UNRECORDED = object()
 
 
 @dataclass(frozen=True, slots=True)
@@ -324,6 +325,7 @@ class OutboxRelay:
         self._stopping = asyncio.Event()
         self._outage: _Outage | None = None
         self._claimed: list[dict[str, Any]] = []  # claimed ahead for the next round
+        self._recorded_limit: object = _UNRECORDED
         self.stats = OutboxRelayStats()
         self.active = False
 
@@ -438,6 +440,7 @@ class OutboxRelay:
                     {"ids": [row["id"] for row in claimed], "error": None},
                 )
         self.stats.rounds += 1
+        await self._record_limit(conn)
         if self._metrics is not None:
             counts = await outbox_counts(conn, clock=self._clock)
             self._metrics.outbox_waiting(counts.waiting, counts.oldest_age_seconds)
@@ -451,6 +454,19 @@ class OutboxRelay:
         if next_due is not None and next_due[0] is not None:
             wait = min(wait, max(float(next_due[0]), 0.0))
         return wait
+
+    async def _record_limit(self, conn: AsyncConnection[Any]) -> None:
+        """Record the largest message the broker accepts, once known and when it changes (the
+        queue's optional ``max_message_bytes``: NATS's ``max_payload`` once connected), so
+        that producers refuse a job over it (:class:`~jobfence.JobRefused`)."""
+        limit = getattr(self._queue, "max_message_bytes", None)
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+            limit = None
+        if limit is None and self._recorded_limit is _UNRECORDED:
+            return  # nothing known yet: leave what is recorded until the broker says
+        if limit != self._recorded_limit:
+            await conn.execute(SQL["queue_limit_set"], {"max_bytes": limit})
+            self._recorded_limit = limit
 
     async def _claim(self, conn: AsyncConnection[Any], limit: int) -> list[dict[str, Any]]:
         async with conn.cursor(row_factory=dict_row) as cur:

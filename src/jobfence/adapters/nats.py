@@ -356,6 +356,13 @@ class NatsQueue:
         return future
 
     @property
+    def max_message_bytes(self) -> int | None:
+        """The largest message the server accepts, for the outbox relay to record for
+        producers: the ``max_payload`` of the last server connected to (kept while it is
+        away); None before the first connection."""
+        return None if self._nc is None else int(self._nc.max_payload)
+
+    @property
     def max_payload(self) -> int | None:
         """The largest message (headers and body, bytes) the connected server accepts: its
         ``max_payload``, from the INFO it sent at connect; None before connecting."""

@@ -7,3 +7,11 @@
 -- next one: at once when a relay takes over (one relay is active per database, and it clears
 -- the claims left by the one before), after the claim at the latest. NULL: not claimed.
 ALTER TABLE jobfence.outbox ADD COLUMN claimed_until timestamptz;
+
+-- The largest message body the external queue's broker accepts, in bytes, when it says so
+-- (NATS: the max_payload its server sends at connect), recorded by the outbox relay once it
+-- is connected; NULL when unknown or unlimited. Producers refuse a job whose body is over it
+-- (the produce query), instead of writing an outbox row the broker would refuse.
+ALTER TABLE jobfence.settings
+    ADD COLUMN queue_max_message_bytes integer
+        CONSTRAINT settings_queue_max_message_bytes_check CHECK (queue_max_message_bytes > 0);

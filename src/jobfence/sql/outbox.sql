@@ -7,8 +7,15 @@
 -- never committing it: the queue row (with the NOTIFY that wakes workers at commit) when this
 -- database's queue is PostgreSQL, the outbox row (waking the relay) when it is external. One
 -- statement, so that it waits for jobfence.set_queue's lock before reading the setting.
+-- Returns (id, NULL, NULL); or, writing nothing and raising nothing (the caller's transaction
+-- stays usable), (NULL, limit, kind) when the body is over the largest message the external
+-- queue's broker accepts (queue_max_message_bytes, recorded by the outbox relay).
 WITH target AS (
-    SELECT s.queue_kind <> 'postgresql' AS external FROM jobfence.settings s
+    SELECT s.queue_kind <> 'postgresql' AS external, s.queue_kind AS kind,
+           s.queue_max_message_bytes AS max_bytes,
+           s.queue_kind <> 'postgresql'
+               AND octet_length(%(body)s::bytea) > s.queue_max_message_bytes AS too_big
+    FROM jobfence.settings s
 ), queued AS (
     INSERT INTO jobfence_queue.messages (
         queue, consumer, job_id, body, tenant_id, correlation_id, run_at
@@ -25,10 +32,12 @@ WITH target AS (
     SELECT %(queue)s::text, %(consumer)s::text, %(job_id)s::text, %(body)s::bytea,
            %(tenant_id)s::text, %(correlation_id)s::text,
            coalesce(%(now)s::timestamptz, now()) + %(delay)s::interval
-    FROM target WHERE target.external
+    FROM target WHERE target.external AND target.too_big IS NOT TRUE
     RETURNING id, pg_notify('jobfence_outbox', '')
 )
-SELECT id FROM queued UNION ALL SELECT id FROM outboxed;
+SELECT id, NULL::integer, NULL::text FROM queued
+UNION ALL SELECT id, NULL::integer, NULL::text FROM outboxed
+UNION ALL SELECT NULL::bigint, t.max_bytes, t.kind FROM target t WHERE t.too_big;
 
 -- name: outbox_insert
 -- An outbox row whatever the setting: a replay's republish when the queue is external, or a
@@ -153,6 +162,12 @@ SELECT pg_advisory_unlock(%(key)s::bigint);
 
 -- name: queue_setting
 SELECT queue_kind, queue_location FROM jobfence.settings;
+
+-- name: queue_limit_set
+-- The outbox relay records the largest message its broker accepts (NULL: unknown), for the
+-- produce query; only when it changed, and only while the queue is external.
+UPDATE jobfence.settings SET queue_max_message_bytes = %(max_bytes)s
+WHERE queue_kind <> 'postgresql' AND queue_max_message_bytes IS DISTINCT FROM %(max_bytes)s;
 
 -- name: queue_set
 -- Switches where jobs go (see jobfence.set_queue in migration 0013); returns the kind before.
