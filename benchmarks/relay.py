@@ -35,6 +35,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from statistics import median
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -295,6 +296,68 @@ def run_child(python: str, kind: str, rows: int, delay: float, n: int) -> dict[s
     return result
 
 
+def publish_rates(args: argparse.Namespace, kind: str, row: dict[str, Any], n: int) -> int:
+    """The publish rates of ``kind`` into ``row``, now and before, alone and with the delay,
+    ``args.rounds`` alternating rounds; returns the next database number."""
+    now_python = sys.executable
+    for label, delay in (("alone", 0.0), ("50ms", args.delay)):
+        now_rates: list[float] = []
+        ratios: list[float] = []
+        before_rates: list[float] = []
+        for r in range(args.rounds):
+            n += 1
+            # Alternating which goes first, so that neither always meets a quieter minute.
+            pair: dict[str, float] = {}
+            sides = [("now", now_python)]
+            if args.baseline_python:
+                sides.append(("before", args.baseline_python))
+            for side, python in sides if r % 2 == 0 else sides[::-1]:
+                # The relay before publishes one message per confirm: a few seconds' worth.
+                rows = args.rows
+                if side == "before":
+                    rows = args.baseline_rows if delay == 0 else max(int(2 / delay), 20)
+                pair[side] = run_child(python, kind, rows, delay, n)["rate"]
+            now_rates.append(pair["now"])
+            if "before" in pair:
+                before_rates.append(pair["before"])
+                ratios.append(pair["now"] / pair["before"])
+        row[f"now_{label}"] = median(now_rates)
+        if ratios:
+            row[f"before_{label}"] = median(before_rates)
+            row[f"ratio_{label}"] = median(ratios)
+            row[f"ratios_{label}"] = [round(x, 1) for x in ratios]
+    return n
+
+
+def print_table(lines: list[dict[str, Any]]) -> None:
+    print()
+    print(
+        "| broker | relay now | relay before | ratio | 50 ms: now | 50 ms: before | ratio |"
+        " end to end | workers fed directly | ratio |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for row in lines:
+        cells = [row["broker"]]
+        for label in ("alone", "50ms"):
+            cells.append(f"{row[f'now_{label}']:,.0f}/s")
+            if f"ratio_{label}" in row:
+                low, high = min(row[f"ratios_{label}"]), max(row[f"ratios_{label}"])
+                cells += [
+                    f"{row[f'before_{label}']:,.0f}/s",
+                    f"{row[f'ratio_{label}']:.1f}x ({low}-{high})",
+                ]
+            else:
+                cells += ["", ""]
+        if "e2e" in row:
+            e2e = row["e2e"]
+            cells += [
+                f"{e2e['outbox']:,.0f}/s",
+                f"{e2e['direct']:,.0f}/s",
+                f"{e2e['outbox'] / e2e['direct']:.2f}",
+            ]
+        print("| " + " | ".join(cells) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--brokers", default="rabbitmq,nats,redis")
@@ -309,6 +372,7 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=5000, help="end-to-end jobs")
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--e2e-rounds", type=int, default=2, help="alternating, median")
+    parser.add_argument("--rounds", type=int, default=3, help="publish-rate rounds, alternating")
     parser.add_argument("--no-e2e", action="store_true")
     parser.add_argument("--child")
     parser.add_argument("--db")
@@ -325,44 +389,15 @@ def main() -> None:
     n = 0
     for kind in brokers:
         row: dict[str, Any] = {"broker": kind}
-        for label, delay in (("alone", 0.0), ("50ms", args.delay)):
-            n += 1
-            now = run_child(now_python, kind, args.rows, delay, n)
-            row[f"now_{label}"] = now
-            if args.baseline_python:
-                n += 1
-                # The relay before publishes one message per confirm: a few seconds' worth.
-                rows = args.baseline_rows if delay == 0 else max(int(2 / delay), 20)
-                row[f"before_{label}"] = run_child(args.baseline_python, kind, rows, delay, n)
+        n = publish_rates(args, kind, row, n)
         if not args.no_e2e:
             row["e2e"] = asyncio.run(end_to_end(kind, args.jobs, args.concurrency, args.e2e_rounds))
         lines.append(row)
         print(json.dumps(row), flush=True)
 
-    print()
-    print(
-        "| broker | relay now | relay before | ratio | 50 ms: now | 50 ms: before | ratio |"
-        " end to end | workers fed directly | ratio |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for row in lines:
-        cells = [row["broker"]]
-        for label in ("alone", "50ms"):
-            now_rate = row[f"now_{label}"]["rate"]
-            before = row.get(f"before_{label}")
-            cells.append(f"{now_rate:,.0f}/s")
-            if before is not None:
-                cells += [f"{before['rate']:,.0f}/s", f"{now_rate / before['rate']:.1f}x"]
-            else:
-                cells += ["", ""]
-        if "e2e" in row:
-            e2e = row["e2e"]
-            cells += [
-                f"{e2e['outbox']:,.0f}/s",
-                f"{e2e['direct']:,.0f}/s",
-                f"{e2e['outbox'] / e2e['direct']:.2f}",
-            ]
-        print("| " + " | ".join(cells) + " |")
+    print_table(lines)
+    print(f"# rates: medians of {args.rounds} rounds; ratios: the median of the per-round ratios")
+    print(f"# cpu pressure: {Path('/proc/pressure/cpu').read_text().splitlines()[0]}")
 
 
 if __name__ == "__main__":
