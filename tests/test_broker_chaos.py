@@ -248,17 +248,18 @@ class Run:
 
     async def kill_relay_inside_a_batch(self, job_ids: list[str], relay_app: str) -> int:
         """Enqueue ``job_ids`` 50 at a time until the relay is caught inside a batch: frozen
-        (SIGSTOP) while its transaction is open, once a job it published in that batch has been
-        handled while the job's outbox row is still there (published, not marked sent). Then
-        SIGKILL it; returns the rows it left waiting."""
+        (SIGSTOP) while it holds claimed rows (claimed, being published, not yet deleted: it
+        keeps no transaction open meanwhile), once a job it published in that batch has been
+        handled while the job's outbox row is still there (published, not deleted). Then
+        SIGKILL it; returns the rows it left waiting. ``relay_app`` names its connection."""
         relay = self.relay
         assert relay is not None
 
         async def in_batch() -> bool:
             return bool(
                 await self.count(
-                    "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s"
-                    " AND state = 'idle in transaction'",
+                    "SELECT count(*) FROM jobfence.outbox WHERE claimed_until > now()"
+                    " AND EXISTS (SELECT FROM pg_stat_activity WHERE application_name = %s)",
                     (relay_app,),
                 )
             )
