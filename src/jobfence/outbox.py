@@ -325,6 +325,9 @@ class OutboxRelay:
         self._stopping = asyncio.Event()
         self._outage: _Outage | None = None
         self._claimed: list[dict[str, Any]] = []  # claimed ahead for the next round
+        # The next batch, its publish under way while the one before is settled.
+        self._in_flight: tuple[list[dict[str, Any]], asyncio.Future[list[Exception | None]]] | None
+        self._in_flight = None
         self._recorded_limit: object = _UNRECORDED
         self.stats = OutboxRelayStats()
         self.active = False
@@ -418,20 +421,28 @@ class OutboxRelay:
         not be in a transaction); returns the seconds until the next round is useful (0: more
         are due now). During a broker outage the batch is one message, a probe.
 
-        A full batch claims the next one while the broker confirms it, so that the database's
-        part of a round and the broker's overlap; the next round publishes those rows."""
+        A full batch overlaps the database's part of a round with the broker's: while the
+        broker confirms it, the next batch is claimed; once its confirms are in, the next
+        batch's publish starts before its rows are settled. The next round settles that one
+        (:meth:`run` does, at the latest, when it stops)."""
         probing = self._outage is not None
         limit = 1 if probing else self.settings.batch_size
-        rows, self._claimed = self._claimed, []
-        if not rows:
-            rows = await self._claim(conn, limit)
-        if rows:
-            publishing = asyncio.ensure_future(self._publish_many(rows))
+        publishing: asyncio.Future[list[Exception | None]] | None
+        if self._in_flight is not None:
+            (rows, publishing), self._in_flight = self._in_flight, None
+        else:
+            rows, self._claimed = self._claimed or await self._claim(conn, limit), []
+            publishing = asyncio.ensure_future(self._publish_many(rows)) if rows else None
+        if publishing is not None:
             try:
-                if not probing and len(rows) >= limit:
+                if not probing and len(rows) >= limit and not self._claimed:
                     self._claimed = await self._claim(conn, limit)
             finally:
                 results = await publishing
+            away = any(isinstance(result, QueueUnavailable) for result in results)
+            if self._claimed and not away:
+                following, self._claimed = self._claimed, []
+                self._in_flight = (following, asyncio.ensure_future(self._publish_many(following)))
             await self._settle_results(conn, rows, results)
             if self._outage is not None and self._claimed:
                 claimed, self._claimed = self._claimed, []
@@ -446,7 +457,7 @@ class OutboxRelay:
             self._metrics.outbox_waiting(counts.waiting, counts.oldest_age_seconds)
         if self._outage is not None:
             return self._probe_delay(self._outage)
-        if len(rows) >= limit or self._claimed:
+        if len(rows) >= limit or self._claimed or self._in_flight is not None:
             return 0.0  # more may be due (those that failed on their own wait their backoff)
         found = await conn.execute(SQL["outbox_next_due"], {"now": self._now()})
         next_due = await found.fetchone()
@@ -481,7 +492,14 @@ class OutboxRelay:
             return sorted(await cur.fetchall(), key=lambda r: (r["due_at"], r["id"]))
 
     async def _release_claimed(self, conn: AsyncConnection[Any]) -> None:
-        """Give back the rows claimed ahead for the next round (the relay stops)."""
+        """The relay stops: settle the batch whose publish is under way (its confirmed rows
+        leave the outbox), and give back the rows claimed ahead for the next round."""
+        if self._in_flight is not None:
+            (rows, publishing), self._in_flight = self._in_flight, None
+            results = await publishing
+            if not conn.closed and not conn.broken:
+                with contextlib.suppress(psycopg.Error):
+                    await self._settle_results(conn, rows, results)
         claimed, self._claimed = self._claimed, []
         if claimed and not conn.closed and not conn.broken:
             with contextlib.suppress(psycopg.Error):
