@@ -542,7 +542,10 @@ def _add_outbox_relay_parser(sub: Any) -> None:
         "--poll-seconds", type=_poll_seconds, default=1.0, help="idle wait between rounds (1)"
     )
     p.add_argument(
-        "--batch-size", type=_fetch_batch, default=100, help="rows per transaction (100)"
+        "--batch-size",
+        type=_fetch_batch,
+        default=500,
+        help="rows claimed and published together, their confirms outstanding at once (500)",
     )
     _add_metrics_options(p)
     p.set_defaults(func=_cmd_outbox_relay)

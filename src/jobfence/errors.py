@@ -30,12 +30,25 @@ class QueueUnavailable(JobfenceError):
     __module__ = "jobfence"
 
 
+class PublishRefused(JobfenceError):
+    """The broker refuses this one message for good (it is over the broker's size limit, for
+    example): publishing it again would fail the same way. A queue adapter raises it from
+    ``publish`` and ``publish_many`` for that message only; the outbox relay turns the message
+    into a dead letter of error class ``PublishRefused`` (with its alert), replayable once the
+    cause is fixed, and goes on with the others."""
+
+    __module__ = "jobfence"
+
+
 class JobRefused(JobfenceError, ValueError):
     """A job refused at enqueue, before any SQL ran: an identifier breaks a limit, the payload
     holds what PostgreSQL cannot store, or the delay is not a finite number of seconds within
-    its limit. ``field`` names the offender (``job_id``, ``tenant_id``, ``correlation_id``,
-    ``consumer``, ``queue``, ``payload`` or ``delay_seconds``); the message says what is wrong
-    and the limit. The caller's transaction is untouched and stays usable."""
+    its limit; or by the enqueue statement itself, which then writes nothing and raises nothing
+    in the database: the payload is over the largest message the external queue's broker
+    accepts (recorded by the outbox relay, e.g. NATS's ``max_payload``). ``field`` names the
+    offender (``job_id``, ``tenant_id``, ``correlation_id``, ``consumer``, ``queue``,
+    ``payload`` or ``delay_seconds``); the message says what is wrong and the limit. The
+    caller's transaction is untouched and stays usable."""
 
     __module__ = "jobfence"
 

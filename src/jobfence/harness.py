@@ -63,6 +63,7 @@ from jobfence.limits import (
     recordable_attempt,
     shown_value,
     storable,
+    storable_text,
 )
 from jobfence.model import Delivery, JobMeta
 from jobfence.pgtx import NextBeginFailed, Tx
@@ -174,18 +175,6 @@ def describe_error(exc: BaseException) -> str:
     if len(text) > MAX_ERROR_CHARS:
         text = text[: MAX_ERROR_CHARS - 20] + "\n... (trimmed)"
     return storable_text(text)
-
-
-def storable_text(text: str) -> str:
-    """``text`` as PostgreSQL text can hold it: NULs and lone surrogates escaped."""
-    if "\x00" in text:
-        text = text.replace("\x00", "\\x00")
-    if not text.isascii():
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
-            text = text.encode("utf-8", "backslashreplace").decode("utf-8")
-    return text
 
 
 class _Throttle:

@@ -32,7 +32,7 @@ from pydantic_core import PydanticSerializationError
 from jobfence.adapters.pg_queue import publish_params, require_async_connection
 from jobfence.codec import encode_payload, payload_problem
 from jobfence.errors import ConfigError, JobRefused
-from jobfence.limits import identifiers_problem
+from jobfence.limits import identifiers_problem, message_size_problem
 from jobfence.model import Message
 from jobfence.outbox import SQL
 
@@ -110,7 +110,8 @@ async def publish_async(conn: AsyncTarget, message: Message, *, delay_seconds: f
     ``AsyncConnection``, or a SQLAlchemy ``AsyncSession`` or ``AsyncConnection`` on the psycopg
     driver. Anything else raises ``TypeError`` before a statement runs."""
     if isinstance(conn, AsyncConnection):
-        await conn.execute(SQL["produce"], publish_params(message, delay_seconds))
+        cur = await conn.execute(SQL["produce"], publish_params(message, delay_seconds))
+        _check_produced(await cur.fetchone(), message)
         return
     require_async_target(conn)
     sa_conn: Any = conn
@@ -118,7 +119,18 @@ async def publish_async(conn: AsyncTarget, message: Message, *, delay_seconds: f
         sa_conn = await sa_conn.connection()  # the AsyncConnection of the session's transaction
     _require_sqlalchemy_driver(sa_conn, "enqueue")
     # Through SQLAlchemy, so that its transaction begins and covers the job (see publish_sync).
-    await sa_conn.exec_driver_sql(SQL.text("produce"), publish_params(message, delay_seconds))
+    result = await sa_conn.exec_driver_sql(
+        SQL.text("produce"), publish_params(message, delay_seconds)
+    )
+    _check_produced(result.fetchone(), message)
+
+
+def _check_produced(row: Any, message: Message) -> None:
+    """The ``produce`` query's answer: :class:`~jobfence.JobRefused` when it wrote nothing
+    because the body is over the largest message the external queue's broker accepts (the
+    statement raised nothing, so the caller's transaction is untouched)."""
+    if row is not None and row[0] is None and row[1] is not None:
+        raise JobRefused("payload", message_size_problem(len(message.body), row[1], row[2]))
 
 
 def publish_sync(conn: object, message: Message, *, delay_seconds: float = 0.0) -> None:
@@ -129,11 +141,12 @@ def publish_sync(conn: object, message: Message, *, delay_seconds: float = 0.0) 
     """
     params = publish_params(message, delay_seconds)
     if isinstance(conn, psycopg.Connection):
-        conn.execute(SQL["produce"], params)
+        _check_produced(conn.execute(SQL["produce"], params).fetchone(), message)
         return
     if _is_psycopg2(conn):
         with conn.cursor() as cur:  # type: ignore[attr-defined]
             cur.execute(SQL.text("produce"), params)
+            _check_produced(cur.fetchone(), message)
         return
     sa_conn = _sqlalchemy_connection(conn)
     if sa_conn is not None:
@@ -141,7 +154,7 @@ def publish_sync(conn: object, message: Message, *, delay_seconds: float = 0.0) 
         # Through SQLAlchemy, so that its own transaction begins (autobegin) and its commit or
         # rollback covers the job; a statement run behind its back on the DBAPI connection
         # would be rolled back when the connection returns to the pool.
-        sa_conn.exec_driver_sql(SQL.text("produce"), params)
+        _check_produced(sa_conn.exec_driver_sql(SQL.text("produce"), params).fetchone(), message)
         return
     if isinstance(conn, AsyncConnection):
         raise TypeError(
