@@ -430,8 +430,6 @@ async def test_jobs_apply_once_through_crashes_a_cut_connection_and_a_killed_rel
     assert parts.port is not None
     proxy = TcpProxy(parts.hostname or "127.0.0.1", parts.port)
     await proxy.start()
-    slow = TcpProxy(parts.hostname or "127.0.0.1", parts.port, reply_delay=0.2)
-    await slow.start()
     direct = _direct_queue(kind, url, name)
     try:
         proxied = _through(url, proxy.port)
@@ -459,14 +457,16 @@ async def test_jobs_apply_once_through_crashes_a_cut_connection_and_a_killed_rel
 
         # 1. A first third, then the relay and two workers.
         await run.enqueue(phases[0])
-        # The first relay reaches the broker through a proxy that delays every reply by
-        # 200 ms: the relay keeps no transaction open while its confirms come, and this keeps
-        # it inside a batch (its messages delivered and handled, its rows not yet deleted)
-        # long enough to be caught there (step 3).
-        relay_1_args = [*relay_args[:2], _through(url, slow.port), *relay_args[3:]]
+        # The first relay's connection to the broker delays every reply by 200 ms (the proxy
+        # sets the delay of a connection when it accepts it; the same address, so the same
+        # queue as the database records): the relay keeps no transaction open while its
+        # confirms come, and this keeps it inside a batch (its messages delivered and handled,
+        # its rows not yet deleted) long enough to be caught there (step 3).
+        proxy.reply_delay = 0.2
         run.relay = await run.start(
-            "relay-1", relay_1_args, "outbox relay active", PGAPPNAME=relay_app
+            "relay-1", relay_args, "outbox relay active", PGAPPNAME=relay_app
         )
+        proxy.reply_delay = 0.0
         for label in ("worker-1", "worker-2"):
             run.workers.append(await run.start(label, worker_args, "worker started"))
         await run.wait_applied(30)
@@ -510,4 +510,3 @@ async def test_jobs_apply_once_through_crashes_a_cut_connection_and_a_killed_rel
     finally:
         await direct.close()
         await proxy.close()
-        await slow.close()
