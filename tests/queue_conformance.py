@@ -28,7 +28,16 @@ from typing import Any, ClassVar, cast
 import psycopg
 import pytest
 
-from jobfence import ConfigError, Delivery, Message, QueueCapabilities, QueuePort, QueueSize
+from jobfence import (
+    ConfigError,
+    Delivery,
+    Message,
+    PublishRefused,
+    QueueCapabilities,
+    QueuePort,
+    QueueSize,
+)
+from jobfence.model import Outgoing
 from support import wait_until
 
 QUEUE = "conformance.main"
@@ -537,6 +546,51 @@ class QueueConformance:
         (redelivered,) = await env.receive_soon()
         assert (redelivered.message, redelivered.attempt) == (carried.message, 6)
         assert await env.queue.ack(redelivered) is True
+
+    async def test_publish_many_confirms_each_message_with_its_prior_attempts(
+        self, env: QueueEnv
+    ) -> None:
+        """What the outbox relay publishes through: one result per message, ``None`` once
+        confirmed; every message then arrives as a single publish would have sent it."""
+        outgoing = [
+            Outgoing(message(f"many-{n}", queue=QUEUE if n % 2 else OTHER_QUEUE), n % 3)
+            for n in range(40)
+        ]
+        assert await env.queue.publish_many([]) == []
+        assert await env.queue.publish_many(outgoing) == [None] * 40
+
+        got: list[Delivery] = []
+
+        async def all_of_them() -> bool:
+            got.extend(await env.receive([QUEUE, OTHER_QUEUE], max_messages=100))
+            return len(got) >= 40
+
+        await wait_until(all_of_them, timeout=0 if env.clock else 10, message="40 messages")
+        by_job = {d.message.job_id: (d.message, d.attempt) for d in got}
+        assert len(got) == 40
+        assert by_job == {
+            item.message.job_id: (item.message, item.prior_attempts + 1) for item in outgoing
+        }
+
+    async def test_publish_many_with_one_bad_message_publishes_the_others(
+        self, env: QueueEnv
+    ) -> None:
+        """A message the adapter cannot take (a queue name no queue can have) is that
+        message's error alone: the others are confirmed."""
+        outgoing = [
+            Outgoing(message("before")),
+            Outgoing(message("odd", queue="a queue {with} spaces and braces")),
+            Outgoing(message("after")),
+        ]
+        results = await env.queue.publish_many(outgoing)
+        assert len(results) == 3 and results[0] is None and results[2] is None
+        got = await env.receive_soon(max_messages=10)
+        names = set(job_ids(got))
+        if results[1] is None:  # an adapter that takes any queue name (memory, PostgreSQL)
+            assert names == {"before", "after"}
+        else:
+            assert isinstance(results[1], PublishRefused | ConfigError), results[1]
+            assert names == {"before", "after"}
 
     async def test_size_counts_due_and_total_messages_per_queue(self, env: QueueEnv) -> None:
         """A message held back (by a delayed publish, else by a retry with a delay) counts in

@@ -12,6 +12,10 @@ socket ``.s.PGSQL.<port>``. Clients reach it over TCP either way.
 
 :attr:`TcpProxy.carried` counts the client connections open now, :attr:`TcpProxy.refused`
 the ones closed at once while down or cut.
+
+``reply_delay`` (seconds) delays everything the target sends back by that much, as a distant
+server would: latency, not a bandwidth limit (replies that arrive together leave together), so
+a client that pipelines its requests waits one delay for the lot.
 """
 
 from __future__ import annotations
@@ -24,8 +28,9 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 
 class TcpProxy:
-    def __init__(self, target_host: str, target_port: int) -> None:
+    def __init__(self, target_host: str, target_port: int, *, reply_delay: float = 0.0) -> None:
         self.target = (target_host, target_port)
+        self.reply_delay = reply_delay
         self.port = 0
         self.accepting = True
         self.abrupt = False  # cut rather than down: reset connections instead of closing them
@@ -33,6 +38,7 @@ class TcpProxy:
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self._doomed: set[asyncio.StreamWriter] = set()
+        self._upstream: set[asyncio.StreamWriter] = set()
         self._tasks: set[asyncio.Task[None]] = set()
 
     @classmethod
@@ -63,6 +69,17 @@ class TcpProxy:
     def carried(self) -> int:
         """Client connections open through the proxy now."""
         return len(self._writers) // 2
+
+    @property
+    def upstream_ports(self) -> set[int]:
+        """The local ports of the connections it opened to its target (how the target knows
+        them)."""
+        ports: set[int] = set()
+        for writer in self._upstream:
+            sockname = writer.get_extra_info("sockname")
+            if sockname is not None and not writer.is_closing():
+                ports.add(int(sockname[1]))
+        return ports
 
     def down(self) -> None:
         """Close every connection now and close every new one until :meth:`up`."""
@@ -118,10 +135,55 @@ class TcpProxy:
             up_writer.close()
             return
         self._writers |= {writer, up_writer}
-        for source, sink in ((reader, up_writer), (up_reader, writer)):
-            task = asyncio.create_task(self._pipe(source, sink, (writer, up_writer)))
+        self._upstream.add(up_writer)
+        for source, sink, delay in ((reader, up_writer, 0.0), (up_reader, writer, None)):
+            if delay is None and self.reply_delay > 0:
+                pipe = self._delayed_pipe(source, sink, (writer, up_writer))
+            else:
+                pipe = self._pipe(source, sink, (writer, up_writer))
+            task = asyncio.create_task(pipe)
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+
+    async def _delayed_pipe(
+        self,
+        source: asyncio.StreamReader,
+        sink: asyncio.StreamWriter,
+        pair: tuple[asyncio.StreamWriter, asyncio.StreamWriter],
+    ) -> None:
+        """As :meth:`_pipe`, each chunk written ``reply_delay`` after it arrived."""
+        loop = asyncio.get_running_loop()
+        chunks: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
+
+        async def deliver() -> None:
+            while True:
+                due, data = await chunks.get()
+                if not data:
+                    return
+                if (wait := due - loop.time()) > 0:
+                    await asyncio.sleep(wait)
+                if sink in self._doomed or sink.is_closing():
+                    return
+                sink.write(data)
+                await sink.drain()
+
+        delivering = asyncio.create_task(deliver())
+        try:
+            while data := await source.read(65536):
+                chunks.put_nowait((loop.time() + self.reply_delay, data))
+            chunks.put_nowait((loop.time() + self.reply_delay, b""))
+            await delivering
+        except (OSError, RuntimeError):
+            pass
+        finally:
+            delivering.cancel()
+            with contextlib.suppress(asyncio.CancelledError, OSError, RuntimeError):
+                await delivering
+            for writer in pair:
+                self._writers.discard(writer)
+                self._doomed.discard(writer)
+                self._upstream.discard(writer)
+                writer.close()
 
     async def _pipe(
         self,
@@ -141,6 +203,7 @@ class TcpProxy:
             for writer in pair:
                 self._writers.discard(writer)
                 self._doomed.discard(writer)
+                self._upstream.discard(writer)
                 writer.close()
 
     async def close(self) -> None:

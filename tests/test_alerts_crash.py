@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -342,6 +343,14 @@ async def test_relay_killed_while_better_stack_holds_its_answer_resolves_or_esca
     assert await second.wait_exit() == 0
 
 
+async def last_attempt_at(conn: AsyncConnection[Any]) -> datetime:
+    """When the relay recorded its latest attempt of the only alert (the database's clock)."""
+    cur = await conn.execute("SELECT last_attempt_at FROM jobfence.alerts")
+    [(at,)] = await cur.fetchall()
+    assert isinstance(at, datetime)
+    return at
+
+
 async def test_relay_killed_while_better_stack_is_still_creating_waits_before_looking_up(
     database_url: str,
     conn: AsyncConnection[Any],
@@ -363,13 +372,19 @@ async def test_relay_killed_while_better_stack_is_still_creating_waits_before_lo
         return first.alive() and len(server.posts()) == 1
 
     await wait_until(posted, timeout=20, message="the create to reach Better Stack")
+    # The relay measures the wait from its own record of the first attempt (committed before
+    # the request went out), on the database clock: so does this test. The fake's arrival
+    # times come later than that record by however long the request took to get there.
+    first_attempt_at = await last_attempt_at(conn)
     await first.kill()
     second = cli_relay(env, tmp_path / "second.log")
     processes.append(second)
     await wait_for_alerts(conn, "sent", 1, timeout=25)
     [post] = server.posts()
     [lookup] = server.lists()
-    assert lookup.at - post.at >= 7.0 - 0.1, "not before the timeout plus the margin"
+    waited = (await last_attempt_at(conn) - first_attempt_at).total_seconds()
+    assert waited >= 7.0, f"the second attempt came {waited:.3f}s after the first, before 2 + 5 s"
+    assert lookup.at > post.at, "the lookup came first"
     assert len(server.incident_list()) == 1, "no second incident"
     [row] = await alert_rows(conn)
     assert (row["state"], row["outcome"]) == ("sent", "found")

@@ -365,10 +365,23 @@ async def test_a_lost_create_still_in_progress_is_looked_up_only_once_it_is_over
         settings=fast_settings(lost_answer_wait_seconds=0.3 + 1.5),
     )
     async with running(relay):
+
+        async def posted() -> bool:
+            return len(server.posts()) == 1
+
+        await wait_until(posted, timeout=15, message="the create to reach Better Stack")
+        # The relay measures the wait from its record of the attempt, committed before the
+        # request went out (the fake sees it arrive later): so does this test.
+        cur = await conn.execute("SELECT attempts, last_attempt_at FROM jobfence.alerts")
+        [(attempts, first_attempt_at)] = await cur.fetchall()
+        assert attempts == 1, "read before the second attempt, which waits 1.8 s"
         await wait_for_alerts(conn, "sent", 1, timeout=15)
     [first, *_] = server.posts()
     [lookup] = server.lists()
-    assert lookup.at - first.at >= 1.75, "looked up once the lost attempt was surely over"
+    second_attempt_at = await scalar(conn, "SELECT last_attempt_at FROM jobfence.alerts")
+    waited = (second_attempt_at - first_attempt_at).total_seconds()
+    assert waited >= 1.8, f"looked up {waited:.3f}s after the lost attempt, before it was over"
+    assert lookup.at > first.at
     assert len(server.incident_list()) == 1, "no second incident"
     assert len(server.posts()) == 1
     [row] = await alert_rows(conn)

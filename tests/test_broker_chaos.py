@@ -248,17 +248,18 @@ class Run:
 
     async def kill_relay_inside_a_batch(self, job_ids: list[str], relay_app: str) -> int:
         """Enqueue ``job_ids`` 50 at a time until the relay is caught inside a batch: frozen
-        (SIGSTOP) while its transaction is open, once a job it published in that batch has been
-        handled while the job's outbox row is still there (published, not marked sent). Then
-        SIGKILL it; returns the rows it left waiting."""
+        (SIGSTOP) while it holds claimed rows (claimed, being published, not yet deleted: it
+        keeps no transaction open meanwhile), once a job it published in that batch has been
+        handled while the job's outbox row is still there (published, not deleted). Then
+        SIGKILL it; returns the rows it left waiting. ``relay_app`` names its connection."""
         relay = self.relay
         assert relay is not None
 
         async def in_batch() -> bool:
             return bool(
                 await self.count(
-                    "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s"
-                    " AND state = 'idle in transaction'",
+                    "SELECT count(*) FROM jobfence.outbox WHERE claimed_until > now()"
+                    " AND EXISTS (SELECT FROM pg_stat_activity WHERE application_name = %s)",
                     (relay_app,),
                 )
             )
@@ -456,9 +457,16 @@ async def test_jobs_apply_once_through_crashes_a_cut_connection_and_a_killed_rel
 
         # 1. A first third, then the relay and two workers.
         await run.enqueue(phases[0])
+        # The first relay's connection to the broker delays every reply by 200 ms (the proxy
+        # sets the delay of a connection when it accepts it; the same address, so the same
+        # queue as the database records): the relay keeps no transaction open while its
+        # confirms come, and this keeps it inside a batch (its messages delivered and handled,
+        # its rows not yet deleted) long enough to be caught there (step 3).
+        proxy.reply_delay = 0.2
         run.relay = await run.start(
             "relay-1", relay_args, "outbox relay active", PGAPPNAME=relay_app
         )
+        proxy.reply_delay = 0.0
         for label in ("worker-1", "worker-2"):
             run.workers.append(await run.start(label, worker_args, "worker started"))
         await run.wait_applied(30)

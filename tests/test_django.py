@@ -451,6 +451,61 @@ def test_a_handler_that_ends_or_dooms_its_transaction_fails_and_the_worker_goes_
     assert points(django_db, "fine") == 1
 
 
+SWALLOWED = (
+    ("swallow_tx_commit", "commit"),
+    ("swallow_tx_rollback", "rollback"),
+    ("swallow_tx_close", "close"),
+    ("swallow_tx_autocommit", "set_autocommit"),
+    ("swallow_commit", "commit"),
+    ("swallow_rollback", "rollback"),
+    ("swallow_set_autocommit", "set_autocommit"),
+    ("swallow_close", "close"),
+)
+
+
+def test_a_handler_that_swallows_a_refused_call_is_dead_lettered_with_nothing_applied(
+    django_db: str,
+) -> None:
+    """commit(), rollback(), close() or set_autocommit() on the psycopg connection, and Django's
+    transaction.commit(), transaction.rollback(), transaction.set_autocommit() and
+    connection.close(): refused, the error caught by the handler, and the job fails all the
+    same, nothing of it committed, dead-lettered at once; the next job runs normally."""
+    jobs = [(how, {"account": "ann", "amount": 1, "misuse": how}) for how, _ in SWALLOWED]
+    shell(django_db, enqueue_code(*jobs, ("fine", {"account": "ann", "amount": 1})))
+    done = manage(django_db, "jobfence_worker", "--until", "empty", "--concurrency", "1")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"worker stopped: dead_lettered {len(SWALLOWED)}, succeeded 1, released 0" in (
+        done.stdout
+    ), done.stdout + done.stderr
+    with psycopg.connect(django_db) as conn:
+        found = conn.execute(
+            "SELECT job_id, attempts, error_class, last_error FROM core.dead_letters"
+        )
+        rows = {r[0]: r[1:] for r in found.fetchall()}
+    for how, what in SWALLOWED:
+        attempts, error_class, last_error = rows[how]
+        assert (attempts, error_class) == (1, "jobfence.TransactionMisuse"), (how, last_error)
+        assert f"do not call {what}()" in last_error, (how, last_error)
+        assert points(django_db, how) == 0, how
+    assert fences(django_db) == 1
+    assert points(django_db, "fine") == 1
+
+
+def test_a_root_console_handler_in_logging_prints_each_worker_line_once(django_db: str) -> None:
+    """docs/django.md's LOGGING (a root console handler, no formatter) as the project's: the
+    worker logs through it, adds no handler of its own, and so prints each line once."""
+    shell(django_db, enqueue_code(("logged", {"account": "ann", "amount": 1, "fail": "always"})))
+    done = manage(django_db, "jobfence_worker", "--until", "empty", DJANGOPROJECT_ROOT_LOGGING="1")
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stderr.splitlines()
+    started = [line for line in lines if "worker started: queues points" in line]
+    assert started == ["worker started: queues points, concurrency 2"], done.stderr
+    retried = [line for line in lines if "job logged for award_points failed (attempt 1" in line]
+    assert len(retried) == 1 and retried[0].startswith("job logged"), done.stderr
+    dead = [line for line in lines if "dead-lettered after 3 attempt(s)" in line]
+    assert len(dead) == 1 and dead[0].startswith("job logged"), done.stderr
+
+
 def test_group_commit_runs_a_group_in_one_atomic_block_and_a_failure_alone(
     django_db: str,
 ) -> None:

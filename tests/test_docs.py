@@ -1,17 +1,30 @@
 """The documentation states facts the code decides: the newest migration, every command, flag
-and environment variable, and links between pages. These tests keep the two in step, and keep
-work-log words (sessions, issue numbers, an unpublished spec's jargon) out of what users read."""
+and environment variable, and links between pages. These tests keep the two in step, run the
+snippets whose output the pages show (sqlalchemy.md's schema command, configuration.md's --json
+error; the code examples of the other pages run in test_docs_producers.py,
+test_docs_sqlalchemy.py, test_readme.py and test_django.py), hold the rules stated on several
+pages to one wording, and keep work-log words (sessions, issue numbers, an unpublished spec's
+jargon) out of what users read."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import re
+import shlex
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
+from psycopg.conninfo import conninfo_to_dict
 
 from jobfence.cli import build_parser
+from test_cli_dead_letters import dl
+from test_cli_json_errors import json_error
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGURATION = ROOT / "docs" / "configuration.md"
@@ -198,3 +211,89 @@ def test_every_decision_number_a_page_uses_is_defined_in_concepts_md() -> None:
         "decision numbers used without a definition in docs/concepts.md "
         f'(an anchor <a id="d4"></a> in its Behaviour reference): {undefined}'
     )
+
+
+# --- one rule, one wording; snippets that run -----------------------------------------------------
+
+RULE = re.compile(r"<!-- rule: (?P<name>[^>]+?) -->\n(?P<text>.*?)<!-- /rule -->", re.DOTALL)
+TRANSACTION_RULE_PAGES = ["sync.md", "sqlalchemy.md", "django.md", "concepts.md"]
+
+
+def test_the_transaction_rule_is_stated_in_the_same_words_on_every_handler_page() -> None:
+    """How a handler must not end its transaction, and what happens if it tries: one rule for
+    every flavour, the same text wherever it is stated."""
+    stated: dict[str, str] = {}
+    for name in TRANSACTION_RULE_PAGES:
+        found = [
+            m.group("text")
+            for m in RULE.finditer(read(ROOT / "docs" / name))
+            if m.group("name") == "ending the transaction"
+        ]
+        assert len(found) == 1, f"docs/{name} states the transaction rule {len(found)} times"
+        stated[name] = found[0]
+    assert len(set(stated.values())) == 1, "the transaction rule differs between pages"
+    for page in user_docs():  # and nowhere is a commit in a handler said to be retried
+        assert "transient failure, so\n  the job is retried" not in read(page)
+
+
+def test_the_command_line_usage_lists_every_command() -> None:
+    parser = build_parser()
+    names = [path[0] for path, _ in commands(parser) if len(path) == 1]
+    usage = section(read(CONFIGURATION), "Command line")
+    shown = re.search(r"\{([a-z,-]+)\} \.\.\.", usage)
+    assert shown, "docs/configuration.md's usage line lists no commands"
+    assert shown.group(1).split(",") == names
+
+
+def test_the_sqlalchemy_extra_brings_what_the_asyncio_paths_need() -> None:
+    """The documented AsyncSession producer and async_session_for need greenlet, which
+    SQLAlchemy 2.1 installs only with its asyncio extra."""
+    import tomllib
+
+    extras = tomllib.loads(read(ROOT / "pyproject.toml"))["project"]["optional-dependencies"]
+    assert any(
+        re.match(r"sqlalchemy\[[^\]]*\basyncio\b", req) or req.startswith("greenlet")
+        for req in extras["sqlalchemy"]
+    ), extras["sqlalchemy"]
+
+
+def test_the_sqlalchemy_page_applies_the_schema_as_written(empty_database_url: str) -> None:
+    """docs/sqlalchemy.md's `jobfence migrate` line, run in a shell on a fresh database (its
+    example URL replaced by the test's), migrates it; run again, it is up to date."""
+    block = re.search(
+        r"## jobfence's schema\n.*?```sh\n(.*?)```",
+        read(ROOT / "docs" / "sqlalchemy.md"),
+        re.DOTALL,
+    )
+    assert block, "docs/sqlalchemy.md shows how to apply the schema"
+    parts = conninfo_to_dict(empty_database_url)
+    url = (
+        f"postgresql://{quote(parts.get('user', ''))}@/{quote(parts['dbname'])}"
+        f"?host={quote(parts.get('host', ''))}&port={parts.get('port', 5432)}"
+    )
+    env_password = {"PGPASSWORD": str(parts["password"])} if parts.get("password") else {}
+    command = block.group(1).strip().replace("postgresql://app@db:5432/app", shlex.quote(url))
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+    env = {**os.environ, **env_password, "PATH": path}
+    env.pop("JOBFENCE_DATABASE_URL", None)
+
+    def run() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            command, shell=True, env=env, capture_output=True, text=True, timeout=60, check=False
+        )
+
+    first = run()
+    assert first.returncode == 0, first.stderr
+    assert "applied 0001_" in first.stdout, first.stdout
+    again = run()
+    assert again.returncode == 0 and "already up to date" in again.stdout, again.stdout
+
+
+def test_the_documented_json_error_is_what_the_command_prints(database_url: str) -> None:
+    block = re.search(
+        r"```\n\$ (jobfence dead-letters show .*)\n(\{.*\})\n```", read(CONFIGURATION)
+    )
+    assert block, "docs/configuration.md shows a --json error"
+    command, shown = block.group(1).split()[1:], json.loads(block.group(2))
+    done = dl(*command[1:], url=database_url)
+    assert json_error(done) == shown

@@ -15,8 +15,10 @@ WORKER_MODULES = [
     "src/jobfence/leases.py",
     "src/jobfence/harness.py",
     "src/jobfence/outage_log.py",
+    "src/jobfence/outbox.py",  # the relay every worker on a broker runs
     "src/jobfence/adapters/pg_queue.py",
     "src/jobfence/adapters/nats.py",
+    "src/jobfence/ops/bulk.py",  # the API's and the CLI's bulk replays
 ]
 LEVELS = {"warning", "error", "exception", "critical", "log"}  # log: a level chosen at run time
 PLACEHOLDER = re.compile(r"%(?:\.\d+)?[sdrf]")

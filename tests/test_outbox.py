@@ -231,6 +231,8 @@ class FailingQueue(MemoryQueue):
 async def test_a_failed_publish_keeps_its_row_and_is_retried_after_a_backoff(
     external: psycopg.AsyncConnection[Any], database_url: str
 ) -> None:
+    """A message whose publish fails while the broker answers waits out its own backoff; the
+    others of its batch are published."""
     app = pointsapp.build_app()
     for n in (1, 2):
         await app.enqueue(external, AWARD, {"account_id": 1, "points": 1}, job_id=f"f-{n}")
@@ -241,16 +243,13 @@ async def test_a_failed_publish_keeps_its_row_and_is_retried_after_a_backoff(
     async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as c:
         wait = await relay.run_round(c)
         assert 0 < wait <= 0.05
-        assert relay.stats.failed == 1 and relay.stats.published == 0
+        assert relay.stats.failed == 1 and relay.stats.published == 1
         cur = await external.execute(
             "SELECT job_id, attempts, last_error FROM jobfence.outbox ORDER BY id"
         )
-        assert await cur.fetchall() == [
-            ("f-1", 1, "ConnectionError: broker unreachable"),
-            ("f-2", 0, None),
-        ]
+        assert await cur.fetchall() == [("f-1", 1, "ConnectionError: broker unreachable")]
         assert metrics.registry.get_sample_value("jobfence_outbox_failed_total") == 1
-        assert metrics.registry.get_sample_value("jobfence_outbox_waiting") == 2
+        assert metrics.registry.get_sample_value("jobfence_outbox_waiting") == 1
 
         async def drained() -> bool:
             await relay.run_round(c)

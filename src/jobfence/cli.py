@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import importlib
+import io
+import json
 import logging
 import math
 import os
@@ -18,6 +21,7 @@ import psycopg
 
 from jobfence import cli_dead_letters, db, runtime, schema
 from jobfence.app import App
+from jobfence.cli_dead_letters import report_error
 from jobfence.errors import ConfigError, JobfenceError
 from jobfence.limits import MAX_LEASE_SECONDS
 from jobfence.queues import add_queue_url_option
@@ -539,7 +543,10 @@ def _add_outbox_relay_parser(sub: Any) -> None:
         "--poll-seconds", type=_poll_seconds, default=1.0, help="idle wait between rounds (1)"
     )
     p.add_argument(
-        "--batch-size", type=_fetch_batch, default=100, help="rows per transaction (100)"
+        "--batch-size",
+        type=_fetch_batch,
+        default=500,
+        help="rows claimed and published together, their confirms outstanding at once (500)",
     )
     _add_metrics_options(p)
     p.set_defaults(func=_cmd_outbox_relay)
@@ -712,16 +719,39 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(
-    argv: Sequence[str] | None = None, *, sync_runner: SyncTransactionRunner | None = None
+    argv: Sequence[str] | None = None,
+    *,
+    sync_runner: SyncTransactionRunner | None = None,
+    follow_logging: bool = False,
 ) -> int:
     """Run one ``jobfence`` command. ``sync_runner``: what ``worker`` runs the transactions of
     sync handlers on, instead of its own psycopg pool (``manage.py jobfence_worker`` gives
-    Django's, see docs/django.md)."""
+    Django's, see docs/django.md). ``follow_logging``: when the root logger has handlers
+    already (a framework's logging settings), log through them instead of adding one
+    (:func:`jobfence.observability.follow_configured_logging`)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    if "--json" in words:
+        # A usage mistake in a --json command: argparse's lines on stderr, and the error as
+        # JSON on stdout, like any other error of a --json command.
+        said = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(said):
+                args = parser.parse_args(words)
+        except SystemExit as exc:
+            sys.stderr.write(said.getvalue())
+            if exc.code in (0, None):
+                raise
+            lines = said.getvalue().strip().splitlines() or ["invalid arguments"]
+            message = lines[-1].removeprefix("jobfence: error: ")
+            return report_error_json(message, int(exc.code) if isinstance(exc.code, int) else 2)
+        sys.stderr.write(said.getvalue())
+    else:
+        args = parser.parse_args(words)
     args.sync_runner = sync_runner
+    as_json = bool(getattr(args, "json", False))
     from jobfence.config import ENV_QUEUE_URL, log_format_from_env
-    from jobfence.observability import configure_logging
+    from jobfence.observability import configure_logging, follow_configured_logging
     from jobfence.queues import parse_queue_url, queue_url_from_env
 
     try:
@@ -739,26 +769,27 @@ def main(
         elif not getattr(args, "print_sql", False):
             db.check_database_setting()
     except JobfenceError as exc:
-        cli_dead_letters.error_line(str(exc))
-        return 2
+        return report_error(str(exc), 2, as_json=as_json)
     # jobfence's own start-up and progress lines (the database in use, retry-policy overrides
     # with their rationale) are INFO; other libraries stay at WARNING unless -v. Configured
     # secrets (tokens, the database password) are redacted from every line.
-    configure_logging(
-        log_format,
-        logging.DEBUG if args.verbose else logging.INFO,
-        other_level=logging.DEBUG if args.verbose else logging.WARNING,
-    )
+    level = logging.DEBUG if args.verbose else logging.INFO
+    if follow_logging and follow_configured_logging(level):
+        if args.verbose:  # asked for on this command line: every logger at DEBUG
+            logging.getLogger().setLevel(logging.DEBUG)
+            logging.getLogger("jobfence").setLevel(logging.DEBUG)
+    else:
+        configure_logging(
+            log_format, level, other_level=logging.DEBUG if args.verbose else logging.WARNING
+        )
     func: Callable[[argparse.Namespace], Coroutine[Any, Any, int]] = args.func
     try:
         return runtime.run(lambda: func(args))
     except JobfenceError as exc:
-        cli_dead_letters.error_line(str(exc))
-        return 2
+        return report_error(str(exc), 2, as_json=as_json)
     except psycopg.Error as exc:
         # Permission denied, a lost connection...: one line, never the password.
-        cli_dead_letters.error_line(f"database error ({type(exc).__name__}): {exc}")
-        return 1
+        return report_error(f"database error ({type(exc).__name__}): {exc}", 1, as_json=as_json)
     except BrokenPipeError:
         # The reader went away (``jobfence dead-letters list | head``): stop quietly.
         devnull = os.open(os.devnull, os.O_WRONLY)
@@ -766,6 +797,12 @@ def main(
         return 141
     except KeyboardInterrupt:
         return 130
+
+
+def report_error_json(message: str, exit_code: int) -> int:
+    """:func:`report_error` for a --json command, its line on stderr written already."""
+    print(json.dumps({"error": message, "exit_code": exit_code}), flush=True)
+    return exit_code
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -268,11 +268,9 @@ def _guarded(command: Command) -> Command:
         try:
             return await command(args)
         except (DeadLetterNotFound, DeadLetterConflict, ops.BulkReplayNotFound) as exc:
-            _error(str(exc))
-            return EXIT_REFUSED
+            return report_error(str(exc), EXIT_REFUSED, as_json=args.json)
         except (InvalidRequest, BulkTooLarge) as exc:
-            _error(_in_flags(exc))
-            return EXIT_INVALID
+            return report_error(_in_flags(exc), EXIT_INVALID, as_json=args.json)
 
     return run
 
@@ -322,15 +320,21 @@ def _in_flags(exc: InvalidRequest | BulkTooLarge) -> str:
 # --- formatting ---------------------------------------------------------------------------
 
 
-def error_line(text: str) -> None:
-    """``jobfence: error: TEXT`` on stderr, every command's: one line, control characters
-    escaped, and no configured secret (a client library's error may quote a URL, or a piece
-    of one)."""
-    shown = printable(" ".join(text.split()))
-    print(f"jobfence: error: {redact_text(shown, secrets_from_env())}", file=sys.stderr)
+def _shown_error(text: str) -> str:
+    """An error's text as a command shows it: one line, control characters escaped, and no
+    configured secret (a client library's error may quote a URL, or a piece of one)."""
+    return redact_text(printable(" ".join(text.split())), secrets_from_env())
 
 
-_error = error_line
+def report_error(message: str, exit_code: int, *, as_json: bool) -> int:
+    """An error a command ends with: one line on stderr and, for a ``--json`` command, the JSON
+    object ``{"error": message, "exit_code": exit_code}`` on stdout (the same text, escaped and
+    without secrets); returns ``exit_code``."""
+    shown = _shown_error(message)
+    print(f"jobfence: error: {shown}", file=sys.stderr)
+    if as_json:
+        print(json.dumps({"error": shown, "exit_code": exit_code}), flush=True)
+    return exit_code
 
 
 def _json_default(value: object) -> Any:

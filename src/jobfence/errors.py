@@ -30,12 +30,25 @@ class QueueUnavailable(JobfenceError):
     __module__ = "jobfence"
 
 
+class PublishRefused(JobfenceError):
+    """The broker refuses this one message for good (it is over the broker's size limit, for
+    example): publishing it again would fail the same way. A queue adapter raises it from
+    ``publish`` and ``publish_many`` for that message only; the outbox relay turns the message
+    into a dead letter of error class ``PublishRefused`` (with its alert), replayable once the
+    cause is fixed, and goes on with the others."""
+
+    __module__ = "jobfence"
+
+
 class JobRefused(JobfenceError, ValueError):
     """A job refused at enqueue, before any SQL ran: an identifier breaks a limit, the payload
     holds what PostgreSQL cannot store, or the delay is not a finite number of seconds within
-    its limit. ``field`` names the offender (``job_id``, ``tenant_id``, ``correlation_id``,
-    ``consumer``, ``queue``, ``payload`` or ``delay_seconds``); the message says what is wrong
-    and the limit. The caller's transaction is untouched and stays usable."""
+    its limit; or by the enqueue statement itself, which then writes nothing and raises nothing
+    in the database: the payload is over the largest message the external queue's broker
+    accepts (recorded by the outbox relay, e.g. NATS's ``max_payload``). ``field`` names the
+    offender (``job_id``, ``tenant_id``, ``correlation_id``, ``consumer``, ``queue``,
+    ``payload`` or ``delay_seconds``); the message says what is wrong and the limit. The
+    caller's transaction is untouched and stays usable."""
 
     __module__ = "jobfence"
 
@@ -61,11 +74,13 @@ class TransactionAborted(JobfenceError):
 
 
 class TransactionMisuse(JobfenceError, HardFailure):
-    """A sync handler (or its SQLAlchemy session) tried to end the work transaction itself:
-    ``commit()``, ``rollback()`` or ``close()`` on the connection jobfence lent it, or a
-    ``COMMIT`` it sent. The fence transaction is committed by jobfence, with the handler's work
-    and its fence together. The call is refused before anything is sent, the transaction rolls
-    back, and the job is dead-lettered at once: a handler that does this does it every time."""
+    """A handler (or its SQLAlchemy session, or Django's ``transaction``) tried to end the work
+    transaction itself: ``commit()``, ``rollback()``, ``close()`` or ``set_autocommit()`` on the
+    connection jobfence lent it, or a ``COMMIT`` it sent. The fence transaction is committed by
+    jobfence, with the handler's work and its fence together. The call is refused before
+    anything is sent, and once one was refused the job fails with this error even if the handler
+    caught it: the transaction rolls back and the job is dead-lettered at once (a handler that
+    does this does it every time)."""
 
     __module__ = "jobfence"
 

@@ -7,6 +7,10 @@ r"""One delivery, from bytes to exactly one effect or one dead letter.
     identifiers that break a limit (jobfence.limits): UnfenceableMessage dead letter at once
     an error inside jobfence itself, again at delivery INTERNAL_FAILURE_DELIVERIES: InternalFailure
 
+While the handler runs, its connection refuses every call that would end the transaction
+(jobfence.guard); once one was refused the job fails as TransactionMisuse, decided here after the
+handler, whatever the handler did with the refusal.
+
 The fence row is inserted first (``ON CONFLICT DO NOTHING``): a concurrent duplicate blocks on
 the uncommitted key and, once the first commits, finds it and skips. There is no "in progress"
 state that could get stuck: a crash rolls the whole transaction back, fence included.
@@ -47,7 +51,8 @@ from jobfence.codec import (
     message_payload,
     stored_payload,
 )
-from jobfence.errors import HardFailure, PoisonMessage, QueueUnavailable, TransactionAborted
+from jobfence.errors import HardFailure, PoisonMessage, QueueUnavailable
+from jobfence.guard import after_handler, guarded
 from jobfence.limits import (
     MAX_ATTEMPT,
     MAX_CORRELATION_ID_BYTES,
@@ -58,6 +63,7 @@ from jobfence.limits import (
     recordable_attempt,
     shown_value,
     storable,
+    storable_text,
 )
 from jobfence.model import Delivery, JobMeta
 from jobfence.pgtx import NextBeginFailed, Tx
@@ -179,18 +185,6 @@ def describe_error(exc: BaseException) -> str:
     if len(text) > MAX_ERROR_CHARS:
         text = text[: MAX_ERROR_CHARS - 20] + "\n... (trimmed)"
     return storable_text(text)
-
-
-def storable_text(text: str) -> str:
-    """``text`` as PostgreSQL text can hold it: NULs and lone surrogates escaped."""
-    if "\x00" in text:
-        text = text.replace("\x00", "\\x00")
-    if not text.isascii():
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
-            text = text.encode("utf-8", "backslashreplace").decode("utf-8")
-    return text
 
 
 class _Throttle:
@@ -537,7 +531,8 @@ class Harness:
                 if ran:
                     begun = time.perf_counter()
                     try:
-                        returned = job.consumer.handler(job.payload, job.meta, tx)  # type: ignore[arg-type]
+                        with guarded(tx) as guard:
+                            returned = job.consumer.handler(job.payload, job.meta, tx)  # type: ignore[arg-type]
                     finally:
                         timings.append((job.meta, time.perf_counter() - begun))
                     if inspect.isawaitable(returned):
@@ -547,6 +542,7 @@ class Harness:
                             f"the sync handler of consumer {job.consumer.name!r} returned an"
                             " awaitable: declare it `async def` to get an AsyncConnection"
                         )
+                    after_handler(tx, guard)
             return fresh
 
         try:
@@ -556,18 +552,16 @@ class Harness:
                 self._metrics.handler_duration(meta.queue, meta.consumer, seconds)
 
     async def _run_handler(self, job: Job, conn: AsyncConnection[Any]) -> None:
-        """The handler, timed; a database error it caught leaves nothing to commit."""
+        """The handler, timed, on ``conn`` lent (jobfence.guard): a call it was refused, or a
+        transaction it ended or doomed, fails the job whatever the handler did afterwards."""
         meta = job.meta
         begun = time.perf_counter()
         try:
-            await job.consumer.handler(job.payload, meta, conn)  # type: ignore[arg-type,misc]
+            with guarded(conn) as guard:
+                await job.consumer.handler(job.payload, meta, conn)  # type: ignore[arg-type,misc]
         finally:
             self._metrics.handler_duration(meta.queue, meta.consumer, time.perf_counter() - begun)
-        if conn.pgconn.transaction_status == TransactionStatus.INERROR:
-            raise TransactionAborted(
-                "the handler returned after a database error aborted its transaction"
-                " (caught, not raised): nothing of this job can commit"
-            )
+        after_handler(conn, guard)
 
     def _prepare(self, delivery: Delivery) -> Job | PoisonMessage:
         """Decode and validate: the job to run, or why the delivery is poison (D6)."""

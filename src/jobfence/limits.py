@@ -156,3 +156,25 @@ def recordable_attempt(attempt: object) -> int:
     if isinstance(attempt, bool) or not isinstance(attempt, int):
         return 1
     return min(max(attempt, 1), MAX_ATTEMPT)
+
+
+def storable_text(text: str) -> str:
+    """``text`` as PostgreSQL text can hold it: NULs and lone surrogates escaped."""
+    if "\x00" in text:
+        text = text.replace("\x00", "\\x00")
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
+
+
+def message_size_problem(size: int, max_bytes: int, broker: str) -> str:
+    """Why a payload of ``size`` bytes cannot go to ``broker``, whose largest message is
+    ``max_bytes`` (as the broker says: NATS's ``max_payload``, recorded by the outbox relay)."""
+    return (
+        f"payload is {size:,} bytes, over the largest message the {broker} broker accepts"
+        f" ({max_bytes:,} bytes, its max_payload, headers included): it would be refused at"
+        " publish; send a smaller payload (a reference to the data) or raise the broker's limit"
+    )

@@ -26,6 +26,16 @@ class Message:
 
 
 @dataclass(frozen=True, slots=True)
+class Outgoing:
+    """One message of a :meth:`~jobfence.ports.QueuePort.publish_many`, with the deliveries its
+    job already had elsewhere (``prior_attempts``: its first delivery has attempt
+    ``prior_attempts + 1``)."""
+
+    message: Message
+    prior_attempts: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class Delivery:
     """One delivery of a message to a worker, held under a lease until acked or given back.
 

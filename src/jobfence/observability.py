@@ -509,4 +509,28 @@ def configure_logging(
     return handler
 
 
+def follow_configured_logging(
+    level: int | str = logging.INFO, *, secrets: Iterable[str] | None = None
+) -> bool:
+    """When the application configured the root logger already (a root handler, as Django's
+    ``LOGGING`` with a ``root`` entry installs), use its handlers instead of adding one: each
+    gets a filter redacting ``secrets`` (by default the configured ones), and jobfence's
+    loggers log at ``level`` unless that configuration set their level. Returns False, changing
+    nothing, when the root logger has no handler of the application's (then call
+    :func:`configure_logging`)."""
+    root = logging.getLogger()
+    theirs = [h for h in root.handlers if h.get_name() != _HANDLER_NAME]
+    if not theirs:
+        return False
+    redact = RedactSecrets(config.secrets_from_env() if secrets is None else secrets)
+    for handler in theirs:
+        for old in [f for f in handler.filters if isinstance(f, RedactSecrets)]:
+            handler.removeFilter(old)
+        handler.addFilter(redact)
+    ours = logging.getLogger("jobfence")
+    if ours.level == logging.NOTSET:
+        ours.setLevel(level)
+    return True
+
+
 _HANDLER_NAME = "jobfence"

@@ -13,7 +13,7 @@ from typing import Protocol
 
 from psycopg import AsyncConnection
 
-from jobfence.model import Delivery, Message
+from jobfence.model import Delivery, Message, Outgoing
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +85,15 @@ class QueuePort(Protocol):
         has attempt ``prior_attempts + 1``. A delay on an adapter without
         ``capabilities.delayed_publish`` is refused with ``ConfigError``, nothing published.
         """
+
+    async def publish_many(self, outgoing: Sequence[Outgoing]) -> list[Exception | None]:
+        """Publish several messages at once (no delay, no transaction), their confirms
+        outstanding together: one entry per message, in order, ``None`` once the broker
+        confirmed that message, else the error it met (``QueueUnavailable`` when the broker is
+        unreachable, :class:`~jobfence.errors.PublishRefused` when the broker refuses that
+        message for good). It does not raise for one message's failure; a message it returns
+        ``None`` for is confirmed, as after :meth:`publish` returned. The outbox relay
+        publishes through it."""
 
     async def receive(
         self,

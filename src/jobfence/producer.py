@@ -33,7 +33,7 @@ from jobfence import tracing
 from jobfence.adapters.pg_queue import publish_params, require_async_connection
 from jobfence.codec import encode_payload, payload_problem
 from jobfence.errors import ConfigError, JobRefused
-from jobfence.limits import identifiers_problem
+from jobfence.limits import identifiers_problem, message_size_problem
 from jobfence.model import Message
 from jobfence.outbox import SQL
 
@@ -113,7 +113,8 @@ async def publish_async(conn: AsyncTarget, message: Message, *, delay_seconds: f
     current trace context, under a ``create`` span (:mod:`jobfence.tracing`)."""
     if isinstance(conn, AsyncConnection):
         with tracing.create(message) as traced:
-            await conn.execute(SQL[_query(traced)], publish_params(traced, delay_seconds))
+            cur = await conn.execute(SQL[_query(traced)], publish_params(traced, delay_seconds))
+            _check_produced(await cur.fetchone(), message)
         return
     require_async_target(conn)
     sa_conn: Any = conn
@@ -122,9 +123,18 @@ async def publish_async(conn: AsyncTarget, message: Message, *, delay_seconds: f
     _require_sqlalchemy_driver(sa_conn, "enqueue")
     # Through SQLAlchemy, so that its transaction begins and covers the job (see publish_sync).
     with tracing.create(message) as traced:
-        await sa_conn.exec_driver_sql(
+        result = await sa_conn.exec_driver_sql(
             SQL.text(_query(traced)), publish_params(traced, delay_seconds)
         )
+        _check_produced(result.fetchone(), message)
+
+
+def _check_produced(row: Any, message: Message) -> None:
+    """The ``produce`` query's answer: :class:`~jobfence.JobRefused` when it wrote nothing
+    because the body is over the largest message the external queue's broker accepts (the
+    statement raised nothing, so the caller's transaction is untouched)."""
+    if row is not None and row[0] is None and row[1] is not None:
+        raise JobRefused("payload", message_size_problem(len(message.body), row[1], row[2]))
 
 
 def publish_sync(conn: object, message: Message, *, delay_seconds: float = 0.0) -> None:
@@ -136,7 +146,7 @@ def publish_sync(conn: object, message: Message, *, delay_seconds: float = 0.0) 
     The job carries the current trace context, under a ``create`` span (:mod:`jobfence.tracing`).
     """
     with tracing.create(message) as traced:
-        _publish_sync(conn, _query(traced), publish_params(traced, delay_seconds))
+        _publish_sync(conn, traced, publish_params(traced, delay_seconds))
 
 
 def _query(message: Message) -> str:
@@ -144,13 +154,15 @@ def _query(message: Message) -> str:
     return "produce" if message.traceparent is None else "produce_traced"
 
 
-def _publish_sync(conn: object, query: str, params: dict[str, object]) -> None:
+def _publish_sync(conn: object, message: Message, params: dict[str, object]) -> None:
+    query = _query(message)
     if isinstance(conn, psycopg.Connection):
-        conn.execute(SQL[query], params)
+        _check_produced(conn.execute(SQL[query], params).fetchone(), message)
         return
     if _is_psycopg2(conn):
         with conn.cursor() as cur:  # type: ignore[attr-defined]
             cur.execute(SQL.text(query), params)
+            _check_produced(cur.fetchone(), message)
         return
     sa_conn = _sqlalchemy_connection(conn)
     if sa_conn is not None:
@@ -158,7 +170,7 @@ def _publish_sync(conn: object, query: str, params: dict[str, object]) -> None:
         # Through SQLAlchemy, so that its own transaction begins (autobegin) and its commit or
         # rollback covers the job; a statement run behind its back on the DBAPI connection
         # would be rolled back when the connection returns to the pool.
-        sa_conn.exec_driver_sql(SQL.text(query), params)
+        _check_produced(sa_conn.exec_driver_sql(SQL.text(query), params).fetchone(), message)
         return
     if isinstance(conn, AsyncConnection):
         raise TypeError(

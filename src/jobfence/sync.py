@@ -25,13 +25,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
 import psycopg
-from psycopg.pq import TransactionStatus
 from psycopg.rows import TupleRow
 from psycopg_pool import ConnectionPool
 
 from jobfence import tracing
 from jobfence.db import looks_broken
-from jobfence.errors import TransactionAborted, TransactionMisuse
+from jobfence.guard import check_still_open, refuse_on
 
 log = logging.getLogger("jobfence.sync")
 
@@ -40,11 +39,6 @@ T = TypeVar("T")
 # What the work of a transaction gets: the fence statement's rows and the object the handlers
 # receive as their third argument (``tx``); what it returns, run() returns.
 Work = Callable[[Sequence[Sequence[object]], object], T]
-
-ENDED_BY_HANDLER = (
-    "the fence transaction is committed by jobfence, with the handler's work and its fence"
-    " together; do not call {what}() on the connection (or session) a handler is given"
-)
 
 
 class SyncTransactionRunner(Protocol):
@@ -86,35 +80,18 @@ class FenceConnection(psycopg.Connection[TupleRow]):
 
     def commit(self) -> None:
         if self._jobfence_lent:
-            raise TransactionMisuse(ENDED_BY_HANDLER.format(what="commit"))
+            raise refuse_on(self, "commit")
         super().commit()
 
     def rollback(self) -> None:
         if self._jobfence_lent:
-            raise TransactionMisuse(ENDED_BY_HANDLER.format(what="rollback"))
+            raise refuse_on(self, "rollback")
         super().rollback()
 
     def close(self) -> None:
         if self._jobfence_lent:
-            raise TransactionMisuse(ENDED_BY_HANDLER.format(what="close"))
+            raise refuse_on(self, "close")
         super().close()
-
-
-def check_still_open(status: TransactionStatus, closed: bool) -> None:
-    """Step 4 of :class:`SyncTransactionRunner` for a psycopg connection."""
-    if closed:
-        raise TransactionMisuse(ENDED_BY_HANDLER.format(what="close"))
-    if status == TransactionStatus.INERROR:
-        raise TransactionAborted(
-            "the handler returned after a database error aborted its transaction"
-            " (caught, not raised): nothing of this job can commit"
-        )
-    if status != TransactionStatus.INTRANS:
-        raise TransactionMisuse(
-            "the handler ended the fence transaction itself (a COMMIT or ROLLBACK statement):"
-            " what it did up to there committed or rolled back with the fence, and anything after"
-            " ran outside it; the fence transaction is committed by jobfence, never by a handler"
-        )
 
 
 class CheckedSyncPool(ConnectionPool[FenceConnection]):

@@ -23,7 +23,7 @@ import contextlib
 import re
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from jobfence.model import Delivery, Message
@@ -227,16 +227,48 @@ def create(message: Message) -> AbstractContextManager[Message]:
     return _producer(message, "create", "create")
 
 
-def send(message: Message) -> AbstractContextManager[Message]:
-    """The outbox relay publishes ``message``: a PRODUCER span ``send <queue>``, child of the
-    context the message carries (its ``create``), whose context the yielded message carries."""
-    if _trace is None:
-        return contextlib.nullcontext(message)
-    remote = _remote(message.traceparent, message.tracestate)
-    if remote is None:
-        return _producer(message, "send", "send")
-    parent = _trace.set_span_in_context(_trace.NonRecordingSpan(remote))
-    return _producer(message, "send", "send", parent=parent)
+@dataclass(slots=True)
+class Sends:
+    """The ``send`` spans of a batch the outbox relay publishes (:func:`start_sends`)."""
+
+    messages: list[Message]  # each carrying its send span's context
+    spans: list[Any]
+
+    def end(self, results: Sequence[BaseException | None]) -> None:
+        """End each span; a message the broker did not confirm sets ``error.type``."""
+        for span, result in zip(self.spans, results, strict=True):
+            if result is not None and span.is_recording():
+                span.set_attribute(ERROR_TYPE, type(result).__name__)
+                span.set_status(_trace.StatusCode.ERROR)
+            span.end()
+
+
+def start_sends(messages: Sequence[Message]) -> Sends | None:
+    """The outbox relay publishes ``messages`` (a batch, at once): a PRODUCER span
+    ``send <queue>`` per message, child of the context it carries (its ``create``), not made
+    current. None when no SDK records them (the messages keep their context)."""
+    if _trace is None or not messages:
+        return None
+    tracer = _tracer()
+    traced: list[Message] = []
+    spans: list[Any] = []
+    for message in messages:
+        remote = _remote(message.traceparent, message.tracestate)
+        parent = (
+            None if remote is None else _trace.set_span_in_context(_trace.NonRecordingSpan(remote))
+        )
+        span = tracer.start_span(
+            f"send {_text(message.queue)}", context=parent, kind=SpanKind.PRODUCER
+        )
+        ctx = span.get_span_context()
+        if not ctx.is_valid:
+            return None  # no SDK: the same for every message of the batch
+        if span.is_recording():
+            span.set_attributes(_message_attributes(message, "send", "send"))
+        traceparent, tracestate = _format(ctx)
+        traced.append(replace(message, traceparent=traceparent, tracestate=tracestate))
+        spans.append(span)
+    return Sends(traced, spans)
 
 
 def replay(message: Message, *, failed: str | None, actor: str) -> AbstractContextManager[Message]:

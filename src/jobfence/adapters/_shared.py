@@ -4,12 +4,12 @@ fields (:func:`read_delivery`), the one place where what a producer wrote is par
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Literal, NamedTuple, TypeVar
 
 from jobfence.errors import ConfigError
 from jobfence.limits import MAX_ATTEMPT, MAX_PRIOR_ATTEMPTS, shown_value
-from jobfence.model import Delivery, Message
+from jobfence.model import Delivery, Message, Outgoing
 from jobfence.tracing import carried
 
 R = TypeVar("R")
@@ -237,3 +237,19 @@ def read_delivery(
             0,
         )
     return Delivery(message, attempt, receipt), earlier
+
+
+async def publish_each(
+    publish: Callable[[Outgoing], Awaitable[None]], outgoing: Sequence[Outgoing]
+) -> list[Exception | None]:
+    """``publish_many`` for an adapter whose publishes are cheap and local (the memory queue,
+    the PostgreSQL queue): one after the other, each message's error in its place."""
+    results: list[Exception | None] = []
+    for item in outgoing:
+        try:
+            await publish(item)
+        except Exception as exc:
+            results.append(exc)
+        else:
+            results.append(None)
+    return results

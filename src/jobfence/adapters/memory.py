@@ -22,10 +22,15 @@ from typing import Any
 
 from psycopg import AsyncConnection
 
-from jobfence.adapters._shared import check_prior_attempts, receipt_of, refuse_tx
+from jobfence.adapters._shared import (
+    check_prior_attempts,
+    publish_each,
+    receipt_of,
+    refuse_tx,
+)
 from jobfence.errors import ConfigError
 from jobfence.limits import checked_delay
-from jobfence.model import Delivery, Message
+from jobfence.model import Delivery, Message, Outgoing
 from jobfence.ports import Clock, QueueCapabilities, QueueSize
 
 # Shared by every MemoryQueue, so a receipt from one queue never matches a message of another.
@@ -98,6 +103,15 @@ class MemoryQueue:
             attempts=check_prior_attempts(prior_attempts),
         )
         self._wakeup.set()
+
+    async def publish_many(self, outgoing: Sequence[Outgoing]) -> list[Exception | None]:
+        """Each message with :meth:`publish`, one after the other (no round trip to wait for
+        that pipelining would save)."""
+
+        async def one(item: Outgoing) -> None:
+            await self.publish(item.message, prior_attempts=item.prior_attempts)
+
+        return await publish_each(one, outgoing)
 
     async def receive(
         self,

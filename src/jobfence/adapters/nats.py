@@ -66,9 +66,9 @@ from jobfence.adapters._shared import (
     refuse_tx,
 )
 from jobfence.adapters._unavailable import unavailable_on
-from jobfence.errors import ConfigError, QueueUnavailable
+from jobfence.errors import ConfigError, PublishRefused, QueueUnavailable
 from jobfence.limits import checked_delay
-from jobfence.model import Delivery, Message
+from jobfence.model import Delivery, Message, Outgoing
 from jobfence.ports import QueueCapabilities, QueueSize
 
 try:
@@ -117,20 +117,17 @@ def _no_leader(exc: BaseException) -> bool:
 # nats-py's errors for a closed, reconnecting or stale connection, no server to reach, and a
 # request or flush that timed out: the broker is unreachable (D7); so is a cluster with no
 # leader for the request (:func:`_no_leader`).
-_unavailable = unavailable_on(
-    "NATS",
-    (
-        nats.errors.ConnectionClosedError,
-        nats.errors.ConnectionReconnectingError,
-        nats.errors.StaleConnectionError,
-        nats.errors.NoServersError,
-        nats.errors.TimeoutError,
-        nats.errors.UnexpectedEOF,
-        ConnectionError,
-        TimeoutError,
-    ),
-    also=_no_leader,
+_CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
+    nats.errors.ConnectionClosedError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.StaleConnectionError,
+    nats.errors.NoServersError,
+    nats.errors.TimeoutError,
+    nats.errors.UnexpectedEOF,
+    ConnectionError,
+    TimeoutError,
 )
+_unavailable = unavailable_on("NATS", _CONNECTION_ERRORS, also=_no_leader)
 
 _H_CONSUMER = "Jobfence-Consumer"
 _H_JOB_ID = "Jobfence-Job-Id"
@@ -159,6 +156,14 @@ async def _client_error(exc: Exception) -> None:
     The worker logs an outage itself (about two lines: went away, back), so these stay at
     DEBUG; nats-py's default logs each at ERROR with a traceback."""
     log.debug("NATS client: %s: %s", type(exc).__name__, exc)
+
+
+# How long publish_many waits for the JetStream acks of what it sent.
+_ACKS_WITHIN = 5.0
+
+# How often the client tries to reconnect to a server that went away: a broker that is back is
+# used again within this (nats-py's default is 2 s).
+_RECONNECT_SECONDS = 0.5
 
 
 @dataclass(slots=True)
@@ -198,6 +203,24 @@ _NAMES = FieldNames(
     prior=f"header {_H_PRIOR}",
     delivered="the delivery count",
 )
+
+
+def _as_unavailable(exc: BaseException) -> Exception:
+    """A JetStream ack's error as the port reports it: a lost connection, a timeout or a
+    cluster without a leader is ``QueueUnavailable``; anything else (an API error: no stream,
+    a limit) as it is."""
+    if isinstance(exc, _CONNECTION_ERRORS) or _no_leader(exc):
+        unavailable = QueueUnavailable(f"NATS unreachable: {type(exc).__name__}: {exc}")
+        unavailable.__cause__ = exc
+        return unavailable
+    return exc if isinstance(exc, Exception) else RuntimeError(str(exc))
+
+
+def _headers_size(headers: dict[str, str], stream: str) -> int:
+    """The bytes ``headers`` take on the wire (``NATS/1.0``, a line per header, the expected
+    stream's header included), which count towards the server's ``max_payload``."""
+    lines = [f"{k}: {v}" for k, v in headers.items()] + [f"Nats-Expected-Stream: {stream}"]
+    return len("NATS/1.0\r\n\r\n") + sum(len(line.encode()) + 2 for line in lines)
 
 
 def _lease_margin(lease_seconds: float) -> float:
@@ -241,10 +264,15 @@ class NatsQueue:
 
     async def _jetstream(self) -> JetStreamContext:
         async with self._connect_lock:
+            if self._nc is not None and self._nc.is_closed and not self._closed:
+                # The client gave up reconnecting (or was closed under us): a new one, so
+                # that the queue comes back with its broker.
+                self._nc, self._js = None, None
             if self._js is None:
                 self._nc = await nats.connect(
                     [server.strip() for server in self._url.split(",")],
                     name="jobfence",
+                    reconnect_time_wait=_RECONNECT_SECONDS,
                     error_cb=_client_error,
                 )
                 # Once connected, never give up reconnecting (nats-py closes the client for
@@ -380,9 +408,109 @@ class NatsQueue:
             raise refuse_delay("NatsQueue", "publish", "JetStream cannot hold a new message back")
         await self._publish(message, prior=check_prior_attempts(prior_attempts))
 
+    async def publish_many(self, outgoing: Sequence[Outgoing]) -> list[Exception | None]:
+        """Every message sent as an asynchronous JetStream publish, then their acks awaited
+        together (up to ``_ACKS_WITHIN`` seconds): one round trip for the lot instead of one
+        per message. A message over the server's ``max_payload`` is refused
+        (:class:`~jobfence.errors.PublishRefused`) without being sent; a lost connection, or
+        acks that do not come, are ``QueueUnavailable`` for each message concerned."""
+        if not outgoing:
+            return []
+        try:
+            await self._ready_to_publish({item.message.queue for item in outgoing})
+        except Exception as exc:
+            return [exc] * len(outgoing)
+        results: list[Exception | None] = [None] * len(outgoing)
+        acks: dict[int, asyncio.Future[Any]] = {}
+        for n, item in enumerate(outgoing):
+            try:
+                prior = check_prior_attempts(item.prior_attempts)
+                acks[n] = await self._send_async(item.message, prior)
+            except Exception as exc:
+                results[n] = exc
+        pending = await self._acks(list(acks.values()))
+        for n, future in acks.items():
+            if future in pending:
+                results[n] = QueueUnavailable(
+                    "NATS unreachable: the connection was lost, or no JetStream ack came"
+                    f" within {_ACKS_WITHIN:.0f}s"
+                )
+            elif (error := future.exception()) is not None:
+                results[n] = _as_unavailable(error)
+        return results
+
+    async def _acks(self, futures: list[asyncio.Future[Any]]) -> set[asyncio.Future[Any]]:
+        """Wait for ``futures`` (JetStream acks) up to ``_ACKS_WITHIN`` seconds, or until the
+        connection is lost (then they would never come); cancels and returns those pending."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _ACKS_WITHIN
+        pending = set(futures)
+        while pending:
+            remaining = deadline - loop.time()
+            if remaining <= 0 or self._nc is None or not self._nc.is_connected:
+                break
+            _, pending = await asyncio.wait(pending, timeout=min(remaining, 0.25))
+        for future in pending:
+            future.cancel()
+        return pending
+
+    @_unavailable
+    async def _ready_to_publish(self, queues: set[str]) -> None:
+        await self._jetstream()
+        for queue in sorted(queues):
+            if _SUBJECT_TOKEN.match(queue):  # else its messages are refused one by one
+                await self._consumer(queue, None)
+
+    @_unavailable
+    async def _send_async(self, message: Message, prior: int) -> asyncio.Future[Any]:
+        """Send ``message`` as an asynchronous JetStream publish; the future is its ack."""
+        try:
+            subject = self._subject(message.queue)
+        except ConfigError as exc:
+            raise PublishRefused(f"NATS refuses this message: {exc}") from None
+        js = await self._jetstream()
+        self._check_connected()
+        headers = self._headers_of(message, prior)
+        future: asyncio.Future[Any] = await js.publish_async(
+            subject, message.body, stream=self._stream, headers=headers
+        )
+        return future
+
+    @property
+    def max_message_bytes(self) -> int | None:
+        """The largest message the server accepts, for the outbox relay to record for
+        producers: the ``max_payload`` of the last server connected to (kept while it is
+        away); None before the first connection."""
+        return None if self._nc is None else int(self._nc.max_payload)
+
+    @property
+    def max_payload(self) -> int | None:
+        """The largest message (headers and body, bytes) the connected server accepts: its
+        ``max_payload``, from the INFO it sent at connect; None before connecting."""
+        if self._nc is None or not self._nc.is_connected:
+            return None
+        return int(self._nc.max_payload)
+
+    def _check_connected(self) -> None:
+        if self._nc is not None and not self._nc.is_connected:
+            # nats-py would buffer the publish and time out its ack 5 s later: the broker is
+            # away now, and the caller (the outbox relay) backs off instead.
+            raise nats.errors.ConnectionReconnectingError
+
     async def _publish(self, message: Message, *, prior: int) -> None:
         js = await self._jetstream()
+        self._check_connected()
         await self._consumer(message.queue, None)
+        await js.publish(
+            self._subject(message.queue),
+            message.body,
+            stream=self._stream,
+            headers=self._headers_of(message, prior),
+        )
+
+    def _headers_of(self, message: Message, prior: int) -> dict[str, str]:
+        """The message's headers, or :class:`PublishRefused` when they and the body are over
+        the server's ``max_payload``."""
         headers = {
             _H_CONSUMER: _header(message.consumer),
             _H_JOB_ID: _header(message.job_id),
@@ -396,9 +524,15 @@ class NatsQueue:
             headers[_H_TRACEPARENT] = message.traceparent
             if message.tracestate is not None:
                 headers[_H_TRACESTATE] = message.tracestate
-        await js.publish(
-            self._subject(message.queue), message.body, stream=self._stream, headers=headers
-        )
+        limit = self.max_payload
+        if limit is not None:
+            size = len(message.body) + _headers_size(headers, self._stream)
+            if size > limit:
+                raise PublishRefused(
+                    f"NATS refuses this message: {size:,} bytes with its headers, over the"
+                    f" server's max_payload of {limit:,} bytes"
+                )
+        return headers
 
     @_unavailable
     async def receive(

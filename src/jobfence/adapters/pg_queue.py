@@ -24,9 +24,9 @@ from psycopg import AsyncConnection
 from psycopg_pool import AsyncConnectionPool
 
 from jobfence._sql import Queries
-from jobfence.adapters._shared import check_prior_attempts
+from jobfence.adapters._shared import check_prior_attempts, publish_each
 from jobfence.limits import checked_delay
-from jobfence.model import Delivery, Message
+from jobfence.model import Delivery, Message, Outgoing
 from jobfence.ports import Clock, QueueCapabilities, QueueSize
 from jobfence.tracing import valid_traceparent, valid_tracestate
 
@@ -159,6 +159,15 @@ class PgQueue:
                 clock=self._clock,
                 prior_attempts=prior_attempts,
             )
+
+    async def publish_many(self, outgoing: Sequence[Outgoing]) -> list[Exception | None]:
+        """Each message with :meth:`publish`, one after the other (no round trip to wait for
+        that pipelining would save)."""
+
+        async def one(item: Outgoing) -> None:
+            await self.publish(item.message, prior_attempts=item.prior_attempts)
+
+        return await publish_each(one, outgoing)
 
     async def receive(
         self,

@@ -54,9 +54,9 @@ from jobfence.adapters._shared import (
     refuse_tx,
 )
 from jobfence.adapters._unavailable import unavailable_on
-from jobfence.errors import ConfigError
+from jobfence.errors import ConfigError, PublishRefused
 from jobfence.limits import checked_delay
-from jobfence.model import Delivery, Message
+from jobfence.model import Delivery, Message, Outgoing
 from jobfence.ports import QueueCapabilities, QueueSize
 
 try:
@@ -298,6 +298,41 @@ class RedisStreamsQueue:
         stream = self._stream(message.queue)
         await self._ensure_group(stream)
         await self._redis.xadd(stream, fields)  # type: ignore[arg-type]
+
+    async def publish_many(self, outgoing: Sequence[Outgoing]) -> list[Exception | None]:
+        """Every ``XADD`` in one pipeline: one round trip for the lot, each reply the
+        confirm of its message (or its error). A lost connection is ``QueueUnavailable`` for
+        every message."""
+        if not outgoing:
+            return []
+        try:
+            replies = await self._xadd_all(outgoing)
+        except Exception as exc:
+            return [exc] * len(outgoing)
+        return [reply if isinstance(reply, Exception) else None for reply in replies]
+
+    @_unavailable
+    async def _xadd_all(self, outgoing: Sequence[Outgoing]) -> list[Any]:
+        replies: list[Any] = []
+        entries: list[tuple[int, str, dict[str, bytes | str]]] = []
+        for n, item in enumerate(outgoing):
+            try:
+                stream = self._stream(item.message.queue)
+            except ConfigError as exc:
+                replies.append(PublishRefused(f"Redis refuses this message: {exc}"))
+                continue
+            fields = _fields(item.message, check_prior_attempts(item.prior_attempts))
+            replies.append(None)
+            entries.append((n, stream, fields))
+        for stream in sorted({stream for _, stream, _ in entries}):
+            await self._ensure_group(stream)
+        pipe = self._redis.pipeline(transaction=False)
+        for _, stream, fields in entries:
+            pipe.xadd(stream, fields)  # type: ignore[arg-type]
+        answers: list[Any] = await pipe.execute(raise_on_error=False)
+        for (n, _, _), answer in zip(entries, answers, strict=True):
+            replies[n] = answer
+        return replies
 
     @_unavailable
     async def receive(

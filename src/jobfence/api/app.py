@@ -107,11 +107,7 @@ class BulkRunner:
             run = await ops.run_bulk_replay(
                 self._pool, self._queue, run_id, actor=actor, chunk_size=self._chunk_size
             )
-        except asyncio.CancelledError:
-            log.warning("bulk replay %d interrupted; resume it to finish", run_id)
-            raise
-        except Exception:
-            log.exception("bulk replay %d stopped on an error; resume it to finish", run_id)
+        except Exception:  # logged at ERROR by ops.run_bulk_replay, with how to resume it
             return
         log.info(
             "bulk replay %d %s: %s",

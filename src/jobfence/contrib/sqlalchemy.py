@@ -16,10 +16,13 @@ fence, or not at all. SQLAlchemy never owns that transaction:
 - the engine behind these sessions (one per process, created on first use) gets its DBAPI
   connection from the handler (``creator``), never pools, resets or closes it, and its dialect
   (psycopg's, subclassed) never commits or rolls back on it: only jobfence ends the transaction;
-- ``session.commit()`` and ``session.rollback()``, and ``commit()`` on the session's
-  ``Connection``, raise :class:`jobfence.TransactionMisuse` (the job is dead-lettered at once:
-  a handler that does this does it every time). To give up the job, raise: jobfence rolls the
-  whole transaction back, fence included, and applies the consumer's retry policy;
+- ``session.commit()``, ``session.rollback()`` and ``session.close()`` (inside the block),
+  and ``commit()``, ``rollback()`` and ``close()`` on the session's ``Connection``, raise
+  :class:`jobfence.TransactionMisuse`; once one was refused the
+  job fails with it even if the handler catches it: nothing of it is applied and it is
+  dead-lettered at once (a handler that does this does it every time). To give up the job,
+  raise: jobfence rolls the whole transaction back, fence included, and applies the consumer's
+  retry policy;
 - a database error during a flush aborts the transaction; the handler's exception (or, if it
   catches it, :class:`jobfence.TransactionAborted`) fails the job and nothing of it commits.
 
@@ -45,13 +48,12 @@ import psycopg
 from sqlalchemy import create_engine
 from sqlalchemy.dialects import registry
 from sqlalchemy.dialects.postgresql.psycopg import PGDialect_psycopg, PGDialectAsync_psycopg
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import NullPool
 
-from jobfence.errors import TransactionMisuse
-from jobfence.sync import ENDED_BY_HANDLER
+from jobfence.guard import refuse_on
 
 __all__ = ["FenceAsyncSession", "FenceSession", "async_session_for", "session_for"]
 
@@ -65,6 +67,18 @@ _engine: Engine | None = None
 _async_engine: AsyncEngine | None = None
 
 
+def _psycopg_of(dbapi_connection: object) -> object:
+    """The psycopg connection under what SQLAlchemy hands a dialect (a pool's proxy, or the
+    asyncio extension's adapter)."""
+    conn = dbapi_connection
+    for _ in range(3):
+        inner = getattr(conn, "driver_connection", None)
+        if inner is None or inner is conn:
+            break
+        conn = inner
+    return conn
+
+
 class FenceDialect(PGDialect_psycopg):
     """psycopg's dialect, on a connection whose transaction jobfence owns: no commit, no
     rollback, no close, no per-connection set-up (the connection is reused job after job)."""
@@ -72,7 +86,7 @@ class FenceDialect(PGDialect_psycopg):
     supports_statement_cache = True
 
     def do_commit(self, dbapi_connection: Any) -> None:
-        raise TransactionMisuse(ENDED_BY_HANDLER.format(what="commit"))
+        raise refuse_on(_psycopg_of(dbapi_connection), "commit")
 
     def do_rollback(self, dbapi_connection: Any) -> None:
         """SQLAlchemy ends its own view of the transaction; the transaction itself stays for
@@ -98,7 +112,7 @@ class FenceAsyncDialect(PGDialectAsync_psycopg):
     supports_statement_cache = True
 
     def do_commit(self, dbapi_connection: Any) -> None:
-        raise TransactionMisuse(ENDED_BY_HANDLER.format(what="commit"))
+        raise refuse_on(_psycopg_of(dbapi_connection), "commit")
 
     def do_rollback(self, dbapi_connection: Any) -> None:
         """As :meth:`FenceDialect.do_rollback`."""
@@ -116,18 +130,59 @@ class FenceAsyncDialect(PGDialectAsync_psycopg):
 registry.register(f"postgresql.{_DIALECT_NAME}", __name__, "FenceDialect")
 
 
+_ROLLBACK_HINT = "; raise an exception to roll the job back, fence included"
+
+
+def _dbapi_of(sa_conn: Connection) -> object:
+    """The psycopg connection under a SQLAlchemy ``Connection`` of these engines."""
+    return _psycopg_of(sa_conn.connection)
+
+
+class FenceSAConnection(Connection):
+    """The ``Connection`` of these engines (``session.connection()``): ``commit()`` and
+    ``rollback()`` raise :class:`jobfence.TransactionMisuse`, and so does ``close()`` inside
+    the ``session_for`` block (the rollback SQLAlchemy does when the block lets the connection
+    go stays silent: the transaction is jobfence's to end)."""
+
+    _jobfence_open = False  # inside the session_for block
+
+    def commit(self) -> None:
+        raise refuse_on(_dbapi_of(self), "commit")
+
+    def rollback(self) -> None:
+        raise refuse_on(_dbapi_of(self), "rollback", _ROLLBACK_HINT)
+
+    def close(self) -> None:
+        if self._jobfence_open:
+            raise refuse_on(_dbapi_of(self), "close")
+        super().close()
+
+
 class FenceSession(Session):
     """A ``Session`` that refuses to end the fence transaction: ``commit()`` and
     ``rollback()`` raise :class:`jobfence.TransactionMisuse`."""
 
+    _jobfence_tx: object = None  # the psycopg connection of the handler (set by session_for)
+    _jobfence_open = False  # inside the session_for block
+
     def commit(self) -> None:
-        raise TransactionMisuse(ENDED_BY_HANDLER.format(what="commit"))
+        raise refuse_on(self._jobfence_tx, "commit")
 
     def rollback(self) -> None:
-        raise TransactionMisuse(
-            ENDED_BY_HANDLER.format(what="rollback")
-            + "; raise an exception to roll the job back, fence included"
-        )
+        raise refuse_on(self._jobfence_tx, "rollback", _ROLLBACK_HINT)
+
+    def close(self) -> None:
+        """Refused inside the ``session_for`` block (it would roll back SQLAlchemy's view of
+        the transaction and leave the flushed rows to commit); the block closes it."""
+        if self._jobfence_open:
+            raise refuse_on(self._jobfence_tx, "close")
+        super().close()
+
+    def reset(self) -> None:
+        """As :meth:`close`."""
+        if self._jobfence_open:
+            raise refuse_on(self._jobfence_tx, "reset")
+        super().reset()
 
 
 class FenceAsyncSession(AsyncSession):
@@ -137,12 +192,11 @@ class FenceAsyncSession(AsyncSession):
     sync_session_class = FenceSession
 
     async def commit(self) -> None:
-        raise TransactionMisuse(ENDED_BY_HANDLER.format(what="commit"))
+        raise refuse_on(getattr(self.sync_session, "_jobfence_tx", None), "commit")
 
     async def rollback(self) -> None:
-        raise TransactionMisuse(
-            ENDED_BY_HANDLER.format(what="rollback")
-            + "; raise an exception to roll the job back, fence included"
+        raise refuse_on(
+            getattr(self.sync_session, "_jobfence_tx", None), "rollback", _ROLLBACK_HINT
         )
 
 
@@ -164,6 +218,7 @@ def fence_async_engine() -> AsyncEngine:
                 poolclass=NullPool,
                 pool_reset_on_return=None,
             )
+            _async_engine.sync_engine._connection_cls = FenceSAConnection
         return _async_engine
 
 
@@ -186,10 +241,16 @@ async def async_session_for(
         _lent_async.reset(token)
     try:
         session = FenceAsyncSession(bind=sa_conn, **session_kwargs)
+        sync_session, sync_conn = session.sync_session, sa_conn.sync_connection
+        assert isinstance(sync_session, FenceSession)
+        assert isinstance(sync_conn, FenceSAConnection)
+        sync_session._jobfence_tx = tx
+        sync_session._jobfence_open = sync_conn._jobfence_open = True
         try:
             yield session
             await session.flush()
         finally:
+            sync_session._jobfence_open = sync_conn._jobfence_open = False
             await session.close()
     finally:
         await sa_conn.close()
@@ -213,6 +274,7 @@ def fence_engine() -> Engine:
                 poolclass=NullPool,
                 pool_reset_on_return=None,
             )
+            _engine._connection_cls = FenceSAConnection
         return _engine
 
 
@@ -235,10 +297,14 @@ def session_for(tx: psycopg.Connection[Any], **session_kwargs: Any) -> Iterator[
         _lent.conn = None
     try:
         session = FenceSession(bind=sa_conn, **session_kwargs)
+        session._jobfence_tx = tx
+        assert isinstance(sa_conn, FenceSAConnection)
+        session._jobfence_open = sa_conn._jobfence_open = True
         try:
             yield session
             session.flush()
         finally:
+            session._jobfence_open = sa_conn._jobfence_open = False
             session.close()
     finally:
         sa_conn.close()

@@ -17,7 +17,10 @@
 -- What every Python producer runs (App.enqueue, enqueue_sync, Producer, the Django and
 -- SQLAlchemy producers): `body` is the JSON document's bytes as the producer encoded them. The
 -- checks and messages of jobfence.enqueue. Returns the id of the queue message, or of the
--- outbox row. (PL/pgSQL rather than SQL: its plans are kept for the session, where a SECURITY
+-- outbox row (produced_id); or, writing nothing and raising nothing, so that the caller's
+-- transaction stays usable, no id and the largest message the external queue's broker accepts
+-- with the queue's kind (limit_bytes, limit_kind) when the body is over it
+-- (jobfence.settings.queue_max_message_bytes, recorded by the outbox relay: migration 0018). (PL/pgSQL rather than SQL: its plans are kept for the session, where a SECURITY
 -- DEFINER SQL function would be planned again on every call.)
 CREATE FUNCTION jobfence.produce(
     consumer       text,
@@ -26,13 +29,14 @@ CREATE FUNCTION jobfence.produce(
     body           bytea,
     tenant_id      text     DEFAULT NULL,
     correlation_id text     DEFAULT NULL,
-    delay          interval DEFAULT '0'
-) RETURNS bigint
+    delay          interval DEFAULT '0',
+    OUT produced_id bigint,
+    OUT limit_bytes integer,
+    OUT limit_kind  text
+)
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
-DECLARE
-    message_id bigint;
 BEGIN
     IF produce.consumer IS NULL OR produce.consumer !~ '^[A-Za-z0-9_.:-]{1,200}$' THEN
         RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
@@ -81,7 +85,11 @@ BEGIN
     -- setting: a switch of queue can never strand a job in the queue it switched away from.
     -- A negative delay counts as none: run_at is never before now().
     WITH target AS (
-        SELECT s.queue_kind <> 'postgresql' AS external FROM jobfence.settings s
+        SELECT s.queue_kind <> 'postgresql' AS external, s.queue_kind AS kind,
+               s.queue_max_message_bytes AS max_bytes,
+               s.queue_kind <> 'postgresql'
+                   AND octet_length(produce.body) > s.queue_max_message_bytes AS too_big
+        FROM jobfence.settings s
     ), queued AS (
         INSERT INTO jobfence_queue.messages (
             queue, consumer, job_id, body, tenant_id, correlation_id, run_at
@@ -98,11 +106,16 @@ BEGIN
         SELECT produce.queue, produce.consumer, produce.job_id, produce.body,
                produce.tenant_id, produce.correlation_id,
                now() + greatest(produce.delay, interval '0')
-        FROM target WHERE target.external
+        FROM target WHERE target.external AND target.too_big IS NOT TRUE
         RETURNING id, pg_notify('jobfence_outbox', '')
     )
-    SELECT id INTO message_id FROM queued UNION ALL SELECT id FROM outboxed;
-    RETURN message_id;
+    SELECT r.id, r.max_bytes, r.kind
+    INTO produce.produced_id, produce.limit_bytes, produce.limit_kind
+    FROM (
+        SELECT queued.id, NULL::integer AS max_bytes, NULL::text AS kind FROM queued
+        UNION ALL SELECT outboxed.id, NULL, NULL FROM outboxed
+        UNION ALL SELECT NULL::bigint, t.max_bytes, t.kind FROM target t WHERE t.too_big
+    ) r;
 END
 $$;
 

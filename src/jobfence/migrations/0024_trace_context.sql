@@ -120,12 +120,14 @@ CREATE FUNCTION jobfence.produce(
     correlation_id text,
     delay          interval,
     traceparent    text,
-    tracestate     text DEFAULT NULL
-) RETURNS bigint
+    tracestate     text DEFAULT NULL,
+    OUT produced_id bigint,
+    OUT limit_bytes integer,
+    OUT limit_kind  text
+)
 LANGUAGE plpgsql VOLATILE
 AS $$
 DECLARE
-    message_id bigint;
     saved_parent text := current_setting('jobfence.traceparent', true);
     saved_state text := current_setting('jobfence.tracestate', true);
 BEGIN
@@ -133,10 +135,11 @@ BEGIN
                        coalesce(jobfence.valid_traceparent(produce.traceparent), ''), true);
     PERFORM set_config('jobfence.tracestate',
                        coalesce(jobfence.valid_tracestate(produce.tracestate), ''), true);
-    message_id := jobfence.produce(produce.consumer, produce.queue, produce.job_id, produce.body,
-                                   produce.tenant_id, produce.correlation_id, produce.delay);
+    SELECT p.produced_id, p.limit_bytes, p.limit_kind
+    INTO produce.produced_id, produce.limit_bytes, produce.limit_kind
+    FROM jobfence.produce(produce.consumer, produce.queue, produce.job_id, produce.body,
+                          produce.tenant_id, produce.correlation_id, produce.delay) AS p;
     PERFORM set_config('jobfence.traceparent', coalesce(saved_parent, ''), true);
     PERFORM set_config('jobfence.tracestate', coalesce(saved_state, ''), true);
-    RETURN message_id;
 END
 $$;

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
 
-from psycopg import AsyncConnection, sql
+from psycopg import AsyncConnection, errors, sql
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
@@ -25,8 +26,13 @@ from jobfence.ports import QueuePort
 
 SQL = Queries("jobfence.sql", "ops.sql")
 
+log = logging.getLogger("jobfence.ops")
+
 DEFAULT_BULK_MAX = 10_000
 BULK_CHUNK = 500
+# How long a run waits at a time for dead letters another transaction holds (logged at INFO
+# each time it waits on).
+LOCK_WAIT_SECONDS = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,15 +187,101 @@ async def run_bulk_replay(
     transitions do, and the outbox relay publishes them after the commit. A publish (or outbox
     insert) that fails rolls its chunk back: its dead letters stay ``pending_review`` and the
     run resumes from that chunk.
+
+    Several runs at once over the same dead letters, and several processes on one run, each
+    finish on their own: items whose rows another transaction holds are waited for, then
+    counted as that transaction left them (``not_pending`` once another run replayed them).
+    A run that stops without finishing (an error, a cancellation) is logged at ERROR with the
+    command that resumes it.
     """
+    try:
+        run = await _run_chunks(
+            pool, queue, bulk_id, actor=actor, chunk_size=chunk_size, on_progress=on_progress
+        )
+    except BaseException as exc:
+        _log_unfinished(bulk_id, f"{type(exc).__name__}: {exc}".strip(" :"), exc)
+        raise
+    if run.status != "finished":
+        _log_unfinished(bulk_id, f"{run.counts['pending']} items still pending", None)
+    return run
+
+
+def resume_hint(bulk_id: int) -> str:
+    """How to resume bulk replay ``bulk_id``, from the CLI or the API."""
+    return (
+        f"jobfence dead-letters replay-bulk --resume {bulk_id}"
+        f" (or POST /v1/core/dead-letters/replay-bulk/{bulk_id}/resume)"
+    )
+
+
+def _log_unfinished(bulk_id: int, why: str, exc: BaseException | None) -> None:
+    log.error(
+        "bulk replay %d stopped without finishing (%s); its finished chunks stand, resume it: %s",
+        bulk_id,
+        why,
+        resume_hint(bulk_id),
+        exc_info=exc if isinstance(exc, Exception) else None,
+        extra={"bulk_replay_id": bulk_id},
+    )
+
+
+async def _take_chunk(
+    conn: AsyncConnection[Any], bulk_id: int, chunk_size: int
+) -> list[dict[str, Any]] | None:
+    """The next items of the run, locked, in the transaction open on ``conn``; None when the
+    run has none left. Items whose rows another transaction holds are waited for (a
+    concurrent run over the same dead letters, or another process resuming this run): an
+    empty list means they were resolved meanwhile, so look again."""
+    params = {"id": bulk_id, "limit": chunk_size}
+    async with conn.cursor(row_factory=dict_row) as cur:
+        await cur.execute(SQL["bulk_take_chunk"], params)
+        rows = await cur.fetchall()
+        if rows:
+            return rows
+        await cur.execute(SQL["bulk_unprocessed"], params)
+        left = await cur.fetchone()
+        if left is None or not next(iter(left.values())):
+            return None
+        await cur.execute(SQL["lock_timeout"])
+        found = await cur.fetchone()
+        assert found is not None
+        wait = {"value": f"{int(LOCK_WAIT_SECONDS * 1000)}ms"}
+        try:
+            async with conn.transaction():  # a savepoint: a lock timeout undoes only this
+                await cur.execute(SQL["set_lock_timeout"], wait)
+                await cur.execute(SQL["bulk_take_chunk_waiting"], params)
+                rows = await cur.fetchall()
+                await cur.execute(SQL["set_lock_timeout"], {"value": found["lock_timeout"]})
+        except errors.LockNotAvailable:
+            log.info(
+                "bulk replay %d: its remaining dead letters are still locked by another"
+                " transaction after %.0fs; waiting on",
+                bulk_id,
+                LOCK_WAIT_SECONDS,
+                extra={"bulk_replay_id": bulk_id},
+            )
+            return []
+        return rows
+
+
+async def _run_chunks(
+    pool: AsyncConnectionPool[Any],
+    queue: QueuePort,
+    bulk_id: int,
+    *,
+    actor: str,
+    chunk_size: int,
+    on_progress: Callable[[BulkReplay], None] | None,
+) -> BulkReplay:
     while True:
         async with pool.connection() as conn, conn.transaction():
-            async with conn.cursor(row_factory=dict_row) as cur:
-                await cur.execute(SQL["bulk_take_chunk"], {"id": bulk_id, "limit": chunk_size})
-                rows = await cur.fetchall()
-            if not rows:
+            taken = await _take_chunk(conn, bulk_id, chunk_size)
+            if taken is None:
                 await conn.execute(SQL["bulk_finish"], {"id": bulk_id})
                 break
+            rows = taken
+            if not rows:
+                continue
             ids: list[int] = []
             results: list[str] = []
             details: list[str | None] = []

@@ -182,6 +182,35 @@ ORDER BY i.dead_letter_id
 LIMIT %(limit)s
 FOR UPDATE OF i, d SKIP LOCKED;
 
+-- name: bulk_take_chunk_waiting
+-- bulk_take_chunk when it found nothing free while items remain: their rows are locked by
+-- another transaction (another run replaying the same dead letters, or another process
+-- resuming this run). This one waits for them; PostgreSQL then re-reads each row as that
+-- transaction left it: an item it processed drops out, a dead letter it replayed or
+-- discarded comes back with its new status (not_pending here).
+SELECT i.dead_letter_id, d.job_id, d.queue, d.consumer, d.tenant_id,
+       d.payload::text AS payload_text, d.payload_encoding, d.correlation_id, d.status,
+       EXISTS (SELECT 1 FROM core.processed_jobs p
+               WHERE p.job_id = d.job_id AND p.consumer = d.consumer) AS fenced
+FROM jobfence.bulk_replay_items i
+JOIN core.dead_letters d ON d.id = i.dead_letter_id
+WHERE i.bulk_replay_id = %(id)s AND i.result IS NULL
+ORDER BY i.dead_letter_id
+LIMIT %(limit)s
+FOR UPDATE OF i, d;
+
+-- name: lock_timeout
+SELECT current_setting('lock_timeout') AS lock_timeout;
+
+-- name: set_lock_timeout
+-- For the rest of the transaction (or until set again).
+SELECT set_config('lock_timeout', %(value)s::text, true);
+
+-- name: bulk_unprocessed
+-- Whether a run has items left, locked or not.
+SELECT EXISTS (SELECT 1 FROM jobfence.bulk_replay_items
+               WHERE bulk_replay_id = %(id)s AND result IS NULL);
+
 -- name: bulk_mark_replayed
 UPDATE core.dead_letters
 SET status = 'replayed', resolved_at = now(), resolved_by = %(resolved_by)s

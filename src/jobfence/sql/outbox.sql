@@ -7,16 +7,19 @@
 -- never committing it. jobfence.produce (migration 0019, SECURITY DEFINER) checks the job and
 -- writes the queue row (with the NOTIFY that wakes workers at commit) when this database's queue
 -- is PostgreSQL, the outbox row (waking the relay) when it is external, so that a producer role
--- needs EXECUTE on it and no privilege on any table.
-SELECT jobfence.produce(
+-- needs EXECUTE on it and no privilege on any table. Returns (id, NULL, NULL); or, writing
+-- nothing and raising nothing (the caller's transaction stays usable), (NULL, limit, kind) when
+-- the body is over the largest message the external queue's broker accepts
+-- (queue_max_message_bytes, recorded by the outbox relay).
+SELECT produced_id, limit_bytes, limit_kind FROM jobfence.produce(
     %(consumer)s::text, %(queue)s::text, %(job_id)s::text, %(body)s::bytea,
     %(tenant_id)s::text, %(correlation_id)s::text, %(delay)s::interval
 );
 
 -- name: produce_traced
 -- produce for a job with a trace context (jobfence.tracing): the nine-argument jobfence.produce
--- of migration 0024 sets it for the seven-argument one's insert only.
-SELECT jobfence.produce(
+-- of migration 0024 sets it for the seven-argument one's insert only. The same answer.
+SELECT produced_id, limit_bytes, limit_kind FROM jobfence.produce(
     %(consumer)s::text, %(queue)s::text, %(job_id)s::text, %(body)s::bytea,
     %(tenant_id)s::text, %(correlation_id)s::text, %(delay)s::interval,
     %(traceparent)s::text, %(tracestate)s::text
@@ -41,22 +44,40 @@ RETURNING id, pg_notify('jobfence_outbox', '');
 -- name: outbox_withdraw
 -- Takes back a retry's row written for a delivery that then turned out to have lost its lease
 -- (the ack was refused: another delivery holds the job now). Deleted unless the relay already
--- published it (gone) or is publishing it right now (locked: left to the relay; the fence makes
--- that copy harmless). Returns the id when it was deleted.
+-- published it (gone) or is publishing it right now (claimed: left to the relay; the fence
+-- makes that copy harmless). Returns the id when it was deleted.
 DELETE FROM jobfence.outbox
-WHERE id = (SELECT o.id FROM jobfence.outbox o WHERE o.id = %(id)s FOR UPDATE SKIP LOCKED)
+WHERE id = (
+    SELECT o.id FROM jobfence.outbox o
+    WHERE o.id = %(id)s AND (o.claimed_until IS NULL OR o.claimed_until <= now())
+    FOR UPDATE SKIP LOCKED
+)
 RETURNING id;
 
--- name: outbox_take
--- The relay's next due rows, oldest first, locked until its transaction ends (a relay that
--- dies releases them; the next one publishes them again).
-SELECT id, queue, consumer, job_id, body, tenant_id, correlation_id, attempts, prior_attempts,
-       traceparent, tracestate
-FROM jobfence.outbox
-WHERE due_at <= coalesce(%(now)s::timestamptz, now())
-ORDER BY due_at, id
-LIMIT %(limit)s
-FOR UPDATE SKIP LOCKED;
+-- name: outbox_claim
+-- The relay's next due rows, oldest first, claimed until %(claim_seconds)s from now in a
+-- transaction of their own: the relay publishes them after the commit, with no transaction
+-- open while it waits for the broker. A row claimed by a relay that died is taken again once
+-- its claim ended (or at once, after outbox_release_claims).
+WITH clock AS (SELECT coalesce(%(now)s::timestamptz, now()) AS at),
+taken AS (
+    SELECT o.id FROM jobfence.outbox o, clock c
+    WHERE o.due_at <= c.at AND (o.claimed_until IS NULL OR o.claimed_until <= c.at)
+    ORDER BY o.due_at, o.id
+    LIMIT %(limit)s
+    FOR UPDATE OF o SKIP LOCKED
+)
+UPDATE jobfence.outbox o
+SET claimed_until = c.at + make_interval(secs => %(claim_seconds)s::double precision)
+FROM taken, clock c
+WHERE o.id = taken.id
+RETURNING o.id, o.queue, o.consumer, o.job_id, o.body, o.tenant_id, o.correlation_id,
+          o.attempts, o.prior_attempts, o.due_at, o.traceparent, o.tracestate;
+
+-- name: outbox_release_claims
+-- A relay that becomes the active one clears every claim: the relay that made them is gone
+-- (it held the lock this one now holds), so its rows are due again at once.
+UPDATE jobfence.outbox SET claimed_until = NULL WHERE claimed_until IS NOT NULL;
 
 -- name: outbox_delete_sent
 -- Rows the broker confirmed: gone, so the table never grows with history. Their queues are
@@ -66,13 +87,42 @@ WITH sent AS (
 )
 SELECT jobfence.note_broker_queues(array_agg(DISTINCT queue)) FROM sent;
 
+-- name: outbox_unclaim
+-- Rows not published because the broker went away (%(error)s), or claimed ahead by a relay
+-- that stops (NULL): claimed no more and not pushed back (the relay backs off as a whole,
+-- once per outage); due as they were.
+UPDATE jobfence.outbox
+SET claimed_until = NULL, last_error = coalesce(%(error)s, last_error)
+WHERE id = ANY(%(ids)s::bigint[]);
+
 -- name: outbox_mark_failed
--- A publish that failed: the row stays, due again after the relay's backoff.
+-- A publish of this one message that failed while the broker answered (not an outage): the
+-- row stays, due again after its own backoff (%(delay_seconds)s, from its own count of failed
+-- publishes, which the others' successes do not reset).
 UPDATE jobfence.outbox
 SET attempts = least(greatest(attempts, 0), 2147483646) + 1, last_error = %(error)s, fell_due_at = coalesce(fell_due_at, due_at),
+    claimed_until = NULL,
     due_at = coalesce(%(now)s::timestamptz, now())
              + make_interval(secs => %(delay_seconds)s::double precision)
 WHERE id = %(id)s;
+
+-- name: outbox_dead_letter
+-- A message the broker refuses for good (or that failed too often): its row leaves the outbox
+-- for a dead letter of its own error class, in one statement; the caller records the alert
+-- with the id returned (none when the job already has a dead letter pending review, D5).
+WITH gone AS (
+    DELETE FROM jobfence.outbox WHERE id = %(id)s
+    RETURNING queue, consumer, job_id, tenant_id, correlation_id, prior_attempts
+)
+INSERT INTO core.dead_letters (
+    job_id, queue, consumer, tenant_id, payload, payload_encoding, attempts,
+    last_error, error_class, correlation_id
+)
+SELECT g.job_id, g.queue, g.consumer, g.tenant_id, %(payload)s, %(payload_encoding)s,
+       greatest(g.prior_attempts, 1), %(last_error)s, %(error_class)s, g.correlation_id
+FROM gone g
+ON CONFLICT (job_id, consumer) WHERE status = 'pending_review' DO NOTHING
+RETURNING id;
 
 -- name: outbox_counts
 -- For metrics: rows waiting (due or not), how long the longest-waiting publishable row has
@@ -90,8 +140,9 @@ FROM clock c LEFT JOIN rows r ON true
 GROUP BY c.at;
 
 -- name: outbox_next_due
--- Seconds until the next row falls due (NULL: the outbox is empty).
-SELECT extract(epoch FROM (min(due_at) - coalesce(%(now)s::timestamptz, now())))::double precision
+-- Seconds until the next row falls due or its claim ends (NULL: the outbox is empty).
+SELECT extract(epoch FROM (min(greatest(due_at, coalesce(claimed_until, due_at)))
+                           - coalesce(%(now)s::timestamptz, now())))::double precision
 FROM jobfence.outbox;
 
 -- name: outbox_try_lock
@@ -107,6 +158,12 @@ SELECT queue_kind, queue_location FROM jobfence.settings;
 -- name: broker_queues
 -- The queues the outbox relay published to on this database's broker (migration 0017).
 SELECT queue FROM jobfence.broker_queues ORDER BY queue;
+
+-- name: queue_limit_set
+-- The outbox relay records the largest message its broker accepts (NULL: unknown), for the
+-- produce query; only when it changed, and only while the queue is external.
+UPDATE jobfence.settings SET queue_max_message_bytes = %(max_bytes)s
+WHERE queue_kind <> 'postgresql' AND queue_max_message_bytes IS DISTINCT FROM %(max_bytes)s;
 
 -- name: queue_set
 -- Switches where jobs go (see jobfence.set_queue in migration 0013); returns the kind before.

@@ -76,6 +76,7 @@ TO {producer};
 GRANT USAGE ON SCHEMA jobfence, core, jobfence_queue TO {worker};
 GRANT SELECT ON jobfence.schema_migrations TO {worker};
 GRANT SELECT ON jobfence.settings TO {worker};                   -- the start-up comparison
+GRANT UPDATE (queue_max_message_bytes) ON jobfence.settings TO {worker};  -- its relay: the broker's limit
 GRANT SELECT, INSERT, UPDATE, DELETE ON core.processed_jobs TO {worker};  -- UPDATE, DELETE: cleanup
 GRANT SELECT, INSERT ON core.dead_letters TO {worker};
 GRANT INSERT, SELECT (dead_letter_id) ON jobfence.alert_outbox TO {worker};  -- SELECT: ON CONFLICT
@@ -106,10 +107,15 @@ GRANT INSERT (queue, consumer, job_id, body, tenant_id, correlation_id, due_at, 
 
 -- name: relay
 -- `jobfence outbox-relay`: publishes the outbox to the broker and deletes what it confirmed.
-GRANT USAGE ON SCHEMA jobfence TO {relay};
+-- A message the broker refuses for good becomes a dead letter (and its alert row): INSERT only,
+-- with the id it returns; it reads no dead letter. It records the broker's largest message.
+GRANT USAGE ON SCHEMA jobfence, core TO {relay};
 GRANT SELECT ON jobfence.schema_migrations TO {relay};
 GRANT SELECT ON jobfence.settings TO {relay};                    -- the start-up comparison
+GRANT UPDATE (queue_max_message_bytes) ON jobfence.settings TO {relay};  -- the broker's limit
 GRANT SELECT, UPDATE, DELETE ON jobfence.outbox TO {relay};
+GRANT INSERT, SELECT (id) ON core.dead_letters TO {relay};       -- PublishRefused, PublishFailed
+GRANT INSERT, SELECT (dead_letter_id) ON jobfence.alert_outbox TO {relay};  -- SELECT: ON CONFLICT
 
 -- name: alert_relay
 -- `jobfence alert-relay`: groups new dead letters' alerts, opens, escalates and resolves Better

@@ -33,3 +33,13 @@ JOBFENCE = {
     # a test's own keys, merged in (for the errors of bad settings and the docs example)
     **json.loads(os.environ.get("DJANGOPROJECT_JOBFENCE", "{}")),
 }
+
+if os.environ.get("DJANGOPROJECT_ROOT_LOGGING"):
+    # docs/django.md's LOGGING, as written: a root console handler (tests/test_django.py).
+    import re
+    from pathlib import Path
+
+    _doc = (Path(__file__).resolve().parents[3] / "docs" / "django.md").read_text()
+    _found = re.search(r"```python\n(LOGGING = \{.*?)```", _doc, re.DOTALL)
+    assert _found, "docs/django.md shows a LOGGING with a root handler"
+    exec(_found.group(1))  # the documented snippet, run as written

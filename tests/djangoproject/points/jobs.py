@@ -1,5 +1,6 @@
 """The project's jobs: ``award_points`` writes a Point through the ORM."""
 
+import contextlib
 import os
 import threading
 import time
@@ -23,7 +24,9 @@ class Award(BaseModel):
     pause_seconds: float = 0.0  # after the ORM write, before the commit
     hold: bool = False  # after the ORM write: write the marker, then wait for SIGKILL
     until_blocked: bool = False  # before the ORM write: wait for a duplicate blocked on the fence
-    misuse: str = ""  # after the ORM write: commit | close | commit_sql | caught | set_rollback
+    # after the ORM write: commit | close | commit_sql | caught | set_rollback, or one of
+    # SWALLOWED (the refused call made, its error caught)
+    misuse: str = ""
 
 
 FAST = RetryPolicy(max_retries=2, base_seconds=0.05, cap_seconds=0.2, rationale="tests: fast")
@@ -58,9 +61,25 @@ def bulk_award(payload: Award, job: JobMeta, tx: psycopg.Connection[Any]) -> Non
     award_points(payload, job, tx)
 
 
+# Every way to end the transaction a handler could try, refused, with the error caught.
+SWALLOWED = {
+    "swallow_tx_commit": lambda tx: tx.commit(),
+    "swallow_tx_rollback": lambda tx: tx.rollback(),
+    "swallow_tx_close": lambda tx: tx.close(),
+    "swallow_tx_autocommit": lambda tx: tx.set_autocommit(True),
+    "swallow_commit": lambda tx: transaction.commit(),
+    "swallow_rollback": lambda tx: transaction.rollback(),
+    "swallow_set_autocommit": lambda tx: transaction.set_autocommit(True),
+    "swallow_close": lambda tx: connection.close(),
+}
+
+
 def misuse(how: str, tx: psycopg.Connection[Any]) -> None:
     """What a handler must not do to its transaction (tests/test_django.py)."""
-    if how == "commit":
+    if how in SWALLOWED:
+        with contextlib.suppress(Exception):
+            SWALLOWED[how](tx)
+    elif how == "commit":
         tx.commit()
     elif how == "close":
         connection.close()

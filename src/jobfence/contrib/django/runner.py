@@ -18,7 +18,8 @@ from django.db import Error as DjangoDatabaseError
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from jobfence.errors import ConfigError, TransactionAborted, TransactionMisuse
-from jobfence.sync import ENDED_BY_HANDLER, Work, check_still_open
+from jobfence.guard import ENDED_BY_HANDLER, check_still_open, refuse_on
+from jobfence.sync import Work
 
 T = TypeVar("T")
 
@@ -50,7 +51,7 @@ class DjangoRunner:
                 with psycopg.Cursor(raw) as cur:  # server-side binding, as jobfence's own
                     cur.execute(fence_sql, params)
                     rows = cur.fetchall()
-                with _lent(raw):
+                with _lent(wrapper, raw):
                     result = work(rows, raw)
                 _check_still_open(wrapper, raw)
         except DjangoDatabaseError as exc:
@@ -65,26 +66,30 @@ class DjangoRunner:
         return result
 
 
-_ENDERS = ("commit", "rollback", "close")
+# Django's own ways of ending the transaction, on its connection wrapper: ``transaction.commit()``,
+# ``transaction.rollback()`` and ``transaction.set_autocommit()`` call these, and
+# ``connection.close()`` is one. (The psycopg connection under it is lent by the harness, whose
+# guard refuses its own commit(), rollback(), close()...)
+_ENDERS = ("commit", "rollback", "set_autocommit", "close")
 
 
 @contextmanager
-def _lent(raw: psycopg.Connection[Any]) -> Iterator[None]:
-    """While the handler runs: ``commit()``, ``rollback()`` and ``close()`` on the psycopg
-    connection raise :class:`~jobfence.TransactionMisuse` before anything is sent (Django's
-    own ``connection.close()`` reaches it too)."""
+def _lent(wrapper: BaseDatabaseWrapper, raw: psycopg.Connection[Any]) -> Iterator[None]:
+    """While the handler runs, the calls that would end the transaction through Django raise
+    :class:`~jobfence.TransactionMisuse` before anything is sent, recorded on the job's guard
+    (jobfence.guard), so that the job fails even if the handler catches the error."""
     for name in _ENDERS:
-        setattr(raw, name, _refuse(name))
+        setattr(wrapper, name, _refuse(raw, name))
     try:
         yield
     finally:
         for name in _ENDERS:
-            raw.__dict__.pop(name, None)
+            wrapper.__dict__.pop(name, None)
 
 
-def _refuse(what: str) -> Callable[..., NoReturn]:
+def _refuse(raw: psycopg.Connection[Any], what: str) -> Callable[..., NoReturn]:
     def refuse(*args: object, **kwargs: object) -> NoReturn:
-        raise TransactionMisuse(ENDED_BY_HANDLER.format(what=what))
+        raise refuse_on(raw, what)
 
     return refuse
 

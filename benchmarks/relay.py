@@ -1,0 +1,404 @@
+"""The outbox relay's publish rate on each broker, this tree's against another tree's (main's),
+and the end-to-end throughput through the outbox against the same workers fed directly.
+
+    .venv/bin/python benchmarks/relay.py --baseline-python /work/main/.venv/bin/python
+    .venv/bin/python benchmarks/relay.py --brokers nats --rows 3000 --no-e2e
+
+Side by side in one run, per broker (RabbitMQ, NATS JetStream, Redis Streams on this machine):
+
+1. **Publish rate**: rows written to ``jobfence.outbox`` in one statement, then
+   ``OutboxRelay(...).run()`` timed until the outbox is empty (rows / seconds), alone and with
+   every broker reply 50 ms late (``tests/tcp_proxy.py``'s ``reply_delay``, in front of the
+   broker). Each measurement runs in a child process of the interpreter given: this tree's
+   ``.venv`` for "now", ``--baseline-python`` (with its own ``jobfence`` importable, e.g. main's
+   checkout and venv) for "before"; each child migrates its own database with its own
+   ``jobfence``.
+2. **End to end** (this tree only): N jobs committed to the outbox, then one
+   ``Worker(app, pool, queue, concurrency=4)`` with its embedded relay, timed until every job
+   is applied (``run(until="empty")``), against the same worker with ``outbox_relay=False`` on
+   the same N jobs published straight to the broker beforehand (not timed).
+
+Every job does ``UPDATE bench_accounts SET points = points + 1`` with its fence; the points are
+checked. Broker names are random (``jfrelay<hex>``) and deleted afterwards; each child's
+database (``jobfence_relay_bench_<n>``) is dropped at its end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from statistics import median
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import psycopg
+from psycopg.conninfo import make_conninfo
+
+ROOT = Path(__file__).resolve().parent.parent
+BROKER_URLS = {
+    "rabbitmq": os.environ.get("JOBFENCE_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/"),
+    "nats": os.environ.get("JOBFENCE_TEST_NATS_URL", "nats://127.0.0.1:4222"),
+    "redis": os.environ.get("JOBFENCE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0"),
+}
+KIND = {"rabbitmq": "rabbitmq", "nats": "nats", "redis": "redis"}
+QUEUE = "bench"
+CONSUMER = "bench_award"
+OUTBOX_FILL = """
+INSERT INTO jobfence.outbox (queue, consumer, job_id, body)
+SELECT %(queue)s, %(consumer)s, %(prefix)s || g,
+       convert_to(format('{"account_id":%%s,"points":1}', g %% 100 + 1), 'UTF8')
+FROM generate_series(1, %(rows)s::bigint) AS g
+"""
+
+
+def admin_url() -> str:
+    return os.environ.get("JOBFENCE_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+
+
+# -- the child: one measurement, with whatever jobfence its interpreter imports ----------------
+
+
+def _queue(kind: str, url: str, name: str) -> Any:
+    if kind == "redis":
+        from jobfence.adapters.redis_streams import RedisStreamsQueue
+
+        return RedisStreamsQueue(url, prefix=name)
+    if kind == "nats":
+        from jobfence.adapters.nats import NatsQueue
+
+        return NatsQueue(url, stream=name.upper(), subject_prefix=name)
+    from jobfence.adapters.rabbitmq import RabbitMQQueue
+
+    return RabbitMQQueue(url, prefix=name)
+
+
+async def _delete(kind: str, url: str, name: str) -> None:
+    if kind == "redis":
+        import redis.asyncio as aioredis
+
+        admin = aioredis.Redis.from_url(url)
+        keys = [key async for key in admin.scan_iter(match=f"{name}:*")]
+        if keys:
+            await admin.delete(*keys)
+        await admin.aclose()
+    elif kind == "nats":
+        import nats
+
+        nc = await nats.connect(url)
+        with contextlib.suppress(Exception):  # nothing was published
+            await nc.jetstream().delete_stream(name.upper())
+        await nc.close()
+    else:
+        import aio_pika
+
+        connection = await aio_pika.connect(url)
+        channel = await connection.channel()
+        await channel.queue_delete(f"{name}.{QUEUE}")
+        await connection.close()
+
+
+def _through(port: int, url: str) -> str:
+    parts = urlsplit(url)
+    userinfo, _, _ = parts.netloc.rpartition("@")
+    netloc = f"{userinfo}@127.0.0.1:{port}" if userinfo else f"127.0.0.1:{port}"
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+async def _fresh_database(dbname: str) -> str:
+    from jobfence.schema import migrate
+
+    async with await psycopg.AsyncConnection.connect(admin_url(), autocommit=True) as conn:
+        await conn.execute(f'DROP DATABASE IF EXISTS "{dbname}" WITH (FORCE)')
+        await conn.execute(f'CREATE DATABASE "{dbname}"')
+    url = make_conninfo(admin_url(), dbname=dbname)
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        await migrate(conn)
+    return url
+
+
+async def _drop_database(dbname: str) -> None:
+    async with await psycopg.AsyncConnection.connect(admin_url(), autocommit=True) as conn:
+        await conn.execute(f'DROP DATABASE IF EXISTS "{dbname}" WITH (FORCE)')
+
+
+async def child_relay(kind: str, rows: int, delay: float, dbname: str) -> dict[str, Any]:
+    """Fill the outbox with ``rows`` rows, time the relay until it is empty."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from jobfence.outbox import OutboxRelay, OutboxRelaySettings, record_queue
+    from tcp_proxy import TcpProxy
+
+    url = await _fresh_database(dbname)
+    broker_url = BROKER_URLS[kind]
+    name = f"jfrelay{uuid.uuid4().hex[:10]}"
+    parts = urlsplit(broker_url)
+    proxy = TcpProxy(parts.hostname or "127.0.0.1", parts.port or 0, reply_delay=delay)
+    await proxy.start()
+    queue = _queue(kind, _through(proxy.port, broker_url), name)
+    try:
+        async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+            await record_queue(conn, KIND[kind], broker_url)
+            await conn.execute(
+                OUTBOX_FILL, {"queue": QUEUE, "consumer": CONSUMER, "prefix": "r-", "rows": rows}
+            )
+            await conn.execute("VACUUM ANALYZE jobfence.outbox")
+            settings = OutboxRelaySettings(poll_seconds=0.05)
+            relay = OutboxRelay(url, queue, settings=settings)
+            task = asyncio.create_task(relay.run())
+            # The relay has no event for it: connected, locked and listening.
+            while not relay.active and not task.done():  # noqa: ASYNC110
+                await asyncio.sleep(0.001)
+            started = time.perf_counter()
+            while True:
+                cur = await conn.execute("SELECT count(*) FROM jobfence.outbox")
+                left = (await cur.fetchone())[0]  # type: ignore[index]
+                if left == 0 or task.done():
+                    break
+                await asyncio.sleep(0.01)
+            elapsed = time.perf_counter() - started
+            relay.stop()
+            await conn.execute("SELECT pg_notify('jobfence_outbox', '')")
+            await asyncio.wait_for(task, 60)
+            size = await queue.size([QUEUE])
+    finally:
+        await queue.close()
+        await proxy.close()
+        await _delete(kind, broker_url, name)
+        await _drop_database(dbname)
+    return {
+        "rows": rows,
+        "seconds": elapsed,
+        "rate": rows / elapsed,
+        "batch_size": settings.batch_size,
+        "on_broker": size.total,
+        "left": left,
+    }
+
+
+# -- end to end (this tree) ------------------------------------------------------------------
+
+
+async def end_to_end(kind: str, jobs: int, concurrency: int, rounds: int) -> dict[str, float]:
+    from pydantic import BaseModel
+
+    from jobfence import App, JobMeta, Worker, open_pool
+    from jobfence.model import Message, Outgoing
+    from jobfence.outbox import OutboxRelaySettings, record_queue
+
+    class Award(BaseModel):
+        account_id: int
+        points: int
+
+    app = App()
+
+    @app.consumer(CONSUMER, queue=QUEUE, schema=Award)
+    async def award(payload: Award, job: JobMeta, tx: psycopg.AsyncConnection[Any]) -> None:
+        await tx.execute(
+            "UPDATE bench_accounts SET points = points + %s WHERE id = %s",
+            (payload.points, payload.account_id),
+        )
+
+    rates: dict[str, list[float]] = {"outbox": [], "direct": []}
+    modes = ["outbox", "direct"]
+    order = [mode for r in range(rounds) for mode in (modes if r % 2 == 0 else modes[::-1])]
+    for mode in order:
+        dbname = f"jobfence_relay_bench_e2e_{os.getpid()}"
+        url = await _fresh_database(dbname)
+        broker_url = BROKER_URLS[kind]
+        name = f"jfrelay{uuid.uuid4().hex[:10]}"
+        queue = _queue(kind, broker_url, name)
+        pool = await open_pool(url, min_size=2, max_size=concurrency + 4)
+        try:
+            async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+                await conn.execute(
+                    "CREATE TABLE bench_accounts (id integer PRIMARY KEY, points bigint NOT NULL);"
+                    " INSERT INTO bench_accounts SELECT g, 0 FROM generate_series(1, 100) g"
+                )
+                await record_queue(conn, KIND[kind], broker_url)
+                if mode == "outbox":
+                    await conn.execute(
+                        OUTBOX_FILL,
+                        {"queue": QUEUE, "consumer": CONSUMER, "prefix": "e-", "rows": jobs},
+                    )
+                else:
+                    for start in range(0, jobs, 500):
+                        chunk = [
+                            Outgoing(
+                                Message(
+                                    QUEUE,
+                                    CONSUMER,
+                                    f"e-{g}",
+                                    f'{{"account_id":{g % 100 + 1},"points":1}}'.encode(),
+                                )
+                            )
+                            for g in range(start + 1, min(start + 500, jobs) + 1)
+                        ]
+                        sent = await queue.publish_many(chunk)
+                        assert all(r is None for r in sent), sent
+                worker = Worker(
+                    app,
+                    pool,
+                    queue,
+                    concurrency=concurrency,
+                    poll_seconds=0.05,
+                    outbox_relay=mode == "outbox",
+                    outbox_settings=OutboxRelaySettings(poll_seconds=0.05),
+                )
+                started = time.perf_counter()
+                await asyncio.wait_for(worker.run(until="empty"), 600)
+                elapsed = time.perf_counter() - started
+                cur = await conn.execute("SELECT sum(points) FROM bench_accounts")
+                total = (await cur.fetchone())[0]  # type: ignore[index]
+                assert total == jobs, (total, jobs)
+                rates[mode].append(jobs / elapsed)
+        finally:
+            await pool.close()
+            await queue.close()
+            await _delete(kind, broker_url, name)
+            await _drop_database(dbname)
+    # The median of the rounds (the upper one of two), each mode's rounds alternating first.
+    return {mode: sorted(got)[len(got) // 2] for mode, got in rates.items()}
+
+
+# -- the parent ------------------------------------------------------------------------------
+
+
+def run_child(python: str, kind: str, rows: int, delay: float, n: int) -> dict[str, Any]:
+    out = subprocess.run(
+        [
+            python,
+            str(Path(__file__).resolve()),
+            "--child",
+            kind,
+            "--rows",
+            str(rows),
+            "--delay",
+            str(delay),
+            "--db",
+            f"jobfence_relay_bench_{n}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+        env={**os.environ, "PYTHONPATH": ""},
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"{python} child failed:\n{out.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def publish_rates(args: argparse.Namespace, kind: str, row: dict[str, Any], n: int) -> int:
+    """The publish rates of ``kind`` into ``row``, now and before, alone and with the delay,
+    ``args.rounds`` alternating rounds; returns the next database number."""
+    now_python = sys.executable
+    for label, delay in (("alone", 0.0), ("50ms", args.delay)):
+        now_rates: list[float] = []
+        ratios: list[float] = []
+        before_rates: list[float] = []
+        for r in range(args.rounds):
+            n += 1
+            # Alternating which goes first, so that neither always meets a quieter minute.
+            pair: dict[str, float] = {}
+            sides = [("now", now_python)]
+            if args.baseline_python:
+                sides.append(("before", args.baseline_python))
+            for side, python in sides if r % 2 == 0 else sides[::-1]:
+                # The relay before publishes one message per confirm: a few seconds' worth.
+                rows = args.rows
+                if side == "before":
+                    rows = args.baseline_rows if delay == 0 else max(int(2 / delay), 20)
+                pair[side] = run_child(python, kind, rows, delay, n)["rate"]
+            now_rates.append(pair["now"])
+            if "before" in pair:
+                before_rates.append(pair["before"])
+                ratios.append(pair["now"] / pair["before"])
+        row[f"now_{label}"] = median(now_rates)
+        if ratios:
+            row[f"before_{label}"] = median(before_rates)
+            row[f"ratio_{label}"] = median(ratios)
+            row[f"ratios_{label}"] = [round(x, 1) for x in ratios]
+    return n
+
+
+def print_table(lines: list[dict[str, Any]]) -> None:
+    print()
+    print(
+        "| broker | relay now | relay before | ratio | 50 ms: now | 50 ms: before | ratio |"
+        " end to end | workers fed directly | ratio |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for row in lines:
+        cells = [row["broker"]]
+        for label in ("alone", "50ms"):
+            cells.append(f"{row[f'now_{label}']:,.0f}/s")
+            if f"ratio_{label}" in row:
+                low, high = min(row[f"ratios_{label}"]), max(row[f"ratios_{label}"])
+                cells += [
+                    f"{row[f'before_{label}']:,.0f}/s",
+                    f"{row[f'ratio_{label}']:.1f}x ({low}-{high})",
+                ]
+            else:
+                cells += ["", ""]
+        if "e2e" in row:
+            e2e = row["e2e"]
+            cells += [
+                f"{e2e['outbox']:,.0f}/s",
+                f"{e2e['direct']:,.0f}/s",
+                f"{e2e['outbox'] / e2e['direct']:.2f}",
+            ]
+        print("| " + " | ".join(cells) + " |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--brokers", default="rabbitmq,nats,redis")
+    parser.add_argument("--rows", type=int, default=3000, help="rows for this tree's relay")
+    parser.add_argument(
+        "--baseline-python",
+        default="/work/main/.venv/bin/python",
+        help="an interpreter importing the jobfence to compare with ('' to skip)",
+    )
+    parser.add_argument("--baseline-rows", type=int, default=600)
+    parser.add_argument("--delay", type=float, default=0.05, help="broker reply delay (s)")
+    parser.add_argument("--jobs", type=int, default=5000, help="end-to-end jobs")
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--e2e-rounds", type=int, default=2, help="alternating, median")
+    parser.add_argument("--rounds", type=int, default=3, help="publish-rate rounds, alternating")
+    parser.add_argument("--no-e2e", action="store_true")
+    parser.add_argument("--child")
+    parser.add_argument("--db")
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(asyncio.run(child_relay(args.child, args.rows, args.delay, args.db))))
+        return
+
+    now_python = sys.executable
+    brokers = [b for b in args.brokers.split(",") if b]
+    print(f"# {' '.join([Path(sys.executable).name, *sys.argv])}")
+    print(f"# now: {now_python}; before: {args.baseline_python or '(none)'}")
+    lines = []
+    n = 0
+    for kind in brokers:
+        row: dict[str, Any] = {"broker": kind}
+        n = publish_rates(args, kind, row, n)
+        if not args.no_e2e:
+            row["e2e"] = asyncio.run(end_to_end(kind, args.jobs, args.concurrency, args.e2e_rounds))
+        lines.append(row)
+        print(json.dumps(row), flush=True)
+
+    print_table(lines)
+    print(f"# rates: medians of {args.rounds} rounds; ratios: the median of the per-round ratios")
+    print(f"# cpu pressure: {Path('/proc/pressure/cpu').read_text().splitlines()[0]}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,267 @@
+"""jobfence ends the work transaction, never the handler: a call that would end it is refused,
+and once one was refused the job fails as ``TransactionMisuse`` whatever the handler did with
+the error. Each handler flavour here swallows each refused call: nothing it did is applied (the
+transaction rolls back, fence included) and the job is dead-lettered at once. Django's flavour
+runs under ``manage.py jobfence_worker`` in tests/test_django.py."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import AsyncConnection
+from psycopg_pool import AsyncConnectionPool
+
+import points_orm
+import pointsapp
+from jobfence import App, JobMeta, PrometheusMetrics, TransactionMisuse, get_dead_letter
+from jobfence.contrib.sqlalchemy import async_session_for, session_for
+from test_acceptance_harness import awards, balance, dead_letter_ids, fences, queued, run_worker
+
+CONSUMER = "award_points"
+MISUSE = "jobfence.TransactionMisuse"
+
+
+@pytest.fixture
+async def points(conn: AsyncConnection[Any]) -> AsyncConnection[Any]:
+    await conn.execute(pointsapp.SCHEMA_SQL)
+    return conn
+
+
+def app_with(handler: Any, **options: Any) -> App:
+    app = App()
+    app.consumer(CONSUMER, queue=pointsapp.QUEUE, schema=pointsapp.Award, **options)(handler)
+    return app
+
+
+async def assert_dead_lettered_with_nothing_applied(
+    points: AsyncConnection[Any], job_id: str, what: str
+) -> None:
+    assert await awards(points, job_id) == 0
+    assert await fences(points, job_id) == 0
+    [dl_id] = await dead_letter_ids(points, job_id)
+    dl = await get_dead_letter(points, dl_id)
+    assert dl.attempts == 1
+    assert dl.error_class == MISUSE
+    assert dl.last_error.startswith(
+        f"{MISUSE}: the fence transaction is committed by jobfence, with the handler's work and"
+        f" its fence together; do not call {what}()"
+    ), dl.last_error
+
+
+async def run_one(
+    app: App, pool: AsyncConnectionPool[Any], points: AsyncConnection[Any], job_id: str
+) -> dict[str, int]:
+    await app.enqueue(points, CONSUMER, {"account_id": 1, "points": 2}, job_id=job_id)
+    stats = await run_worker(app, pool, PrometheusMetrics())
+    assert await queued(points) == 0
+    return dict(stats.outcomes)
+
+
+# -- async def handlers: the psycopg AsyncConnection ---------------------------------------------
+
+ASYNC_CALLS: dict[str, Callable[[AsyncConnection[Any]], Awaitable[object]]] = {
+    "commit": lambda tx: tx.commit(),
+    "rollback": lambda tx: tx.rollback(),
+    "close": lambda tx: tx.close(),
+    "set_autocommit": lambda tx: tx.set_autocommit(False),
+}
+
+
+@pytest.mark.parametrize("what", sorted(ASYNC_CALLS))
+async def test_an_async_handler_that_swallows_a_refused_call_is_dead_lettered_with_nothing_applied(
+    pool: AsyncConnectionPool[Any], points: AsyncConnection[Any], what: str
+) -> None:
+    async def award(payload: pointsapp.Award, job: JobMeta, tx: AsyncConnection[Any]) -> None:
+        await pointsapp.apply_award(payload, job, tx)
+        with contextlib.suppress(TransactionMisuse):
+            await ASYNC_CALLS[what](tx)
+        await tx.execute("SELECT 1")  # the connection is still the job's, and usable
+
+    assert await run_one(app_with(award), pool, points, f"a-{what}") == {"dead_lettered": 1}
+    await assert_dead_lettered_with_nothing_applied(points, f"a-{what}", what)
+    assert await balance(points, 1) == 0
+
+
+async def test_an_async_handler_that_raises_another_error_after_a_refusal_fails_as_misuse(
+    pool: AsyncConnectionPool[Any], points: AsyncConnection[Any]
+) -> None:
+    """Not retried as the transient error it raised: the refusal decides."""
+
+    async def award(payload: pointsapp.Award, job: JobMeta, tx: AsyncConnection[Any]) -> None:
+        await pointsapp.apply_award(payload, job, tx)
+        try:
+            await tx.rollback()
+        except TransactionMisuse as exc:
+            raise pointsapp.Flaky("try again later") from exc
+
+    assert await run_one(app_with(award), pool, points, "a-reraise") == {"dead_lettered": 1}
+    await assert_dead_lettered_with_nothing_applied(points, "a-reraise", "rollback")
+
+
+@pytest.mark.parametrize("statement", ["COMMIT", "ROLLBACK"])
+async def test_an_async_handler_ending_its_transaction_with_sql_is_dead_lettered(
+    pool: AsyncConnectionPool[Any], points: AsyncConnection[Any], statement: str
+) -> None:
+    """A statement cannot be stopped before it runs: jobfence finds the transaction ended when
+    the handler returns. After a COMMIT the work committed with the fence (a replay is a
+    duplicate); after a ROLLBACK both rolled back."""
+
+    async def award(payload: pointsapp.Award, job: JobMeta, tx: AsyncConnection[Any]) -> None:
+        await pointsapp.apply_award(payload, job, tx)
+        await tx.execute(statement)
+
+    job_id = f"a-sql-{statement.lower()}"
+    assert await run_one(app_with(award), pool, points, job_id) == {"dead_lettered": 1}
+    committed = int(statement == "COMMIT")
+    assert await awards(points, job_id) == committed
+    assert await fences(points, job_id) == committed
+    [dl_id] = await dead_letter_ids(points, job_id)
+    dl = await get_dead_letter(points, dl_id)
+    assert (dl.attempts, dl.error_class) == (1, MISUSE)
+    assert "the handler ended the fence transaction itself" in dl.last_error
+
+
+# -- def handlers: the sync psycopg Connection ----------------------------------------------------
+
+
+def _set_autocommit_attribute(tx: psycopg.Connection[Any]) -> None:
+    tx.autocommit = False
+
+
+SYNC_CALLS: dict[str, Callable[[psycopg.Connection[Any]], object]] = {
+    "commit": lambda tx: tx.commit(),
+    "rollback": lambda tx: tx.rollback(),
+    "close": lambda tx: tx.close(),
+    "set_autocommit": lambda tx: tx.set_autocommit(False),
+    "autocommit": _set_autocommit_attribute,
+}
+
+
+@pytest.mark.parametrize("how", sorted(SYNC_CALLS))
+async def test_a_sync_handler_that_swallows_a_refused_call_is_dead_lettered_with_nothing_applied(
+    pool: AsyncConnectionPool[Any], points: AsyncConnection[Any], how: str
+) -> None:
+    def award(payload: pointsapp.Award, job: JobMeta, tx: psycopg.Connection[Any]) -> None:
+        pointsapp.apply_award_sync(payload, job, tx)
+        with contextlib.suppress(TransactionMisuse):
+            SYNC_CALLS[how](tx)
+        tx.execute("SELECT 1")
+
+    what = "set_autocommit" if how == "autocommit" else how
+    assert await run_one(app_with(award), pool, points, f"s-{how}") == {"dead_lettered": 1}
+    await assert_dead_lettered_with_nothing_applied(points, f"s-{how}", what)
+    assert await balance(points, 1) == 0
+
+
+# -- SQLAlchemy: sync and async sessions ----------------------------------------------------------
+
+SESSION_CALLS: dict[str, tuple[str, Callable[[Any], object]]] = {
+    "session.commit": ("commit", lambda session: session.commit()),
+    "session.rollback": ("rollback", lambda session: session.rollback()),
+    "session.connection().commit": ("commit", lambda session: session.connection().commit()),
+    "session.connection().rollback": (
+        "rollback",
+        lambda session: session.connection().rollback(),
+    ),
+    "session.close": ("close", lambda session: session.close()),
+    "session.reset": ("reset", lambda session: session.reset()),
+    "session.connection().close": ("close", lambda session: session.connection().close()),
+}
+
+
+@pytest.mark.parametrize("how", sorted(SESSION_CALLS))
+async def test_a_sqlalchemy_session_swallowing_a_refused_call_is_dead_lettered_unapplied(
+    pool: AsyncConnectionPool[Any], points: AsyncConnection[Any], how: str
+) -> None:
+    what, call = SESSION_CALLS[how]
+
+    def award(payload: pointsapp.Award, job: JobMeta, tx: psycopg.Connection[Any]) -> None:
+        with session_for(tx) as session:
+            session.add(points_orm.AwardRow(job_id=job.job_id, account_id=1, points=2))
+            session.flush()
+            with contextlib.suppress(TransactionMisuse):
+                call(session)
+
+    assert await run_one(app_with(award), pool, points, f"orm-{how}") == {"dead_lettered": 1}
+    await assert_dead_lettered_with_nothing_applied(points, f"orm-{how}", what)
+
+
+ASYNC_SESSION_CALLS: dict[str, tuple[str, Callable[[Any], Awaitable[object]]]] = {
+    "session.commit": ("commit", lambda session: session.commit()),
+    "session.rollback": ("rollback", lambda session: session.rollback()),
+}
+
+
+async def _connection_commit(session: Any) -> None:
+    await (await session.connection()).commit()
+
+
+async def _connection_rollback(session: Any) -> None:
+    await (await session.connection()).rollback()
+
+
+async def _connection_close(session: Any) -> None:
+    await (await session.connection()).close()
+
+
+ASYNC_SESSION_CALLS["session.connection().commit"] = ("commit", _connection_commit)
+ASYNC_SESSION_CALLS["session.connection().rollback"] = ("rollback", _connection_rollback)
+ASYNC_SESSION_CALLS["session.close"] = ("close", lambda session: session.close())
+ASYNC_SESSION_CALLS["session.connection().close"] = ("close", _connection_close)
+
+
+@pytest.mark.parametrize("how", sorted(ASYNC_SESSION_CALLS))
+async def test_an_async_sqlalchemy_session_swallowing_a_refused_call_is_dead_lettered_unapplied(
+    pool: AsyncConnectionPool[Any], points: AsyncConnection[Any], how: str
+) -> None:
+    what, call = ASYNC_SESSION_CALLS[how]
+
+    async def award(payload: pointsapp.Award, job: JobMeta, tx: AsyncConnection[Any]) -> None:
+        async with async_session_for(tx) as session:
+            session.add(points_orm.AwardRow(job_id=job.job_id, account_id=1, points=2))
+            await session.flush()
+            with contextlib.suppress(TransactionMisuse):
+                await call(session)
+
+    assert await run_one(app_with(award), pool, points, f"aorm-{how}") == {"dead_lettered": 1}
+    await assert_dead_lettered_with_nothing_applied(points, f"aorm-{how}", what)
+
+
+# -- group commit -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flavour", ["async", "sync"])
+async def test_group_commit_a_job_swallowing_a_refused_call_is_dead_lettered_others_commit(
+    pool: AsyncConnectionPool[Any], points: AsyncConnection[Any], flavour: str
+) -> None:
+    """The refusal rolls the group back; each job then runs alone: the misusing one is
+    dead-lettered at once with nothing applied, the others succeed once."""
+
+    async def award(payload: pointsapp.Award, job: JobMeta, tx: AsyncConnection[Any]) -> None:
+        await pointsapp.apply_award(payload, job, tx)
+        if job.job_id == "g-bad":
+            with contextlib.suppress(TransactionMisuse):
+                await tx.rollback()
+
+    def award_sync(payload: pointsapp.Award, job: JobMeta, tx: psycopg.Connection[Any]) -> None:
+        pointsapp.apply_award_sync(payload, job, tx)
+        if job.job_id == "g-bad":
+            with contextlib.suppress(TransactionMisuse):
+                tx.rollback()
+
+    app = app_with(award if flavour == "async" else award_sync, jobs_per_transaction=5)
+    ids = ["g-0", "g-1", "g-bad", "g-2", "g-3"]
+    for job_id in ids:
+        await app.enqueue(points, CONSUMER, {"account_id": 1, "points": 2}, job_id=job_id)
+    stats = await run_worker(app, pool, PrometheusMetrics(), concurrency=1, batch_size=5)
+
+    assert dict(stats.outcomes) == {"succeeded": 4, "dead_lettered": 1}
+    for job_id in ("g-0", "g-1", "g-2", "g-3"):
+        assert await awards(points, job_id) == 1
+        assert await fences(points, job_id) == 1
+    await assert_dead_lettered_with_nothing_applied(points, "g-bad", "rollback")
+    assert await balance(points, 1) == 8

@@ -1,0 +1,436 @@
+"""The outbox relay on the real brokers of this machine, through a TCP proxy that adds latency
+or cuts the broker away (never the shared services themselves): it always makes progress, backs
+off once per broker outage, and is back within a second or two of the broker's return.
+
+The figures each test measured are printed (``pytest -s`` shows them)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import psycopg
+import pytest
+from psycopg_pool import AsyncConnectionPool
+
+import pointsapp
+from brokers import BROKERS, make_queue, on_broker
+from jobfence import JobRefused, Message, Producer, QueuePort, Worker, replay_dead_letter
+from jobfence.adapters.nats import NatsQueue
+from jobfence.outbox import OutboxRelay, OutboxRelaySettings, record_queue, write
+from jobfence.queues import parse_queue_url
+from support import scalar, wait_until
+from tcp_proxy import TcpProxy
+
+AWARD = "award_points"
+
+
+def through(proxy: TcpProxy, url: str) -> str:
+    """``url`` with its host and port replaced by the proxy's."""
+    parts = urlsplit(url)
+    userinfo, _, _ = parts.netloc.rpartition("@")
+    netloc = f"{userinfo}@" if userinfo else ""
+    return urlunsplit(parts._replace(netloc=f"{netloc}127.0.0.1:{proxy.port}"))
+
+
+@contextlib.asynccontextmanager
+async def proxied(url: str, *, reply_delay: float = 0.0) -> AsyncIterator[TcpProxy]:
+    parts = urlsplit(url)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 0
+    async with TcpProxy(host, port, reply_delay=reply_delay) as p:
+        yield p
+
+
+# nats-py drops the stream writer of a connection that broke without closing it (its reconnect
+# opens a new one), which Python reports as an unraisable ResourceWarning when it is collected.
+_NATS_LEAKS_A_WRITER = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
+
+@pytest.fixture(
+    params=[
+        pytest.param(kind, marks=_NATS_LEAKS_A_WRITER) if kind == "nats" else kind
+        for kind in BROKERS
+    ]
+)
+async def broker(request: pytest.FixtureRequest) -> AsyncIterator[tuple[str, str, str]]:
+    async with on_broker(request, [pointsapp.QUEUE], prefix="jfrelay") as found:
+        yield found
+
+
+async def _external(conn: psycopg.AsyncConnection[Any], url: str) -> None:
+    await conn.execute(pointsapp.SCHEMA_SQL)
+    target = parse_queue_url(url)
+    await record_queue(conn, target.kind, target.location)
+
+
+async def _enqueue(database_url: str, job_ids: list[str]) -> None:
+    app = pointsapp.build_app()
+    async with await psycopg.AsyncConnection.connect(database_url) as tx:
+        for job_id in job_ids:
+            await app.enqueue(tx, AWARD, {"account_id": 1, "points": 1}, job_id=job_id)
+        await tx.commit()
+
+
+async def _run(relay: OutboxRelay) -> asyncio.Task[Any]:
+    task = asyncio.create_task(relay.run())
+
+    async def active() -> bool:
+        assert not task.done(), task
+        return relay.active
+
+    await wait_until(active, timeout=20, message="the relay to be active")
+    return task
+
+
+async def _stop(relay: OutboxRelay, task: asyncio.Task[Any], conn: Any) -> None:
+    relay.stop()
+    await conn.execute("SELECT pg_notify('jobfence_outbox', '')")
+    await asyncio.wait_for(task, 30)
+
+
+async def test_with_50ms_confirms_and_a_2s_idle_transaction_timeout_the_relay_empties_the_outbox(
+    broker: tuple[str, str, str],
+    database_url: str,
+    conn: psycopg.AsyncConnection[Any],
+) -> None:
+    """No transaction stays open while the broker is waited for: 300 rows, every reply of the
+    broker 50 ms late, PostgreSQL killing any session idle in a transaction for 2 s."""
+    kind, url, name = broker
+    await _external(conn, url)
+    dbname = conn.info.dbname
+    await conn.execute(f'ALTER DATABASE "{dbname}" SET idle_in_transaction_session_timeout = 2000')
+    await _enqueue(database_url, [f"s-{n}" for n in range(300)])
+    async with proxied(url, reply_delay=0.05) as proxy:
+        queue = make_queue(kind, through(proxy, url), name)
+        relay = OutboxRelay(database_url, queue, settings=OutboxRelaySettings(poll_seconds=0.05))
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        task = await _run(relay)
+        try:
+
+            async def empty() -> bool:
+                return await scalar(conn, "SELECT count(*) FROM jobfence.outbox") == 0
+
+            await wait_until(empty, timeout=60, interval=0.05, message="the outbox to empty")
+            took = loop.time() - started
+        finally:
+            await _stop(relay, task, conn)
+            size = await queue.size([pointsapp.QUEUE])
+            await queue.close()
+    print(
+        f"\n{kind}: 300 rows with 50 ms confirms published in {took:.2f}s,"
+        f" {size.total} messages on the broker"
+    )
+    assert relay.stats.published >= 300
+    assert 300 <= size.total <= 310, size  # every row, at most a few twice
+    assert relay.stats.failed == 0
+
+
+def _close_from_the_broker(proxy: TcpProxy) -> None:
+    """As a RabbitMQ that shuts down does: the broker closes the connections the proxy carries
+    (``connection.close``, 320 CONNECTION_FORCED), our own only, never the others'."""
+    rabbitmqctl = shutil.which("rabbitmqctl")
+    if rabbitmqctl is None:
+        return
+    ports = proxy.upstream_ports
+    listed = subprocess.run(
+        [rabbitmqctl, "-q", "list_connections", "pid", "peer_port"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    ).stdout
+    for line in listed.splitlines():
+        pid, _, port = line.partition("\t")
+        if port.strip().isdigit() and int(port) in ports:
+            subprocess.run(
+                [rabbitmqctl, "-q", "close_connection", pid, "broker going down"],
+                capture_output=True,
+                timeout=60,
+                check=False,
+            )
+
+
+async def _broker_away(kind: str, proxy: TcpProxy, relay: OutboxRelay) -> None:
+    """Cut the broker away (RabbitMQ first closes the connection itself, as when it stops) and
+    wait until the relay has seen it."""
+    if kind == "rabbitmq":
+        await asyncio.to_thread(_close_from_the_broker, proxy)
+    await proxy.cut()
+
+    async def seen() -> bool:
+        return relay.broker_down
+
+    await wait_until(seen, timeout=20, message="the outage to be seen")
+
+
+async def test_a_broker_outage_under_a_trickle_of_commits_is_one_backoff_and_two_log_lines(
+    broker: tuple[str, str, str],
+    database_url: str,
+    conn: psycopg.AsyncConnection[Any],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The broker goes away for about 4 s while a producer commits a job every 50 ms: the relay
+    stops publishing (a NOTIFY does not wake it), probes with one message at a bounded, jittered
+    backoff, logs the outage as two lines, and publishes what was held back within a second or
+    two of the broker's return."""
+    caplog.set_level(logging.INFO)
+    kind, url, name = broker
+    await _external(conn, url)
+    loop = asyncio.get_running_loop()
+    producing = asyncio.Event()
+    produced = 0
+
+    async def trickle() -> None:
+        nonlocal produced
+        while not producing.is_set():
+            await _enqueue(database_url, [f"t-{produced}"])
+            produced += 1
+            await asyncio.sleep(0.05)
+
+    async with proxied(url) as proxy:
+        queue: QueuePort = make_queue(kind, through(proxy, url), name)
+        relay = OutboxRelay(database_url, queue, settings=OutboxRelaySettings(poll_seconds=0.05))
+        task = await _run(relay)
+        producer = asyncio.create_task(trickle())
+        try:
+
+            async def some_published() -> bool:
+                return relay.stats.published >= 5
+
+            await wait_until(some_published, timeout=20, message="publishes before the outage")
+            await _broker_away(kind, proxy, relay)
+            await asyncio.sleep(4.0)
+            held_back = await scalar(conn, "SELECT max(id) FROM jobfence.outbox")
+            assert held_back is not None and relay.broker_down
+            failed_during = relay.stats.failed
+            proxy.up()
+            back_at = loop.time()
+
+            async def held_back_published() -> bool:
+                left = await scalar(
+                    conn, "SELECT count(*) FROM jobfence.outbox WHERE id <= %s", (held_back,)
+                )
+                return left == 0
+
+            await wait_until(held_back_published, timeout=30, message="the held-back jobs")
+            recovered = loop.time() - back_at
+        finally:
+            producing.set()
+            await producer
+            await _stop(relay, task, conn)
+            await queue.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "jobfence.outbox"]
+    print(
+        f"\n{kind}: {produced} commits; {failed_during} failed publish attempts during the"
+        f" outage; last held-back job published {recovered:.2f}s after the broker's return"
+    )
+    assert len([line for line in lines if "broker went away" in line]) == 1, lines
+    assert len([line for line in lines if "broker back after" in line]) == 1, lines
+    assert not [line for line in lines if "publishing job" in line], lines
+    assert relay.stats.outages == 1
+    # One for the batch the outage caught, then one per probe: 0.5 s doubling to 2 s, halved
+    # at most by the jitter, over about 4 s.
+    assert failed_during <= 10, failed_during
+    assert recovered < 5.0
+    noisy = [
+        r for r in caplog.records if r.levelno >= logging.WARNING and r.name != "jobfence.outbox"
+    ]
+    assert not noisy, [f"{r.name}: {r.getMessage()}" for r in noisy]
+    assert "StopAsyncIteration" not in caplog.text
+
+
+@contextlib.contextmanager
+def private_nats(tmp_path: Path, *, max_payload: int) -> Iterator[str]:
+    """A NATS server of this test's own (JetStream, ``max_payload`` bytes), on a free port."""
+    nats_server = shutil.which("nats-server")
+    if nats_server is None:
+        pytest.skip("nats-server is not installed")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    config = tmp_path / f"nats-{port}.conf"
+    config.write_text(
+        f'port: {port}\nmax_payload: {max_payload}\njetstream {{ store_dir: "{tmp_path}/js" }}\n'
+    )
+    proc = subprocess.Popen(
+        [nats_server, "-c", str(config)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise AssertionError("the private nats-server did not start")
+            time.sleep(0.05)
+        yield f"nats://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+async def test_a_message_over_the_brokers_limit_is_a_dead_letter_with_its_alert_then_replayable(
+    database_url: str,
+    conn: psycopg.AsyncConnection[Any],
+    pool: AsyncConnectionPool[Any],
+    tmp_path: Path,
+) -> None:
+    """1.5 MB on a NATS server whose max_payload is 1 MB: refused for good, so a dead letter of
+    its own class (``PublishRefused``) with its alert at once, no retry, no outage, while the
+    messages around it are published; once the limit is raised, its replay goes through."""
+    with private_nats(tmp_path, max_payload=1024 * 1024) as small:
+        await _external(conn, small)
+        blob = json.dumps({"account_id": 1, "points": 1, "note": "x" * 1_500_000}).encode()
+        for job_id, body in (("small-1", b"{}"), ("too-big", blob), ("small-2", b"{}")):
+            await write(conn, Message(pointsapp.QUEUE, AWARD, job_id, body))
+        queue = NatsQueue(small, stream="JFBIG", subject_prefix="jfbig")
+        relay = OutboxRelay(database_url, queue, settings=OutboxRelaySettings(poll_seconds=0.05))
+        try:
+            async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as c:
+                await relay.run_round(c)
+            assert relay.stats.published == 2 and relay.stats.dead_lettered == 1
+            assert relay.stats.outages == 0 and not relay.broker_down
+            assert (await queue.size([pointsapp.QUEUE])).total == 2
+
+            # The relay recorded the server's limit: a producer now refuses such a job at
+            # enqueue, naming the limit, and its transaction goes on.
+            producer = Producer(routes={AWARD: pointsapp.QUEUE})
+            async with await psycopg.AsyncConnection.connect(database_url) as tx:
+                with pytest.raises(JobRefused) as refused:
+                    await producer.enqueue(
+                        tx, AWARD, {"note": "x" * 1_500_000}, job_id="refused-at-enqueue"
+                    )
+                assert refused.value.field == "payload"
+                assert "1,048,576 bytes" in str(refused.value), refused.value
+                assert "nats" in str(refused.value)
+                await producer.enqueue(tx, AWARD, {"note": "small"}, job_id="still-fine")
+                await tx.commit()
+            cur = await conn.execute("SELECT job_id FROM jobfence.outbox")
+            assert await cur.fetchall() == [("still-fine",)]
+            await conn.execute("DELETE FROM jobfence.outbox")
+        finally:
+            await queue.close()
+    cur = await conn.execute(
+        "SELECT id, job_id, error_class, last_error, attempts, octet_length(payload::text) > 1e6"
+        " FROM core.dead_letters"
+    )
+    ((dead_letter_id, job_id, error_class, last_error, attempts, whole),) = await cur.fetchall()
+    assert (job_id, error_class, attempts, whole) == ("too-big", "PublishRefused", 1, True)
+    assert "max_payload of 1,048,576 bytes" in last_error, last_error
+    assert await scalar(conn, "SELECT count(*) FROM jobfence.outbox") == 0
+    assert (
+        await scalar(
+            conn,
+            "SELECT count(*) FROM jobfence.alert_outbox WHERE dead_letter_id = %s",
+            (dead_letter_id,),
+        )
+        == 1
+    )
+
+    # The cause fixed (a server that takes 4 MB): the replay is published and applied once.
+    with private_nats(tmp_path / "large", max_payload=4 * 1024 * 1024) as large:
+        queue = NatsQueue(large, stream="JFBIG", subject_prefix="jfbig")
+        try:
+            result = await replay_dead_letter(pool, queue, dead_letter_id, resolved_by="ops")
+            assert result.published
+            relay = OutboxRelay(database_url, queue)
+            async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as c:
+                await relay.run_round(c)
+            assert relay.stats.published == 1 and relay.stats.dead_lettered == 0
+            (delivery,) = await queue.receive(
+                [pointsapp.QUEUE], max_messages=5, lease_seconds=30, wait_seconds=10
+            )
+            assert delivery.message.job_id == "too-big"
+            assert len(delivery.message.body) > 1_500_000
+            await queue.ack(delivery)
+        finally:
+            await queue.close()
+
+
+async def test_a_relay_sigkilled_mid_batch_on_a_broker_loses_nothing_and_each_job_applies_once(
+    broker: tuple[str, str, str],
+    database_url: str,
+    conn: psycopg.AsyncConnection[Any],
+    pool: AsyncConnectionPool[Any],
+) -> None:
+    """2,000 rows; the relay process is SIGKILLed once some are on the broker and some still in
+    the outbox (its claims in flight). The next relay takes over at once, every job is on the
+    broker at least once, and the workers apply each exactly once."""
+    kind, url, name = broker
+    await _external(conn, url)
+    jobs = 2000
+    await conn.execute(
+        "INSERT INTO jobfence.outbox (queue, consumer, job_id, body)"
+        " SELECT %s, %s, 'k-' || g, convert_to('{\"account_id\": 1, \"points\": 1}', 'UTF8')"
+        " FROM generate_series(1, %s) g",
+        (pointsapp.QUEUE, AWARD, jobs),
+    )
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        str(Path(__file__).parent / "outbox_relay_kill_proc.py"),
+        database_url,
+        kind,
+        url,
+        name,
+        cwd=Path(__file__).parent,
+    )
+    queue = make_queue(kind, url, name)
+    try:
+
+        async def mid_batch() -> bool:
+            assert proc.returncode is None
+            return (await queue.size([pointsapp.QUEUE])).total >= 300
+
+        await wait_until(mid_batch, timeout=60, interval=0.005, message="publishes under way")
+        proc.kill()
+        await asyncio.wait_for(proc.wait(), 30)
+        left = await scalar(conn, "SELECT count(*) FROM jobfence.outbox")
+        claimed = await scalar(
+            conn, "SELECT count(*) FROM jobfence.outbox WHERE claimed_until > now()"
+        )
+        assert 0 < left < jobs, left  # killed mid-way: nothing lost so far
+
+        relay = OutboxRelay(database_url, queue, settings=OutboxRelaySettings(poll_seconds=0.05))
+        task = await _run(relay)
+        try:
+
+            async def empty() -> bool:
+                return await scalar(conn, "SELECT count(*) FROM jobfence.outbox") == 0
+
+            await wait_until(empty, timeout=60, message="the next relay to empty the outbox")
+        finally:
+            await _stop(relay, task, conn)
+        on_broker = (await queue.size([pointsapp.QUEUE])).total
+        assert on_broker >= jobs
+        app = pointsapp.build_app()
+        stats = await asyncio.wait_for(
+            Worker(app, pool, queue, poll_seconds=0.05, outbox_relay=False).run(until="empty"),
+            120,
+        )
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await asyncio.wait_for(proc.wait(), 30)
+        await queue.close()
+    print(
+        f"\n{kind}: killed with {left} rows in the outbox ({claimed} claimed);"
+        f" {on_broker - jobs} message(s) published twice"
+    )
+    assert stats.outcomes.get("succeeded") == jobs, stats.outcomes
+    assert stats.outcomes.get("duplicate", 0) == on_broker - jobs
+    cur = await conn.execute("SELECT count(DISTINCT job_id), count(*) FROM public.awards")
+    assert await cur.fetchone() == (jobs, jobs)
