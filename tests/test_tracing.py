@@ -36,6 +36,7 @@ from fake_betterstack import FakeBetterStack
 from jobfence import PgQueue, Producer, RetryPolicy, Worker, ops, tracing
 from jobfence.api.schemas import DeadLetterDetailOut
 from jobfence.dead_letters import get_dead_letter, replay_dead_letter
+from jobfence.model import Message
 from jobfence.observability import json_formatter
 from jobfence.ops.show import show_dead_letter_json
 from roles_support import deployed_roles
@@ -728,3 +729,25 @@ def test_dead_letters_show_prints_the_failed_attempts_trace_id(database_url: str
     assert f"  trace_id:         {TP[3:35]}\n" in shown[0]
     as_json = json.loads(shown[1])
     assert (as_json["trace_id"], as_json["traceparent"]) == (TP[3:35], TP)
+
+
+def test_without_an_sdk_a_producer_passes_on_the_context_it_is_called_in() -> None:
+    """The API's no-op tracer records nothing, but a context a framework extracted from an
+    incoming request (a remote span) still travels with the job; no context, no trace."""
+    from opentelemetry import context, trace
+
+    message = Message(queue="q", consumer="c", job_id="j", body=b"{}")
+    with tracing.create(message) as traced:
+        assert traced.traceparent is None
+    remote = trace.SpanContext(
+        trace_id=int(TP[3:35], 16),
+        span_id=int(TP[36:52], 16),
+        is_remote=True,
+        trace_flags=trace.TraceFlags(1),
+    )
+    token = context.attach(trace.set_span_in_context(trace.NonRecordingSpan(remote)))
+    try:
+        with tracing.create(message) as traced:
+            assert (traced.traceparent, traced.tracestate) == (TP, None)
+    finally:
+        context.detach(token)
