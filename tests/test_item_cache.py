@@ -240,6 +240,8 @@ def test_a_negative_item_cache_size_is_refused_with_a_clear_error(
         main(["api", "--item-cache-mb", "-1"])
     assert exited.value.code == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert last.endswith("argument --item-cache-mb: must be >= 0, got -1"), last
+    assert last.endswith(
+        "argument --item-cache-mb: must be a whole number from 0 to 1048576, got '-1'"
+    ), last
     with pytest.raises(ConfigError, match="item_cache_bytes must be >= 0"):
         ApiSettings(jwt_secret=SECRET, item_cache_bytes=-1)
