@@ -152,3 +152,25 @@ async def test_a_hostile_trace_header_on_a_broker_message_is_dropped_and_the_job
     )
     assert await _work(app, pool, queue) == {"succeeded": 1}
     assert not traces.one(f"process {pointsapp.QUEUE}").links
+
+
+async def test_an_outbox_row_with_a_hostile_trace_context_is_published_without_it(
+    broker: tuple[str, str, QueuePort],
+    traces: Traces,
+    pool: AsyncConnectionPool[Any],
+    conn: psycopg.AsyncConnection[Any],
+) -> None:
+    """The outbox is producer-writable: junk in its trace columns is dropped by the relay, and
+    the job goes out and runs like any other."""
+    _, url, queue = broker
+    await _on_broker(conn, url)
+    app = pointsapp.build_app()
+    await conn.execute(
+        "INSERT INTO jobfence.outbox (queue, consumer, job_id, body, traceparent, tracestate)"
+        " VALUES (%s, 'award_points', 'x-1', %s, %s, %s)",
+        (pointsapp.QUEUE, b'{"account_id": 1, "points": 1}', "00-" + "z" * 52, "a=b\nc"),
+    )
+    assert await _work(app, pool, queue) == {"succeeded": 1}
+    send = traces.one(f"send {pointsapp.QUEUE}")
+    assert parent_of(send) is None
+    assert linked(traces.one(f"process {pointsapp.QUEUE}")) == [hexid(send)]
