@@ -16,7 +16,7 @@ from psycopg_pool import AsyncConnectionPool
 
 import pointsapp
 from brokers import BROKERS, make_queue, on_broker
-from jobfence import QueuePort, RetryPolicy, Worker
+from jobfence import Producer, QueuePort, RetryPolicy, Worker, ops
 from jobfence.dead_letters import get_dead_letter
 from jobfence.model import Message
 from jobfence.outbox import OutboxRelaySettings, record_queue
@@ -174,3 +174,42 @@ async def test_an_outbox_row_with_a_hostile_trace_context_is_published_without_i
     send = traces.one(f"send {pointsapp.QUEUE}")
     assert parent_of(send) is None
     assert linked(traces.one(f"process {pointsapp.QUEUE}")) == [hexid(send)]
+
+
+async def test_a_poison_message_and_its_bulk_replay_on_a_broker_stay_linked(
+    broker: tuple[str, str, QueuePort],
+    traces: Traces,
+    database_url: str,
+    pool: AsyncConnectionPool[Any],
+    conn: psycopg.AsyncConnection[Any],
+) -> None:
+    """Poison from a producer without the schema, then a bulk replay through the outbox: the
+    replay's send span is the replay span's child, and the replayed job's process span links
+    to that send and to the attempt that failed."""
+    _, url, queue = broker
+    await _on_broker(conn, url)
+    app = pointsapp.build_app()
+    with traces.tracer.start_as_current_span("POST /orders"):
+        async with await psycopg.AsyncConnection.connect(database_url) as tx:
+            await Producer(routes={"award_points": pointsapp.QUEUE}).enqueue(
+                tx, "award_points", {"account_id": "x"}, job_id="p-1"
+            )
+            await tx.commit()
+    assert await _work(app, pool, queue) == {"poison": 1}
+    failed = traces.one(f"process {pointsapp.QUEUE}")
+    assert (failed.attributes or {})["jobfence.outcome"] == "poison"
+    assert linked(failed) == [hexid(traces.one(f"send {pointsapp.QUEUE}"))]
+
+    traces.exporter.clear()
+    run = await ops.start_bulk_replay(
+        pool, ops.DeadLetterFilter(queue=pointsapp.QUEUE), requested_by="carol"
+    )
+    assert not isinstance(run, int)
+    await ops.run_bulk_replay(pool, queue, run.id, actor="carol")
+    assert await _work(app, pool, queue) == {"poison": 1}  # the same payload: poison again
+    replay = traces.one(f"replay {pointsapp.QUEUE}")
+    send = traces.one(f"send {pointsapp.QUEUE}")
+    assert (replay.attributes or {})["jobfence.actor"] == "carol"
+    assert linked(replay) == [hexid(failed)]
+    assert parent_of(send) == hexid(replay)
+    assert linked(traces.one(f"process {pointsapp.QUEUE}")) == [hexid(send), hexid(failed)]
