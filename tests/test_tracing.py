@@ -751,3 +751,28 @@ def test_without_an_sdk_a_producer_passes_on_the_context_it_is_called_in() -> No
             assert (traced.traceparent, traced.tracestate) == (TP, None)
     finally:
         context.detach(token)
+
+
+def test_a_dead_letters_traceparent_is_immutable(database_url: str) -> None:
+    with psycopg.connect(database_url, autocommit=True) as admin:
+        row = admin.execute(
+            "INSERT INTO core.dead_letters (job_id, queue, consumer, payload, attempts,"
+            " last_error, error_class, traceparent) VALUES ('i-1', 'loyalty', 'c', '{}', 1,"
+            " 'x', 'X', %s) RETURNING id",
+            (TP,),
+        ).fetchone()
+        assert row is not None
+        # Even with an allowed status change, which the guard of the other columns lets pass.
+        for value in (None, "00-" + "1" * 32 + "-" + "2" * 16 + "-01"):
+            with pytest.raises(psycopg.errors.IntegrityConstraintViolation, match="may change"):
+                admin.execute(
+                    "UPDATE core.dead_letters SET traceparent = %s, status = 'discarded',"
+                    " discard_reason = 'test', resolved_at = now(), resolved_by = 't'"
+                    " WHERE id = %s",
+                    (value, row[0]),
+                )
+        admin.execute(
+            "UPDATE core.dead_letters SET status = 'discarded', discard_reason = 'test',"
+            " resolved_at = now(), resolved_by = 't' WHERE id = %s",
+            (row[0],),
+        )
