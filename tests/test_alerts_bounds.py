@@ -371,6 +371,28 @@ async def test_a_class_gets_its_own_incident_again_once_a_slot_is_free(
     assert HARD not in {r["error_class"] for r in await incidents(conn)}
 
 
+async def test_messages_the_relay_could_not_publish_share_one_incident_per_queue(
+    database_url: str, conn: AsyncConnection[Any], server: FakeBetterStack
+) -> None:
+    """A message the broker refused for good (or that kept failing) names a consumer no worker
+    has checked: ten made-up names on one queue open one incident, counting all ten."""
+    clock = MovableClock()
+    relay = make_relay(
+        database_url, server, clock=clock, settings=fast_settings(group_window_seconds=1.0)
+    )
+    for n in range(10):
+        error_class = "PublishRefused" if n % 2 else "PublishFailed"
+        await write_dead_letter(conn, f"p{n}", consumer=f"ghost_{n}", error_class=error_class)
+    async with running(relay):
+        clock.advance(seconds=2)
+        await wait_until(lambda: settled(conn), message="every alert handled")
+    rows = await incidents(conn)
+    assert [(r["queue"], r["consumer"], r["error_class"]) for r in rows] == [(QUEUE, "*", "*")]
+    assert rows[0]["scope"] == "unknown_consumers"
+    assert rows[0]["dead_letters"] == 10
+    assert len(server.posts()) == 1
+
+
 async def test_a_storm_incident_whose_create_answer_was_lost_is_found_and_kept_as_the_storm(
     database_url: str, conn: AsyncConnection[Any], server: FakeBetterStack
 ) -> None:

@@ -79,9 +79,16 @@ MAX_GROUPING_PASSES = 100
 #: Outbox rows filed under their alert key per statement (repeated until none is left).
 CLASSIFY_BATCH = 1000
 #: The error classes of dead letters whose consumer is not one of the application's (or whose
-#: identifiers could not be stored as named): their consumer name is the producer's choice, so
-#: they are filed under one key per queue, whatever the name.
-UNKNOWN_CONSUMER_CLASSES = ("UnknownConsumer", "UnfenceableMessage")
+#: identifiers could not be stored as named), and of messages the outbox relay could not publish
+#: (the broker refused them for good, or kept failing): their consumer name is the producer's
+#: choice, never checked against a worker's, so they are filed under one key per queue,
+#: whatever the name.
+UNKNOWN_CONSUMER_CLASSES = (
+    "UnknownConsumer",
+    "UnfenceableMessage",
+    "PublishRefused",
+    "PublishFailed",
+)
 #: The consumer and error class of a key that stands for many (unknown consumers, the error
 #: classes beyond the limit, the storm).
 ANY = "*"
