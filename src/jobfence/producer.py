@@ -150,7 +150,7 @@ def publish_sync(conn: object, message: Message, *, delay_seconds: float = 0.0) 
 
 
 def _query(message: Message) -> str:
-    """``produce``, or ``produce_traced`` for a job with a trace context (migration 0024)."""
+    """``produce``, or ``produce_traced`` for a job with a trace context (migration 0021)."""
     return "produce" if message.traceparent is None else "produce_traced"
 
 

@@ -210,7 +210,7 @@ WHERE g.id = %(group_id)s;
 
 -- name: alert_group_samples
 -- A few members to quote in the incident (the first line of each error only), with the trace
--- id of the failed attempt when it was traced (migration 0024).
+-- id of the failed attempt when it was traced (migration 0021).
 SELECT d.id, d.job_id, d.attempts, left(split_part(d.last_error, E'\n', 1), 300) AS error_line,
        substr(d.traceparent, 4, 32) AS trace_id
 FROM jobfence.alert_outbox o

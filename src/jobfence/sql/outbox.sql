@@ -18,7 +18,7 @@ SELECT produced_id, limit_bytes, limit_kind FROM jobfence.produce(
 
 -- name: produce_traced
 -- produce for a job with a trace context (jobfence.tracing): the nine-argument jobfence.produce
--- of migration 0024 sets it for the seven-argument one's insert only. The same answer.
+-- of migration 0021 sets it for the seven-argument one's insert only. The same answer.
 SELECT produced_id, limit_bytes, limit_kind FROM jobfence.produce(
     %(consumer)s::text, %(queue)s::text, %(job_id)s::text, %(body)s::bytea,
     %(tenant_id)s::text, %(correlation_id)s::text, %(delay)s::interval,

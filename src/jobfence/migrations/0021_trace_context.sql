@@ -1,4 +1,4 @@
--- jobfence 0024: the W3C trace context travels with a job (docs/observability.md).
+-- jobfence 0021: the W3C trace context travels with a job (docs/observability.md).
 --
 -- The queue row and the outbox row carry the producer's traceparent and tracestate; a dead
 -- letter keeps the traceparent of the attempt that failed. Every column is nullable: a job
