@@ -116,3 +116,31 @@ def test_a_typo_in_a_query_fails_to_prepare(migrated: psycopg.Connection[Any]) -
     )
     with pytest.raises(psycopg.errors.UndefinedColumn, match="job_idd"):
         migrated.execute(f"PREPARE jobfence_typo AS {query}")  # type: ignore[arg-type]
+
+
+# Queries that answer the same caller with the same row shape: one takes rows another would
+# skip, so a column added to one and not the other fails only on the rarer path.
+SAME_ROWS = [
+    (("jobfence.sql", "ops.sql"), "bulk_take_chunk", "bulk_take_chunk_waiting"),
+]
+
+
+@pytest.mark.parametrize(("source", "first", "second"), SAME_ROWS)
+def test_queries_that_feed_the_same_code_return_the_same_columns(
+    migrated: psycopg.Connection[Any], source: tuple[str, str], first: str, second: str
+) -> None:
+    queries = load_queries(*source)
+    columns = []
+    for name in (first, second):
+        query, params = to_dollar_params(queries[name])
+        statement = f"jobfence_shape_{name}"
+        migrated.execute(f"PREPARE {statement} AS {query}")  # type: ignore[arg-type]
+        try:
+            # Run with NULL parameters: no row, but the columns' names and types.
+            nulls = ", ".join(["NULL"] * len(params))
+            cur = migrated.execute(f"EXECUTE {statement} ({nulls})")  # type: ignore[arg-type]
+            assert cur.description is not None
+            columns.append([(c.name, c.type_code) for c in cur.description])
+        finally:
+            migrated.execute(f"DEALLOCATE {statement}")  # type: ignore[arg-type]
+    assert columns[0] == columns[1], f"{first} and {second} differ"

@@ -188,8 +188,10 @@ FOR UPDATE OF i, d SKIP LOCKED;
 -- resuming this run). This one waits for them; PostgreSQL then re-reads each row as that
 -- transaction left it: an item it processed drops out, a dead letter it replayed or
 -- discarded comes back with its new status (not_pending here).
+-- The same columns as bulk_take_chunk (tests/test_sql.py checks it).
 SELECT i.dead_letter_id, d.job_id, d.queue, d.consumer, d.tenant_id,
-       d.payload::text AS payload_text, d.payload_encoding, d.correlation_id, d.status,
+       d.payload::text AS payload_text, d.payload_encoding, d.correlation_id, d.traceparent,
+       d.status,
        EXISTS (SELECT 1 FROM core.processed_jobs p
                WHERE p.job_id = d.job_id AND p.consumer = d.consumer) AS fenced
 FROM jobfence.bulk_replay_items i
