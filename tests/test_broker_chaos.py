@@ -457,16 +457,16 @@ async def test_jobs_apply_once_through_crashes_a_cut_connection_and_a_killed_rel
 
         # 1. A first third, then the relay and two workers.
         await run.enqueue(phases[0])
-        # The first relay's connection to the broker delays every reply by 200 ms (the proxy
-        # sets the delay of a connection when it accepts it; the same address, so the same
-        # queue as the database records): the relay keeps no transaction open while its
-        # confirms come, and this keeps it inside a batch (its messages delivered and handled,
-        # its rows not yet deleted) long enough to be caught there (step 3).
+        # Until the first relay is killed (step 3), every connection the proxy accepts delays
+        # the broker's replies by 200 ms (the proxy sets a connection's delay when it accepts
+        # it; one address, so the same queue as the database records): the relay keeps no
+        # transaction open while its confirms come, and this keeps it inside a batch (its
+        # messages delivered and handled, its rows not yet deleted) long enough to be caught
+        # there, whenever it opens its connections. The first workers' replies come late too.
         proxy.reply_delay = 0.2
         run.relay = await run.start(
             "relay-1", relay_args, "outbox relay active", PGAPPNAME=relay_app
         )
-        proxy.reply_delay = 0.0
         for label in ("worker-1", "worker-2"):
             run.workers.append(await run.start(label, worker_args, "worker started"))
         await run.wait_applied(30)
@@ -477,6 +477,7 @@ async def test_jobs_apply_once_through_crashes_a_cut_connection_and_a_killed_rel
 
         # 3. SIGKILL the relay inside a batch, rows waiting; another relay takes over.
         waiting = await run.kill_relay_inside_a_batch(phases[1], relay_app)
+        proxy.reply_delay = 0.0
         run.relay = await run.start("relay-2", relay_args, "outbox relay active")
 
         # 4. The rest; once they flow, the proxy drops every broker connection and refuses new
