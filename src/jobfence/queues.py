@@ -54,7 +54,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("jobfence.queues")
 
 # How long a broker adapter's open_queue may take at start-up.
-OPEN_TIMEOUT_SECONDS = 15.0
+OPEN_TIMEOUT_SECONDS = 45.0
 
 # The factory every broker adapter module exposes as ``open_queue``.
 QueueFactory = Callable[[str], Awaitable[QueuePort]]

@@ -146,7 +146,7 @@ _WAIT_SLICE_SECONDS = 1.0
 _NO_WAIT_ANSWER_SECONDS = 5.0
 # How long opening the adapter waits for its stream (a fresh cluster electing its leaders,
 # workers started together racing to create it): below jobfence.queues' bound on an open.
-_STREAM_READY_SECONDS = 10.0
+_STREAM_READY_SECONDS = 30.0
 # The JetStream error code of a create whose stream exists with another configuration.
 _STREAM_NAME_IN_USE = 10058
 
