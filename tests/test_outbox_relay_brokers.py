@@ -10,11 +10,13 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import shutil
 import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +27,7 @@ import pytest
 from psycopg_pool import AsyncConnectionPool
 
 import pointsapp
-from brokers import BROKERS, make_queue, on_broker
+from brokers import BROKERS, delete_everything, make_queue, on_broker
 from jobfence import JobRefused, Message, Producer, QueuePort, Worker, replay_dead_letter
 from jobfence.adapters.nats import NatsQueue
 from jobfence.outbox import OutboxRelay, OutboxRelaySettings, record_queue, write
@@ -359,6 +361,129 @@ async def test_a_message_over_the_brokers_limit_is_a_dead_letter_with_its_alert_
             await queue.ack(delivery)
         finally:
             await queue.close()
+
+
+async def _bodies_on(queue: QueuePort, *, count: int) -> dict[str, int]:
+    """The size of each job's body on ``queue`` (acked), once ``count`` jobs came or 20 s
+    passed."""
+    got: dict[str, int] = {}
+    deadline = time.monotonic() + 20
+    while len(got) < count and time.monotonic() < deadline:
+        for delivery in await queue.receive(
+            [pointsapp.QUEUE], max_messages=10, lease_seconds=30, wait_seconds=2
+        ):
+            got[delivery.message.job_id] = len(delivery.message.body)
+            await queue.ack(delivery)
+    return got
+
+
+@contextlib.contextmanager
+def rabbitmq_max_message_size(max_bytes: int) -> Iterator[None]:
+    """The local RabbitMQ's ``max_message_size`` set to ``max_bytes`` for the block (a broker
+    setting: the tests run one at a time), then put back."""
+    rabbitmqctl = shutil.which("rabbitmqctl")
+    if rabbitmqctl is None:
+        pytest.skip("rabbitmqctl is not installed")
+
+    def evaluate(expression: str) -> str:
+        done = subprocess.run(
+            [rabbitmqctl, "-q", "eval", expression],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        return done.stdout.strip()
+
+    before = evaluate("application:get_env(rabbit, max_message_size).")
+    found = re.fullmatch(r"\{ok,(\d+)\}", before.replace(" ", ""))
+    assert found is not None, before
+    evaluate(f"application:set_env(rabbit, max_message_size, {max_bytes}).")
+    try:
+        yield
+    finally:
+        evaluate(f"application:set_env(rabbit, max_message_size, {found.group(1)}).")
+
+
+async def test_a_message_over_rabbitmqs_max_message_size_is_a_dead_letter_and_the_others_go_on(
+    database_url: str,
+    conn: psycopg.AsyncConnection[Any],
+    pool: AsyncConnectionPool[Any],
+    amqp_url: str,
+) -> None:
+    """RabbitMQ closes the publishing channel at a message over its ``max_message_size``, and
+    every message after it on that channel fails with it. The relay makes the big one a dead
+    letter of class ``PublishRefused`` (with its alert) and publishes the others in the same
+    round, none counted as failed; the limit it learned refuses such a job at enqueue; once the
+    limit is raised, the replay goes through."""
+    from jobfence.adapters.rabbitmq import RabbitMQQueue
+
+    name = f"jfbig{uuid.uuid4().hex[:12]}"
+    await _external(conn, amqp_url)
+    blob = json.dumps({"account_id": 1, "points": 1, "note": "x" * 6000}).encode()
+    job_ids = ["small-1", "too-big", *(f"small-{n}" for n in range(2, 7))]
+    for job_id in job_ids:
+        await write(
+            conn, Message(pointsapp.QUEUE, AWARD, job_id, blob if job_id == "too-big" else b"{}")
+        )
+    queue = RabbitMQQueue(amqp_url, prefix=name)
+    try:
+        with rabbitmq_max_message_size(4096):
+            relay = OutboxRelay(
+                database_url, queue, settings=OutboxRelaySettings(poll_seconds=0.05)
+            )
+            async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as c:
+                await relay.run_round(c)
+            assert relay.stats.published == 6 and relay.stats.dead_lettered == 1
+            assert relay.stats.failed == 0 and relay.stats.outages == 0
+            assert not relay.broker_down
+            assert await scalar(conn, "SELECT count(*) FROM jobfence.outbox") == 0
+
+            # The relay recorded the limit it learned: a producer refuses such a job at
+            # enqueue, naming it, and its transaction goes on.
+            producer = Producer(routes={AWARD: pointsapp.QUEUE})
+            async with await psycopg.AsyncConnection.connect(database_url) as tx:
+                with pytest.raises(JobRefused) as refused:
+                    await producer.enqueue(tx, AWARD, {"note": "x" * 6000}, job_id="refused")
+                assert refused.value.field == "payload"
+                assert "4,096 bytes, its max_message_size" in str(refused.value), refused.value
+                await producer.enqueue(tx, AWARD, {"note": "small"}, job_id="still-fine")
+                await tx.commit()
+            cur = await conn.execute("SELECT job_id FROM jobfence.outbox")
+            assert await cur.fetchall() == [("still-fine",)]
+            await conn.execute("DELETE FROM jobfence.outbox")
+
+        cur = await conn.execute(
+            "SELECT id, job_id, error_class, last_error, attempts, octet_length(payload::text)"
+            " FROM core.dead_letters"
+        )
+        ((dead_letter_id, job_id, error_class, last_error, attempts, size),) = await cur.fetchall()
+        assert (job_id, error_class, attempts, size) == ("too-big", "PublishRefused", 1, len(blob))
+        assert "max_message_size of 4,096 bytes" in last_error, last_error
+        assert (
+            await scalar(
+                conn,
+                "SELECT count(*) FROM jobfence.alert_outbox WHERE dead_letter_id = %s",
+                (dead_letter_id,),
+            )
+            == 1
+        )
+
+        # The limit raised again: the replay is published (a new adapter, as after a restart)
+        # and reaches the queue whole, beside the six others.
+        await queue.close()
+        queue = RabbitMQQueue(amqp_url, prefix=name)
+        result = await replay_dead_letter(pool, queue, dead_letter_id, resolved_by="ops")
+        assert result.published
+        relay = OutboxRelay(database_url, queue)
+        async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as c:
+            await relay.run_round(c)
+        assert relay.stats.published == 1 and relay.stats.dead_lettered == 0
+        got = await _bodies_on(queue, count=7)
+        assert got == {job_id: len(blob) if job_id == "too-big" else 2 for job_id in job_ids}
+    finally:
+        await queue.close()
+        await delete_everything("rabbitmq", amqp_url, name, [pointsapp.QUEUE])
 
 
 async def test_a_relay_sigkilled_mid_batch_on_a_broker_loses_nothing_and_each_job_applies_once(

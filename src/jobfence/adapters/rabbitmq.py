@@ -87,7 +87,12 @@ try:
     import aiormq.abc
     from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractQueue
     from aiormq import spec
-    from aiormq.exceptions import AMQPConnectionError, ChannelNotFoundEntity, InvalidFrameError
+    from aiormq.exceptions import (
+        AMQPConnectionError,
+        ChannelNotFoundEntity,
+        ChannelPreconditionFailed,
+        InvalidFrameError,
+    )
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "jobfence.adapters.rabbitmq needs aio-pika: pip install 'jobfence[rabbitmq]'"
@@ -173,6 +178,20 @@ def _short(value: str | None) -> str | None:
     if value is None or len(value.encode()) > _SHORTSTR_BYTES:
         return None
     return value
+
+
+# RabbitMQ closes the channel of a publish whose body is over its ``max_message_size`` with
+# PRECONDITION_FAILED (406) and this text; every message after it on that channel fails too.
+_SIZE_REFUSAL = re.compile(r"message size (\d+) is larger than configured max size (\d+)")
+
+
+def _size_limit_of(exc: BaseException) -> int | None:
+    """The broker's ``max_message_size`` when ``exc`` is its refusal of a message over it."""
+    if isinstance(exc, ChannelPreconditionFailed):
+        found = _SIZE_REFUSAL.search(str(exc))
+        if found is not None:
+            return int(found.group(2))
+    return None
 
 
 class _NotConfirmed(Exception):
@@ -348,6 +367,9 @@ class RabbitMQQueue:
         self._tags: set[int] = set()
         self._closing = False  # receive returns nothing; close() is returning the buffer
         self._closed = False
+        # The broker's max_message_size, once it refused a message over it (AMQP does not
+        # tell it at connect).
+        self._max_message_bytes: int | None = None
 
     # -- connection and queues -----------------------------------------------------------
 
@@ -398,15 +420,70 @@ class RabbitMQQueue:
             raise _refuse_tx("publish")
         if checked_delay(delay_seconds) > 0:
             raise _refuse_delay("publish")
-        await self._publish(message, prior=check_prior_attempts(prior_attempts))
+        prior = check_prior_attempts(prior_attempts)
+        refusal = self._refusal(message)
+        if refusal is None:
+            try:
+                await self._publish(message, prior=prior)
+                return
+            except ChannelPreconditionFailed as exc:
+                limit = _size_limit_of(exc)
+                if limit is None:
+                    raise
+                self._max_message_bytes = limit
+                refusal = self._refusal(message)
+                if refusal is None:  # the limit changed since: unknown, not refused for good
+                    raise
+        raise refusal
 
     async def publish_many(self, outgoing: Sequence[Outgoing]) -> list[Exception | None]:
         """Every message published at once on the confirming channel (straight to aiormq's
         channel, without waiting for each frame to leave the socket), the broker's publisher
         confirms outstanding together: one round trip for the lot instead of one per message.
-        A lost connection is ``QueueUnavailable`` for each message it caught."""
-        if not outgoing:
-            return []
+        A lost connection is ``QueueUnavailable`` for each message it caught.
+
+        A body over the broker's ``max_message_size`` is ``PublishRefused``, and never stops
+        the others: the broker closes the channel at such a message, so once its limit is
+        known each message over it is refused without being sent, and those the closed
+        channel caught are published once more on a new one."""
+        results: list[Exception | None] = [None] * len(outgoing)
+        todo = list(range(len(outgoing)))
+        for _ in range(2):  # a second pass only after learning the broker's limit
+            for i in todo:
+                results[i] = self._refusal(outgoing[i].message)
+            todo = [i for i in todo if results[i] is None]
+            if not todo:
+                break
+            sent = await self._publish_all([outgoing[i] for i in todo])
+            learned = False
+            for i, result in zip(todo, sent, strict=True):
+                results[i] = result
+                limit = None if result is None else _size_limit_of(result)
+                if limit is not None:
+                    self._max_message_bytes, learned = limit, True
+            if not learned:
+                break
+            todo = [i for i in todo if results[i] is not None]
+        return results
+
+    def _refusal(self, message: Message) -> PublishRefused | None:
+        """The refusal of ``message`` when its body is over the broker's known limit."""
+        limit = self._max_message_bytes
+        if limit is None or len(message.body) <= limit:
+            return None
+        return PublishRefused(
+            f"RabbitMQ refuses this message: its body is {len(message.body):,} bytes, over the"
+            f" broker's max_message_size of {limit:,} bytes"
+        )
+
+    @property
+    def max_message_bytes(self) -> int | None:
+        """The largest message body the broker accepts, for the outbox relay to record for
+        producers: its ``max_message_size``, known once it refused a message over it (AMQP
+        does not tell it at connect); None before that."""
+        return self._max_message_bytes
+
+    async def _publish_all(self, outgoing: Sequence[Outgoing]) -> list[Exception | None]:
         try:
             raw = await self._publishing_channel({item.message.queue for item in outgoing})
         except Exception as exc:
