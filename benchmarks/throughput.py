@@ -12,6 +12,12 @@ id = %s``:
 (c) procrastinate  Procrastinate 3.x with a task running the same statement on its own
                    connection: jobs pre-deferred, ``run_worker_async(wait=False)``; the App,
                    connector and worker keep Procrastinate's defaults otherwise.
+(g) plain loop     the physical reference for a queue with a fence, in plain async psycopg over
+                   the same queue rows as (b): ``BEGIN; SELECT ... FROM jobfence_queue.messages
+                   ... LIMIT 1 FOR UPDATE SKIP LOCKED``; the payload decoded; the fence insert
+                   (``ON CONFLICT DO NOTHING``) and the work; ``DELETE``; ``COMMIT``.
+(g2) plain loop,   (g) taking up to 10 messages per transaction (``--group``), each with its
+     grouped       fence and work: what (b2) is compared with.
 (a') ceiling-sync  (a) with psycopg's blocking API, for information: the issue's "about 2,500
                    transactions/s on one connection" matches this one, not the async loop.
 (b3) jobfence,     (b) with a plain ``def`` handler: its transaction runs in a worker thread on
@@ -95,6 +101,8 @@ from jobfence.schema import migrate
 
 CEILING = "ceiling"
 CEILING_SYNC = "ceiling-sync"
+PLAIN = "plain"
+PLAIN_GROUP = "plain-group"
 JOBFENCE = "jobfence"
 JOBFENCE_GROUP = "jobfence-group"
 JOBFENCE_SYNC = "jobfence-sync"
@@ -112,10 +120,14 @@ LABELS = {
     JOBFENCE_OTEL_SDK: "(b6) jobfence, otel SDK",
     PROCRASTINATE: "(c) procrastinate",
     CEILING_SYNC: "(a') ceiling, sync",
+    PLAIN: "(g) plain loop",
+    PLAIN_GROUP: "(g2) plain loop, grouped",
     **bs.BROKER_LABELS,
 }
 PG_SYSTEMS = (
     CEILING,
+    PLAIN,
+    PLAIN_GROUP,
     JOBFENCE,
     JOBFENCE_GROUP,
     JOBFENCE_SYNC,
@@ -131,6 +143,8 @@ SYSTEM_GROUPS = {
     "postgres": PG_SYSTEMS,
     "brokers": (JOBFENCE, *bs.BROKER_SYSTEMS),
     "tracing": (JOBFENCE, *TRACING_SYSTEMS),
+    # the physical references side by side with jobfence, one and ten jobs per transaction
+    "plain": (CEILING, PLAIN, PLAIN_GROUP, JOBFENCE, JOBFENCE_GROUP),
 }
 JOBFENCES = (
     JOBFENCE,
@@ -140,6 +154,7 @@ JOBFENCES = (
     JOBFENCE_NO_OTEL,
     JOBFENCE_OTEL_SDK,
 )
+PLAINS = (PLAIN, PLAIN_GROUP)
 FLAVOURS = {JOBFENCE_SYNC: "sync", JOBFENCE_SQLALCHEMY: "sqlalchemy"}
 PROCRASTINATE_TABLES = (
     "procrastinate_jobs, procrastinate_events, procrastinate_workers, procrastinate_periodic_defers"
@@ -215,6 +230,40 @@ async def _child_ceiling_sync(cmd: dict[str, Any], pipe: Connection, go: Event) 
                 conn.execute(WORK_SQL, job_work(i))
                 conn.execute(FENCE_SQL, (f"{prefix}{i}", CEILING_CONSUMER))
             tracker.done()
+    return tracker
+
+
+# (g) and (g2): the plain SKIP LOCKED loop over jobfence's own queue rows.
+PLAIN_CLAIM = (
+    "SELECT id, job_id, body FROM jobfence_queue.messages"
+    " WHERE queue = %s AND run_at <= now() ORDER BY run_at, id"
+    " LIMIT %s FOR UPDATE SKIP LOCKED"
+)
+PLAIN_DELETE = "DELETE FROM jobfence_queue.messages WHERE id = ANY(%s)"
+
+
+async def _child_plain(cmd: dict[str, Any], pipe: Connection, go: Event) -> Tracker:
+    """Claim up to n due messages, fence and work each, delete them, commit; until none is
+    left for this process."""
+    tracker = Tracker()
+    n = cmd["group"] if cmd["system"] == PLAIN_GROUP else 1
+    async with await psycopg.AsyncConnection.connect(cmd["url"], autocommit=True) as conn:
+        pipe.send("ready")
+        await _released(go)
+        while True:
+            async with conn.transaction():
+                cur = await conn.execute(PLAIN_CLAIM, (QUEUE, n))
+                rows = await cur.fetchall()
+                for _id, job_id, body in rows:
+                    payload = json.loads(body)
+                    await conn.execute(FENCE_SQL, (job_id, CONSUMER))
+                    await conn.execute(WORK_SQL, (payload["points"], payload["account_id"]))
+                if rows:
+                    await conn.execute(PLAIN_DELETE, ([row[0] for row in rows],))
+            if not rows:
+                break
+            for _ in rows:
+                tracker.done()
     return tracker
 
 
@@ -339,6 +388,8 @@ async def _child_jobfence_broker(cmd: dict[str, Any], pipe: Connection, go: Even
 CHILDREN = {
     CEILING: _child_ceiling,
     CEILING_SYNC: _child_ceiling_sync,
+    PLAIN: _child_plain,
+    PLAIN_GROUP: _child_plain,
     JOBFENCE: _child_jobfence,
     JOBFENCE_GROUP: _child_jobfence,
     JOBFENCE_SYNC: _child_jobfence,
@@ -396,7 +447,7 @@ async def prepare(
     if broker is not None:
         urls, name = broker
         await bs.publish(config.system, urls, name, prefix, jobs)
-    elif config.system in JOBFENCES:
+    elif config.system in (*JOBFENCES, *PLAINS):
         await enqueue_jobfence(conn, prefix, 0, jobs)
     elif config.system == PROCRASTINATE:
         task = papp.tasks[CONSUMER]
@@ -424,7 +475,7 @@ async def verify(
         fences = await scalar(conn, "SELECT count(*) FROM core.processed_jobs")
         if fences != jobs:
             problems.append(f"{fences} fence rows, expected {jobs}")
-    elif config.system in JOBFENCES:
+    elif config.system in (*JOBFENCES, *PLAINS):
         fences = await scalar(conn, "SELECT count(*) FROM core.processed_jobs")
         left = await scalar(conn, "SELECT count(*) FROM jobfence_queue.messages")
         if fences != jobs or left:
@@ -590,6 +641,7 @@ def _print_ratios(by_key: dict[str, list[Measurement]], rounds: int) -> dict[str
     print()
     print(
         "ratios: median of the per-round ratios (min-max); targets (b)/(a) >= 0.60, (b)/(c) >= 4,"
+        " (b)/(g) >= 1.0, (b2)/(g2) >= 0.9,"
         " (b3)/(b) >= 0.8 at 4 workers;"
         " on a broker: (d)/(e) >= 2, (d)/(b) >= 0.8"
     )
@@ -602,6 +654,10 @@ def _print_ratios(by_key: dict[str, list[Measurement]], rounds: int) -> dict[str
                 (system, procs, 1, CEILING_SYNC, None, f"{b}/(a')"),
             ]
         comparisons.append((system, 1, 4, PROCRASTINATE, None, f"{b}/(c)"))
+    # The plain SKIP LOCKED loops: (b) >= 1.0 (g) at 1 and 4 workers, (b2) >= 0.9 (g2) at 4.
+    for procs in (1, 4):
+        comparisons.append((JOBFENCE, procs, 1, PLAIN, 1.0, "(b)/(g)"))
+        comparisons.append((JOBFENCE_GROUP, procs, 1, PLAIN_GROUP, 0.9, "(b2)/(g2)"))
     # Sync handlers against the async path, side by side: target 0.8 at 4 workers.
     for system, b in ((JOBFENCE_SYNC, "(b3)"), (JOBFENCE_SQLALCHEMY, "(b4)")):
         for procs, concurrency in ((1, 1), (4, 1), (1, 4)):
