@@ -8,6 +8,7 @@ server on 4222; they need ``nats-server`` and skip without it, except under ``CI
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import subprocess
@@ -21,10 +22,11 @@ import nats
 import psycopg
 import pytest
 from nats.js.api import StreamInfo
+from psycopg_pool import AsyncConnectionPool
 
 import pointsapp
 from jobfence.adapters.nats import NatsQueue
-from jobfence.outbox import record_queue
+from jobfence.outbox import OutboxRelay, OutboxRelaySettings, record_queue
 from jobfence.queues import open_queue, parse_queue_url
 from nats_servers import NatsServer, nats_cluster
 from support import scalar, wait_until
@@ -209,3 +211,119 @@ async def test_a_killed_stream_leader_loses_no_job_and_applies_none_twice(
         f"{new_info.cluster.leader}; whole test {time.monotonic() - started:.1f}s"
     )
     assert resumed < 30, resumed
+
+
+async def _trickle(database_url: str, produced: list[str], stop: asyncio.Event) -> None:
+    """A producer committing one job every 50 ms through the outbox until ``stop``."""
+    app = pointsapp.build_app()
+    async with await psycopg.AsyncConnection.connect(database_url) as tx:
+        while not stop.is_set():
+            job_id = f"f-{len(produced)}"
+            await app.enqueue(tx, "award_points", {"account_id": 1, "points": 1}, job_id=job_id)
+            await tx.commit()
+            produced.append(job_id)
+            await asyncio.sleep(0.05)
+
+
+async def _stopped(relay: OutboxRelay, task: asyncio.Task[Any], conn: Any) -> None:
+    relay.stop()
+    await conn.execute("SELECT pg_notify('jobfence_outbox', '')")  # wakes it at once
+    await asyncio.wait_for(task, 30)
+
+
+async def _job_ids_on(queue: Any, count: int) -> set[str]:
+    """The job ids on ``queue`` (acked), once ``count`` came or 30 s passed."""
+    found: set[str] = set()
+    deadline = time.monotonic() + 30
+    while len(found) < count and time.monotonic() < deadline:
+        for delivery in await queue.receive(
+            [pointsapp.QUEUE], max_messages=200, lease_seconds=30, wait_seconds=1
+        ):
+            found.add(delivery.message.job_id)
+            await queue.ack(delivery)
+    return found
+
+
+@pytest.mark.timeout(150)
+async def test_after_a_stream_leader_is_killed_the_relay_publishes_within_seconds_of_the_new_leader(
+    database_url: str,
+    conn: psycopg.AsyncConnection[Any],
+    pool: AsyncConnectionPool[Any],
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A producer commits a job every 50 ms through the outbox while the relay publishes to a
+    three-replica stream; the stream's leader is SIGKILLed. The relay sees one outage (no row
+    is pushed back on its own), and publishes what was held back within seconds of the new
+    leader's election. Every job reaches the stream, none is lost."""
+    caplog.set_level(logging.INFO)
+    await conn.execute(pointsapp.SCHEMA_SQL)
+    with nats_cluster(tmp_path) as servers:
+        url = _url(servers, replicas="3")
+        target = parse_queue_url(url)
+        await record_queue(conn, target.kind, target.location)
+        produced: list[str] = []
+        producing = asyncio.Event()
+        queue = await open_queue(target, pool)
+        relay = OutboxRelay(database_url, queue, settings=OutboxRelaySettings(poll_seconds=0.05))
+        task = asyncio.create_task(relay.run())
+        producer = asyncio.create_task(_trickle(database_url, produced, producing))
+        try:
+
+            async def publishing() -> bool:
+                assert not task.done(), task
+                return relay.stats.published >= 20
+
+            await wait_until(publishing, timeout=60, message="the relay publishing")
+            info = await _stream_info(servers, "JOBFENCE")
+            assert info.cluster is not None and info.config.num_replicas == 3
+            leader = next(s for s in servers if s.name == info.cluster.leader)
+            leader.kill()
+            killed_at = time.monotonic()
+            rest = [s for s in servers if s is not leader]
+
+            async def new_leader() -> bool:
+                found = await _stream_info(rest, "JOBFENCE")
+                return found.cluster is not None and found.cluster.leader not in (
+                    None,
+                    leader.name,
+                )
+
+            await wait_until(new_leader, timeout=60, interval=0.05, message="a new leader")
+            elected_at = time.monotonic()
+            held_back = await scalar(conn, "SELECT max(id) FROM jobfence.outbox")
+
+            async def held_back_published() -> bool:
+                assert not task.done(), task
+                left = await scalar(
+                    conn, "SELECT count(*) FROM jobfence.outbox WHERE id <= %s", (held_back,)
+                )
+                return left == 0
+
+            await wait_until(held_back_published, timeout=30, message="the held-back jobs")
+            caught_up = time.monotonic() - elected_at
+            election = elected_at - killed_at
+        finally:
+            producing.set()
+            await producer
+            await _stopped(relay, task, conn)
+
+        # What the producer committed after that: published by a relay's next round.
+        async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as c:
+            await OutboxRelay(database_url, queue).run_round(c)
+        assert await scalar(conn, "SELECT count(*) FROM jobfence.outbox") == 0
+        on_stream = await _job_ids_on(queue, len(produced))
+        await queue.close()
+
+    lines = [r.getMessage() for r in caplog.records if r.name == "jobfence.outbox"]
+    print(
+        f"\nNATS cluster of 3, stream replicas=3: {len(produced)} commits, one every 50 ms; "
+        f"leader {leader.name} SIGKILLed; a new leader seen {election:.2f}s after the kill; "
+        f"the jobs held back until then published {caught_up:.2f}s after it; "
+        f"{relay.stats.outages} outage(s), "
+        f"{relay.stats.failed} failed publish attempt(s)"
+    )
+    assert on_stream == set(produced)
+    assert not [line for line in lines if "publishing job" in line], lines
+    assert relay.stats.dead_lettered == 0
+    assert caught_up < 5.0, caught_up
