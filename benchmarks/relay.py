@@ -16,7 +16,11 @@ Side by side in one run, per broker (RabbitMQ, NATS JetStream, Redis Streams on 
 2. **End to end** (this tree only): N jobs committed to the outbox, then one
    ``Worker(app, pool, queue, concurrency=4)`` with its embedded relay, timed until every job
    is applied (``run(until="empty")``), against the same worker with ``outbox_relay=False`` on
-   the same N jobs published straight to the broker beforehand (not timed).
+   the same N jobs published straight to the broker beforehand (not timed). With
+   ``--relay-process`` a third side runs the relay in a process of its own (as
+   ``jobfence outbox-relay`` beside workers started with ``--no-outbox-relay``): the worker
+   (``outbox_relay=False``) and the relay, connected beforehand, start together and the clock
+   stops at the last job's handler.
 
 Every job does ``UPDATE bench_accounts SET points = points + 1`` with its fence; the points are
 checked. Broker names are random (``jfrelay<hex>``) and deleted afterwards; each child's
@@ -43,6 +47,7 @@ import psycopg
 from psycopg.conninfo import make_conninfo
 
 ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = str(Path(__file__).resolve())
 BROKER_URLS = {
     "rabbitmq": os.environ.get("JOBFENCE_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/"),
     "nats": os.environ.get("JOBFENCE_TEST_NATS_URL", "nats://127.0.0.1:4222"),
@@ -185,7 +190,9 @@ async def child_relay(kind: str, rows: int, delay: float, dbname: str) -> dict[s
 # -- end to end (this tree) ------------------------------------------------------------------
 
 
-async def end_to_end(kind: str, jobs: int, concurrency: int, rounds: int) -> dict[str, float]:
+async def end_to_end(  # noqa: PLR0915
+    kind: str, jobs: int, concurrency: int, rounds: int, *, relay_process: bool = False
+) -> dict[str, float]:
     from pydantic import BaseModel
 
     from jobfence import App, JobMeta, Worker, open_pool
@@ -197,16 +204,22 @@ async def end_to_end(kind: str, jobs: int, concurrency: int, rounds: int) -> dic
         points: int
 
     app = App()
+    handled = 0
+    finished = asyncio.Event()
 
     @app.consumer(CONSUMER, queue=QUEUE, schema=Award)
     async def award(payload: Award, job: JobMeta, tx: psycopg.AsyncConnection[Any]) -> None:
+        nonlocal handled
         await tx.execute(
             "UPDATE bench_accounts SET points = points + %s WHERE id = %s",
             (payload.points, payload.account_id),
         )
+        handled += 1
+        if handled >= jobs:
+            finished.set()
 
-    rates: dict[str, list[float]] = {"outbox": [], "direct": []}
-    modes = ["outbox", "direct"]
+    modes = ["outbox", "direct", *(["process"] if relay_process else [])]
+    rates: dict[str, list[float]] = {mode: [] for mode in modes}
     order = [mode for r in range(rounds) for mode in (modes if r % 2 == 0 else modes[::-1])]
     for mode in order:
         dbname = f"jobfence_relay_bench_e2e_{os.getpid()}"
@@ -222,7 +235,7 @@ async def end_to_end(kind: str, jobs: int, concurrency: int, rounds: int) -> dic
                     " INSERT INTO bench_accounts SELECT g, 0 FROM generate_series(1, 100) g"
                 )
                 await record_queue(conn, KIND[kind], broker_url)
-                if mode == "outbox":
+                if mode in ("outbox", "process"):
                     await conn.execute(
                         OUTBOX_FILL,
                         {"queue": QUEUE, "consumer": CONSUMER, "prefix": "e-", "rows": jobs},
@@ -251,9 +264,14 @@ async def end_to_end(kind: str, jobs: int, concurrency: int, rounds: int) -> dic
                     outbox_relay=mode == "outbox",
                     outbox_settings=OutboxRelaySettings(poll_seconds=0.05),
                 )
-                started = time.perf_counter()
-                await asyncio.wait_for(worker.run(until="empty"), 600)
-                elapsed = time.perf_counter() - started
+                handled = 0
+                finished.clear()
+                if mode == "process":
+                    elapsed = await _with_relay_process(kind, url, name, worker, finished)
+                else:
+                    started = time.perf_counter()
+                    await asyncio.wait_for(worker.run(until="empty"), 600)
+                    elapsed = time.perf_counter() - started
                 cur = await conn.execute("SELECT sum(points) FROM bench_accounts")
                 total = (await cur.fetchone())[0]  # type: ignore[index]
                 assert total == jobs, (total, jobs)
@@ -265,6 +283,61 @@ async def end_to_end(kind: str, jobs: int, concurrency: int, rounds: int) -> dic
             await _drop_database(dbname)
     # The median of the rounds (the upper one of two), each mode's rounds alternating first.
     return {mode: sorted(got)[len(got) // 2] for mode, got in rates.items()}
+
+
+async def relay_child(kind: str, url: str, name: str) -> None:
+    """The relay in a process of its own: connected, says "ready", starts at a line on stdin
+    and stops once the outbox is empty."""
+    from jobfence.outbox import OutboxRelay, OutboxRelaySettings
+
+    queue = _queue(kind, BROKER_URLS[kind], name)
+    await queue.size([QUEUE])  # connected (and declared) before the clock starts
+    relay = OutboxRelay(url, queue, settings=OutboxRelaySettings(poll_seconds=0.05))
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        print("ready", flush=True)
+        await asyncio.to_thread(sys.stdin.readline)
+        task = asyncio.create_task(relay.run())
+        while True:
+            cur = await conn.execute("SELECT count(*) FROM jobfence.outbox")
+            if (await cur.fetchone())[0] == 0:  # type: ignore[index]
+                break
+            await asyncio.sleep(0.05)
+        relay.stop()
+        await conn.execute("SELECT pg_notify('jobfence_outbox', '')")
+        await task
+    await queue.close()
+
+
+async def _with_relay_process(
+    kind: str, url: str, name: str, worker: Any, finished: asyncio.Event
+) -> float:
+    """Seconds from the start of the worker and of a relay process together to the last
+    job's handler."""
+    child = await asyncio.create_subprocess_exec(
+        sys.executable,
+        SCRIPT,
+        "--relay-child",
+        kind,
+        "--db",
+        url,
+        "--name",
+        name,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    assert child.stdin is not None and child.stdout is not None
+    ready = await asyncio.wait_for(child.stdout.readline(), 60)
+    assert ready.strip() == b"ready", ready
+    running = asyncio.create_task(worker.run())
+    started = time.perf_counter()
+    child.stdin.write(b"go\n")
+    await child.stdin.drain()
+    await asyncio.wait_for(finished.wait(), 600)
+    elapsed = time.perf_counter() - started
+    worker.stop()
+    await running
+    assert await asyncio.wait_for(child.wait(), 60) == 0
+    return elapsed
 
 
 # -- the parent ------------------------------------------------------------------------------
@@ -333,9 +406,9 @@ def print_table(lines: list[dict[str, Any]]) -> None:
     print()
     print(
         "| broker | relay now | relay before | ratio | 50 ms: now | 50 ms: before | ratio |"
-        " end to end | workers fed directly | ratio |"
+        " end to end | workers fed directly | ratio | relay in its own process | ratio |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---" * 12 + "|")
     for row in lines:
         cells = [row["broker"]]
         for label in ("alone", "50ms"):
@@ -355,6 +428,8 @@ def print_table(lines: list[dict[str, Any]]) -> None:
                 f"{e2e['direct']:,.0f}/s",
                 f"{e2e['outbox'] / e2e['direct']:.2f}",
             ]
+            if "process" in e2e:
+                cells += [f"{e2e['process']:,.0f}/s", f"{e2e['process'] / e2e['direct']:.2f}"]
         print("| " + " | ".join(cells) + " |")
 
 
@@ -374,9 +449,19 @@ def main() -> None:
     parser.add_argument("--e2e-rounds", type=int, default=2, help="alternating, median")
     parser.add_argument("--rounds", type=int, default=3, help="publish-rate rounds, alternating")
     parser.add_argument("--no-e2e", action="store_true")
+    parser.add_argument(
+        "--relay-process",
+        action="store_true",
+        help="end to end also with the relay in a process of its own",
+    )
     parser.add_argument("--child")
+    parser.add_argument("--relay-child")
+    parser.add_argument("--name")
     parser.add_argument("--db")
     args = parser.parse_args()
+    if args.relay_child:
+        asyncio.run(relay_child(args.relay_child, args.db, args.name))
+        return
     if args.child:
         print(json.dumps(asyncio.run(child_relay(args.child, args.rows, args.delay, args.db))))
         return
@@ -391,7 +476,15 @@ def main() -> None:
         row: dict[str, Any] = {"broker": kind}
         n = publish_rates(args, kind, row, n)
         if not args.no_e2e:
-            row["e2e"] = asyncio.run(end_to_end(kind, args.jobs, args.concurrency, args.e2e_rounds))
+            row["e2e"] = asyncio.run(
+                end_to_end(
+                    kind,
+                    args.jobs,
+                    args.concurrency,
+                    args.e2e_rounds,
+                    relay_process=args.relay_process,
+                )
+            )
         lines.append(row)
         print(json.dumps(row), flush=True)
 
