@@ -412,10 +412,10 @@ async def test_a_message_over_rabbitmqs_max_message_size_is_a_dead_letter_and_th
     amqp_url: str,
 ) -> None:
     """RabbitMQ closes the publishing channel at a message over its ``max_message_size``, and
-    every message after it on that channel fails with it. The relay makes the big one a dead
+    every message beside it on that channel fails with it. The relay makes the big one a dead
     letter of class ``PublishRefused`` (with its alert) and publishes the others in the same
-    round, none counted as failed; the limit it learned refuses such a job at enqueue; once the
-    limit is raised, the replay goes through."""
+    round, none counted as failed; a second one is refused without being sent; once the limit
+    is raised, the replay goes through."""
     from jobfence.adapters.rabbitmq import RabbitMQQueue
 
     name = f"jfbig{uuid.uuid4().hex[:12]}"
@@ -439,26 +439,29 @@ async def test_a_message_over_rabbitmqs_max_message_size_is_a_dead_letter_and_th
             assert not relay.broker_down
             assert await scalar(conn, "SELECT count(*) FROM jobfence.outbox") == 0
 
-            # The relay recorded the limit it learned: a producer refuses such a job at
-            # enqueue, naming it, and its transaction goes on.
-            producer = Producer(routes={AWARD: pointsapp.QUEUE})
-            async with await psycopg.AsyncConnection.connect(database_url) as tx:
-                with pytest.raises(JobRefused) as refused:
-                    await producer.enqueue(tx, AWARD, {"note": "x" * 6000}, job_id="refused")
-                assert refused.value.field == "payload"
-                assert "4,096 bytes, its max_message_size" in str(refused.value), refused.value
-                await producer.enqueue(tx, AWARD, {"note": "small"}, job_id="still-fine")
-                await tx.commit()
-            cur = await conn.execute("SELECT job_id FROM jobfence.outbox")
-            assert await cur.fetchall() == [("still-fine",)]
-            await conn.execute("DELETE FROM jobfence.outbox")
+            # RabbitMQ does not announce its limit, and may raise it: nothing is recorded for
+            # producers. Within the minute, another body over the limit is refused unsent,
+            # and the channel stays open for the message beside it.
+            assert (
+                await scalar(conn, "SELECT queue_max_message_bytes FROM jobfence.settings") is None
+            )
+            await write(conn, Message(pointsapp.QUEUE, AWARD, "too-big-2", blob))
+            await write(conn, Message(pointsapp.QUEUE, AWARD, "small-7", b"{}"))
+            async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as c:
+                await relay.run_round(c)
+            assert relay.stats.published == 7 and relay.stats.dead_lettered == 2
+            assert relay.stats.failed == 0
 
         cur = await conn.execute(
             "SELECT id, job_id, error_class, last_error, attempts, octet_length(payload::text)"
-            " FROM core.dead_letters"
+            " FROM core.dead_letters ORDER BY id"
         )
-        ((dead_letter_id, job_id, error_class, last_error, attempts, size),) = await cur.fetchall()
-        assert (job_id, error_class, attempts, size) == ("too-big", "PublishRefused", 1, len(blob))
+        dead = await cur.fetchall()
+        assert [row[1:3] + row[4:] for row in dead] == [
+            ("too-big", "PublishRefused", 1, len(blob)),
+            ("too-big-2", "PublishRefused", 1, len(blob)),
+        ]
+        dead_letter_id, last_error = dead[0][0], dead[0][3]
         assert "max_message_size of 4,096 bytes" in last_error, last_error
         assert (
             await scalar(
@@ -479,8 +482,10 @@ async def test_a_message_over_rabbitmqs_max_message_size_is_a_dead_letter_and_th
         async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as c:
             await relay.run_round(c)
         assert relay.stats.published == 1 and relay.stats.dead_lettered == 0
-        got = await _bodies_on(queue, count=7)
-        assert got == {job_id: len(blob) if job_id == "too-big" else 2 for job_id in job_ids}
+        got = await _bodies_on(queue, count=8)
+        assert got == {
+            job_id: len(blob) if job_id == "too-big" else 2 for job_id in [*job_ids, "small-7"]
+        }
     finally:
         await queue.close()
         await delete_everything("rabbitmq", amqp_url, name, [pointsapp.QUEUE])

@@ -170,19 +170,11 @@ def storable_text(text: str) -> str:
     return text
 
 
-_LIMIT_NAMES = {
-    "nats": "its max_payload, headers included",
-    "rabbitmq": "its max_message_size",
-}
-
-
 def message_size_problem(size: int, max_bytes: int, broker: str) -> str:
     """Why a payload of ``size`` bytes cannot go to ``broker``, whose largest message is
-    ``max_bytes`` (as the broker said, recorded by the outbox relay: NATS's ``max_payload``,
-    RabbitMQ's ``max_message_size``)."""
-    which = _LIMIT_NAMES.get(broker, "its limit")
+    ``max_bytes`` (as the broker says: NATS's ``max_payload``, recorded by the outbox relay)."""
     return (
         f"payload is {size:,} bytes, over the largest message the {broker} broker accepts"
-        f" ({max_bytes:,} bytes, {which}): it would be refused at publish; send a smaller"
-        " payload (a reference to the data) or raise the broker's limit"
+        f" ({max_bytes:,} bytes, its max_payload, headers included): it would be refused at"
+        " publish; send a smaller payload (a reference to the data) or raise the broker's limit"
     )

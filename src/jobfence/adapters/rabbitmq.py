@@ -60,6 +60,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -183,6 +184,9 @@ def _short(value: str | None) -> str | None:
 # RabbitMQ closes the channel of a publish whose body is over its ``max_message_size`` with
 # PRECONDITION_FAILED (406) and this text; every message after it on that channel fails too.
 _SIZE_REFUSAL = re.compile(r"message size (\d+) is larger than configured max size (\d+)")
+
+
+_SIZE_LIMIT_KEPT_SECONDS = 60.0
 
 
 def _size_limit_of(exc: BaseException) -> int | None:
@@ -367,9 +371,9 @@ class RabbitMQQueue:
         self._tags: set[int] = set()
         self._closing = False  # receive returns nothing; close() is returning the buffer
         self._closed = False
-        # The broker's max_message_size, once it refused a message over it (AMQP does not
-        # tell it at connect).
-        self._max_message_bytes: int | None = None
+        # The broker's max_message_size as its last refusal named it, and when (AMQP does not
+        # tell it at connect): kept for _SIZE_LIMIT_KEPT_SECONDS, as it may be raised meanwhile.
+        self._size_limit: tuple[int, float] | None = None
 
     # -- connection and queues -----------------------------------------------------------
 
@@ -430,7 +434,7 @@ class RabbitMQQueue:
                 limit = _size_limit_of(exc)
                 if limit is None:
                     raise
-                self._max_message_bytes = limit
+                self._size_limit = (limit, time.monotonic())
                 refusal = self._refusal(message)
                 if refusal is None:  # the limit changed since: unknown, not refused for good
                     raise
@@ -443,9 +447,11 @@ class RabbitMQQueue:
         A lost connection is ``QueueUnavailable`` for each message it caught.
 
         A body over the broker's ``max_message_size`` is ``PublishRefused``, and never stops
-        the others: the broker closes the channel at such a message, so once its limit is
-        known each message over it is refused without being sent, and those the closed
-        channel caught are published once more on a new one."""
+        the others: the broker closes the channel at such a message, and names its limit.
+        Each message over it is then refused without being sent (for a minute: the limit may
+        be raised), and those the closed channel caught are published once more on a new one.
+        The limit is not offered to producers (no ``max_message_bytes``): a broker's limit
+        raised later would leave them refusing what it now takes."""
         results: list[Exception | None] = [None] * len(outgoing)
         todo = list(range(len(outgoing)))
         for _ in range(2):  # a second pass only after learning the broker's limit
@@ -460,28 +466,28 @@ class RabbitMQQueue:
                 results[i] = result
                 limit = None if result is None else _size_limit_of(result)
                 if limit is not None:
-                    self._max_message_bytes, learned = limit, True
+                    self._size_limit, learned = (limit, time.monotonic()), True
             if not learned:
                 break
             todo = [i for i in todo if results[i] is not None]
         return results
 
     def _refusal(self, message: Message) -> PublishRefused | None:
-        """The refusal of ``message`` when its body is over the broker's known limit."""
-        limit = self._max_message_bytes
-        if limit is None or len(message.body) <= limit:
+        """The refusal of ``message`` when its body is over the limit the broker named in a
+        refusal less than ``_SIZE_LIMIT_KEPT_SECONDS`` ago (past that, such a message is sent
+        again: the limit may have been raised)."""
+        if self._size_limit is None:
+            return None
+        limit, learned_at = self._size_limit
+        if time.monotonic() - learned_at > _SIZE_LIMIT_KEPT_SECONDS:
+            self._size_limit = None
+            return None
+        if len(message.body) <= limit:
             return None
         return PublishRefused(
             f"RabbitMQ refuses this message: its body is {len(message.body):,} bytes, over the"
             f" broker's max_message_size of {limit:,} bytes"
         )
-
-    @property
-    def max_message_bytes(self) -> int | None:
-        """The largest message body the broker accepts, for the outbox relay to record for
-        producers: its ``max_message_size``, known once it refused a message over it (AMQP
-        does not tell it at connect); None before that."""
-        return self._max_message_bytes
 
     async def _publish_all(self, outgoing: Sequence[Outgoing]) -> list[Exception | None]:
         try:
