@@ -32,20 +32,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from statistics import median
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 from psycopg.conninfo import make_conninfo
 
+T = TypeVar("T")
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = str(Path(__file__).resolve())
 BROKER_URLS = {
@@ -340,6 +343,16 @@ async def _with_relay_process(
     return elapsed
 
 
+def _run(main: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    """``main()`` on the event loop jobfence's commands use (uvloop where installed), as the
+    interpreter's own jobfence chooses it; asyncio's for a jobfence without that choice."""
+    try:
+        from jobfence import runtime
+    except ImportError:
+        return asyncio.run(main())
+    return runtime.run(main)
+
+
 # -- the parent ------------------------------------------------------------------------------
 
 
@@ -460,10 +473,10 @@ def main() -> None:
     parser.add_argument("--db")
     args = parser.parse_args()
     if args.relay_child:
-        asyncio.run(relay_child(args.relay_child, args.db, args.name))
+        _run(lambda: relay_child(args.relay_child, args.db, args.name))
         return
     if args.child:
-        print(json.dumps(asyncio.run(child_relay(args.child, args.rows, args.delay, args.db))))
+        print(json.dumps(_run(lambda: child_relay(args.child, args.rows, args.delay, args.db))))
         return
 
     now_python = sys.executable
@@ -476,8 +489,9 @@ def main() -> None:
         row: dict[str, Any] = {"broker": kind}
         n = publish_rates(args, kind, row, n)
         if not args.no_e2e:
-            row["e2e"] = asyncio.run(
-                end_to_end(
+            row["e2e"] = _run(
+                functools.partial(
+                    end_to_end,
                     kind,
                     args.jobs,
                     args.concurrency,
