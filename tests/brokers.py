@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import re
+import shutil
+import subprocess
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 
 import pytest
 
@@ -80,3 +83,31 @@ async def delete_everything(broker: str, url: str, name: str, queues: Sequence[s
             await channel.queue_delete(f"{name}.{queue}")
             await channel.close()
         await connection.close()
+
+
+@contextlib.contextmanager
+def rabbitmq_max_message_size(max_bytes: int) -> Iterator[None]:
+    """The local RabbitMQ's ``max_message_size`` set to ``max_bytes`` for the block (a broker
+    setting: the tests run one at a time), then put back."""
+    rabbitmqctl = shutil.which("rabbitmqctl")
+    if rabbitmqctl is None:
+        pytest.skip("rabbitmqctl is not installed")
+
+    def evaluate(expression: str) -> str:
+        done = subprocess.run(
+            [rabbitmqctl, "-q", "eval", expression],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        return done.stdout.strip()
+
+    before = evaluate("application:get_env(rabbit, max_message_size).")
+    found = re.fullmatch(r"\{ok,(\d+)\}", before.replace(" ", ""))
+    assert found is not None, before
+    evaluate(f"application:set_env(rabbit, max_message_size, {max_bytes}).")
+    try:
+        yield
+    finally:
+        evaluate(f"application:set_env(rabbit, max_message_size, {found.group(1)}).")

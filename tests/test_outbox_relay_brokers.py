@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import re
 import shutil
 import socket
 import subprocess
@@ -27,7 +26,7 @@ import pytest
 from psycopg_pool import AsyncConnectionPool
 
 import pointsapp
-from brokers import BROKERS, delete_everything, make_queue, on_broker
+from brokers import BROKERS, delete_everything, make_queue, on_broker, rabbitmq_max_message_size
 from jobfence import JobRefused, Message, Producer, QueuePort, Worker, replay_dead_letter
 from jobfence.adapters.nats import NatsQueue
 from jobfence.outbox import OutboxRelay, OutboxRelaySettings, record_queue, write
@@ -375,34 +374,6 @@ async def _bodies_on(queue: QueuePort, *, count: int) -> dict[str, int]:
             got[delivery.message.job_id] = len(delivery.message.body)
             await queue.ack(delivery)
     return got
-
-
-@contextlib.contextmanager
-def rabbitmq_max_message_size(max_bytes: int) -> Iterator[None]:
-    """The local RabbitMQ's ``max_message_size`` set to ``max_bytes`` for the block (a broker
-    setting: the tests run one at a time), then put back."""
-    rabbitmqctl = shutil.which("rabbitmqctl")
-    if rabbitmqctl is None:
-        pytest.skip("rabbitmqctl is not installed")
-
-    def evaluate(expression: str) -> str:
-        done = subprocess.run(
-            [rabbitmqctl, "-q", "eval", expression],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=True,
-        )
-        return done.stdout.strip()
-
-    before = evaluate("application:get_env(rabbit, max_message_size).")
-    found = re.fullmatch(r"\{ok,(\d+)\}", before.replace(" ", ""))
-    assert found is not None, before
-    evaluate(f"application:set_env(rabbit, max_message_size, {max_bytes}).")
-    try:
-        yield
-    finally:
-        evaluate(f"application:set_env(rabbit, max_message_size, {found.group(1)}).")
 
 
 async def test_a_message_over_rabbitmqs_max_message_size_is_a_dead_letter_and_the_others_go_on(

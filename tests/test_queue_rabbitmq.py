@@ -9,7 +9,8 @@ from urllib.parse import urlsplit, urlunsplit
 import aio_pika
 import pytest
 
-from jobfence import QueueCapabilities, QueueUnavailable
+from brokers import rabbitmq_max_message_size
+from jobfence import PublishRefused, QueueCapabilities, QueueUnavailable
 from jobfence.adapters.rabbitmq import RabbitMQQueue
 from jobfence.model import Delivery
 from jobfence.ports import QueueSize
@@ -229,4 +230,32 @@ async def test_the_adapter_reconnects_after_its_connection_was_dropped(amqp_url:
     finally:
         await queue.close()
         await proxy.close()
+        await delete_queues(amqp_url, prefix)
+
+
+async def test_a_publish_over_max_message_size_is_refused_for_good_and_the_next_goes_through(
+    amqp_url: str,
+) -> None:
+    """``publish`` of a body over the broker's ``max_message_size``: ``PublishRefused`` naming
+    the limit (the broker closed the channel), and the next publish goes through on a new one;
+    a second body over it, within the minute, is refused without being sent."""
+    prefix = f"jftest.{uuid.uuid4().hex[:12]}"
+    queue = RabbitMQQueue(amqp_url, prefix=prefix)
+    try:
+        with rabbitmq_max_message_size(4096):
+            await queue.publish(message("before"))
+            with pytest.raises(PublishRefused, match="max_message_size of 4,096 bytes"):
+                await queue.publish(message("too-big", body=b"x" * 5000))
+            await queue.publish(message("after"))
+            channel = queue._channel
+            with pytest.raises(PublishRefused, match="body is 6,000 bytes"):
+                await queue.publish(message("too-big-2", body=b"x" * 6000))
+            assert queue._channel is channel and channel is not None
+            assert not channel.is_closed
+        got = await queue.receive([QUEUE], max_messages=10, lease_seconds=30, wait_seconds=5)
+        assert sorted(d.message.job_id for d in got) == ["after", "before"]
+        for delivery in got:
+            assert await queue.ack(delivery) is True
+    finally:
+        await queue.close()
         await delete_queues(amqp_url, prefix)
