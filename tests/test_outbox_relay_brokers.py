@@ -333,14 +333,7 @@ async def test_a_message_over_the_brokers_limit_is_a_dead_letter_with_its_alert_
     assert (job_id, error_class, attempts, whole) == ("too-big", "PublishRefused", 1, True)
     assert "max_payload of 1,048,576 bytes" in last_error, last_error
     assert await scalar(conn, "SELECT count(*) FROM jobfence.outbox") == 0
-    assert (
-        await scalar(
-            conn,
-            "SELECT count(*) FROM jobfence.alert_outbox WHERE dead_letter_id = %s",
-            (dead_letter_id,),
-        )
-        == 1
-    )
+    assert await _alerts_of(conn, dead_letter_id) == 1
 
     # The cause fixed (a server that takes 4 MB): the replay is published and applied once.
     with private_nats(tmp_path / "large", max_payload=4 * 1024 * 1024) as large:
@@ -360,6 +353,17 @@ async def test_a_message_over_the_brokers_limit_is_a_dead_letter_with_its_alert_
             await queue.ack(delivery)
         finally:
             await queue.close()
+
+
+async def _alerts_of(conn: psycopg.AsyncConnection[Any], dead_letter_id: int) -> int:
+    """How many alerts were recorded for the dead letter."""
+    return int(
+        await scalar(
+            conn,
+            "SELECT count(*) FROM jobfence.alert_outbox WHERE dead_letter_id = %s",
+            (dead_letter_id,),
+        )
+    )
 
 
 async def _bodies_on(queue: QueuePort, *, count: int) -> dict[str, int]:
@@ -434,14 +438,7 @@ async def test_a_message_over_rabbitmqs_max_message_size_is_a_dead_letter_and_th
         ]
         dead_letter_id, last_error = dead[0][0], dead[0][3]
         assert "max_message_size of 4,096 bytes" in last_error, last_error
-        assert (
-            await scalar(
-                conn,
-                "SELECT count(*) FROM jobfence.alert_outbox WHERE dead_letter_id = %s",
-                (dead_letter_id,),
-            )
-            == 1
-        )
+        assert await _alerts_of(conn, dead_letter_id) == 1
 
         # The limit raised again: the replay is published (a new adapter, as after a restart)
         # and reaches the queue whole, beside the six others.
