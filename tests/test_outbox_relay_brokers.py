@@ -339,12 +339,7 @@ async def test_a_message_over_the_brokers_limit_is_a_dead_letter_with_its_alert_
     with private_nats(tmp_path / "large", max_payload=4 * 1024 * 1024) as large:
         queue = NatsQueue(large, stream="JFBIG", subject_prefix="jfbig")
         try:
-            result = await replay_dead_letter(pool, queue, dead_letter_id, resolved_by="ops")
-            assert result.published
-            relay = OutboxRelay(database_url, queue)
-            async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as c:
-                await relay.run_round(c)
-            assert relay.stats.published == 1 and relay.stats.dead_lettered == 0
+            await _replayed_and_published(database_url, pool, queue, dead_letter_id)
             (delivery,) = await queue.receive(
                 [pointsapp.QUEUE], max_messages=5, lease_seconds=30, wait_seconds=10
             )
@@ -353,6 +348,18 @@ async def test_a_message_over_the_brokers_limit_is_a_dead_letter_with_its_alert_
             await queue.ack(delivery)
         finally:
             await queue.close()
+
+
+async def _replayed_and_published(
+    database_url: str, pool: AsyncConnectionPool[Any], queue: QueuePort, dead_letter_id: int
+) -> None:
+    """Replay the dead letter, then one relay round publishes it, and only it."""
+    result = await replay_dead_letter(pool, queue, dead_letter_id, resolved_by="ops")
+    assert result.published
+    relay = OutboxRelay(database_url, queue)
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as c:
+        await relay.run_round(c)
+    assert relay.stats.published == 1 and relay.stats.dead_lettered == 0
 
 
 async def _alerts_of(conn: psycopg.AsyncConnection[Any], dead_letter_id: int) -> int:
@@ -441,15 +448,10 @@ async def test_a_message_over_rabbitmqs_max_message_size_is_a_dead_letter_and_th
         assert await _alerts_of(conn, dead_letter_id) == 1
 
         # The limit raised again: the replay is published (a new adapter, as after a restart)
-        # and reaches the queue whole, beside the six others.
+        # and reaches the queue whole, beside the seven others.
         await queue.close()
         queue = RabbitMQQueue(amqp_url, prefix=name)
-        result = await replay_dead_letter(pool, queue, dead_letter_id, resolved_by="ops")
-        assert result.published
-        relay = OutboxRelay(database_url, queue)
-        async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as c:
-            await relay.run_round(c)
-        assert relay.stats.published == 1 and relay.stats.dead_lettered == 0
+        await _replayed_and_published(database_url, pool, queue, dead_letter_id)
         got = await _bodies_on(queue, count=8)
         assert got == {
             job_id: len(blob) if job_id == "too-big" else 2 for job_id in [*job_ids, "small-7"]
