@@ -5,7 +5,8 @@ jobfence.produce(...)``, a ``SECURITY DEFINER`` function that checks the job and
 row, so that a producer role needs no privilege on any table. Before it, producers ran the
 insert itself (``DIRECT_SQL`` below: the ``produce`` statement of ``sql/outbox.sql`` up to
 0018, verbatim). Both run here side by side, in alternating rounds on one database, on the
-same Python path (``App.message``, then one statement on an asyncio psycopg connection):
+same Python path (``App.message``, the producer's trace context, then one statement on an
+asyncio psycopg connection and its row), so that only the statement differs:
 
 - ``direct``: ``DIRECT_SQL``, as a role with table privileges (the database's superuser);
 - ``function``: ``App.enqueue`` (``jobfence.produce``), as a login role that holds only the
@@ -40,7 +41,7 @@ import psycopg.sql
 from psycopg.conninfo import make_conninfo
 from pydantic import BaseModel
 
-from jobfence import App, JobMeta
+from jobfence import App, JobMeta, tracing
 from jobfence.adapters.pg_queue import publish_params
 from jobfence.roles import render_roles_sql
 from jobfence.schema import migrate
@@ -175,8 +176,12 @@ async def run_round(
                     payload = {"account_id": i % 1000 + 1, "points": i % 7 + 1}
                     job_id = f"{tag}-{i}"
                     if system == "direct":
+                        # What App.enqueue does around its statement (the producer's trace
+                        # context, one row back), so that only the statement differs.
                         message = app.message(CONSUMER, payload, job_id=job_id)
-                        await conn.execute(DIRECT, publish_params(message))
+                        with tracing.create(message) as traced:
+                            cur = await conn.execute(DIRECT, publish_params(traced))
+                            await cur.fetchone()
                     else:
                         await app.enqueue(conn, CONSUMER, payload, job_id=job_id)
         elapsed = time.perf_counter() - started

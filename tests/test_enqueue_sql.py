@@ -4,9 +4,11 @@ nothing written."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -305,3 +307,82 @@ def test_compact_json_is_the_compact_text_python_writes(
     expected = json.dumps(json.loads(in_jsonb_order), separators=(",", ":"), ensure_ascii=False)
     assert text == expected
     assert json.loads(text) == doc
+
+
+# --- a switch of queue while producers write ------------------------------------------------
+
+
+def _waits_for_a_lock(watcher: psycopg.Connection[Any], pid: int) -> bool:
+    row = watcher.execute(
+        "SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", (pid,)
+    ).fetchone()
+    return row is not None and row[0] == "Lock"
+
+
+def _wait_for_lock(watcher: psycopg.Connection[Any], pid: int, what: str) -> None:
+    deadline = time.monotonic() + 10
+    while not _waits_for_a_lock(watcher, pid):
+        assert time.monotonic() < deadline, f"{what} never waited for the other's lock"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        "SELECT produced_id FROM jobfence.produce('award_points', 'loyalty', 'during', '\\x7b7d')",
+        "SELECT jobfence.enqueue('award_points', 'loyalty', 'during', '{}')",
+    ],
+    ids=["produce", "enqueue"],
+)
+def test_an_enqueue_during_a_switch_of_queue_goes_to_the_queue_switched_to(
+    database_url: str, call: str
+) -> None:
+    """jobfence.set_queue moves the database to a broker while a producer enqueues. The
+    producer waits for the switch to commit, then writes to the outbox: a job written to the
+    PostgreSQL queue then would wait where no worker reads."""
+    with (
+        psycopg.connect(database_url) as switcher,
+        psycopg.connect(database_url) as producer,
+        psycopg.connect(database_url, autocommit=True) as watcher,
+    ):
+        switcher.execute("SELECT jobfence.set_queue('rabbitmq', 'amqp://broker/')")
+        pid = int(producer.execute("SELECT pg_backend_pid()").fetchone()[0])  # type: ignore[index]
+        producer.commit()
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            enqueued = pool.submit(lambda: producer.execute(call).fetchone())  # type: ignore[arg-type]
+            _wait_for_lock(watcher, pid, "the producer")
+            switcher.commit()
+            produced_id = enqueued.result(timeout=10)
+        producer.commit()
+        assert produced_id is not None and produced_id[0] is not None
+        assert scalar_sync(watcher, "SELECT count(*) FROM jobfence_queue.messages") == 0
+        assert scalar_sync(watcher, "SELECT job_id FROM jobfence.outbox") == "during"
+
+
+def test_a_switch_of_queue_waits_for_an_open_enqueue_and_then_refuses(database_url: str) -> None:
+    """The other order: a producer's transaction holds a new queue row when the switch comes.
+    The switch waits for it to commit, then counts the row and refuses: the job stays where a
+    worker reads it."""
+    with (
+        psycopg.connect(database_url) as switcher,
+        psycopg.connect(database_url) as producer,
+        psycopg.connect(database_url, autocommit=True) as watcher,
+    ):
+        producer.execute("SELECT jobfence.enqueue('award_points', 'loyalty', 'before', '{}')")
+        pid = int(switcher.execute("SELECT pg_backend_pid()").fetchone()[0])  # type: ignore[index]
+        switcher.commit()
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            switched = pool.submit(
+                lambda: switcher.execute("SELECT jobfence.set_queue('rabbitmq', 'amqp://broker/')")
+            )
+            _wait_for_lock(watcher, pid, "the switch")
+            producer.commit()
+            with pytest.raises(psycopg.errors.ObjectNotInPrerequisiteState, match="1 message"):
+                switched.result(timeout=10)
+        assert scalar_sync(watcher, "SELECT job_id FROM jobfence_queue.messages") == "before"
+        assert scalar_sync(watcher, "SELECT queue_kind FROM jobfence.settings") == "postgresql"
+
+
+def scalar_sync(conn: psycopg.Connection[Any], query: str) -> Any:
+    row = conn.execute(query).fetchone()  # type: ignore[arg-type]
+    return None if row is None else row[0]
