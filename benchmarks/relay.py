@@ -7,12 +7,12 @@ and the end-to-end throughput through the outbox against the same workers fed di
 Side by side in one run, per broker (RabbitMQ, NATS JetStream, Redis Streams on this machine):
 
 1. **Publish rate**: rows written to ``jobfence.outbox`` in one statement, then
-   ``OutboxRelay(...).run()`` timed until the outbox is empty (rows / seconds), alone and with
-   every broker reply 50 ms late (``tests/tcp_proxy.py``'s ``reply_delay``, in front of the
-   broker). Each measurement runs in a child process of the interpreter given: this tree's
-   ``.venv`` for "now", ``--baseline-python`` (with its own ``jobfence`` importable, e.g. main's
-   checkout and venv) for "before"; each child migrates its own database with its own
-   ``jobfence``.
+   ``OutboxRelay(...).run()`` timed until the outbox is empty (rows / seconds), alone
+   (straight to the broker) and with every broker reply 50 ms late (``tests/tcp_proxy.py``'s
+   ``reply_delay``, in front of the broker). Each measurement runs in a child process of the
+   interpreter given: this tree's ``.venv`` for "now", ``--baseline-python`` (with its own
+   ``jobfence`` importable, e.g. main's checkout and venv) for "before"; each child migrates its
+   own database with its own ``jobfence``.
 2. **End to end** (this tree only): N jobs committed to the outbox, then one
    ``Worker(app, pool, queue, concurrency=4)`` with its embedded relay, timed until every job
    is applied (``run(until="empty")``), against the same worker with ``outbox_relay=False`` on
@@ -147,9 +147,16 @@ async def child_relay(kind: str, rows: int, delay: float, dbname: str) -> dict[s
     broker_url = BROKER_URLS[kind]
     name = f"jfrelay{uuid.uuid4().hex[:10]}"
     parts = urlsplit(broker_url)
-    proxy = TcpProxy(parts.hostname or "127.0.0.1", parts.port or 0, reply_delay=delay)
-    await proxy.start()
-    queue = _queue(kind, _through(proxy.port, broker_url), name)
+    # Alone, the relay talks to the broker itself: a proxy in this process would cost the relay
+    # CPU and a hop per round trip that no deployment has.
+    proxy = (
+        TcpProxy(parts.hostname or "127.0.0.1", parts.port or 0, reply_delay=delay)
+        if delay > 0
+        else None
+    )
+    if proxy is not None:
+        await proxy.start()
+    queue = _queue(kind, _through(proxy.port, broker_url) if proxy else broker_url, name)
     try:
         async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
             await record_queue(conn, KIND[kind], broker_url)
@@ -177,7 +184,8 @@ async def child_relay(kind: str, rows: int, delay: float, dbname: str) -> dict[s
             size = await queue.size([QUEUE])
     finally:
         await queue.close()
-        await proxy.close()
+        if proxy is not None:
+            await proxy.close()
         await _delete(kind, broker_url, name)
         await _drop_database(dbname)
     return {

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+import aio_pika
 import psycopg
 import pytest
 from psycopg_pool import AsyncConnectionPool
@@ -458,6 +459,46 @@ async def test_a_message_over_rabbitmqs_max_message_size_is_a_dead_letter_and_th
         }
     finally:
         await queue.close()
+        await delete_everything("rabbitmq", amqp_url, name, [pointsapp.QUEUE])
+
+
+async def test_a_queue_rabbitmq_will_not_declare_holds_back_its_rows_alone_and_the_others_go_on(
+    database_url: str,
+    conn: psycopg.AsyncConnection[Any],
+    amqp_url: str,
+) -> None:
+    """A queue someone declared on the broker as a classic queue (jobfence declares quorum
+    queues): RabbitMQ refuses its declaration and closes the channel. The relay pushes that
+    queue's rows back with the broker's error, and publishes the rows of the other queues in
+    the same round."""
+    from jobfence.adapters.rabbitmq import RabbitMQQueue
+
+    name = f"jfdecl{uuid.uuid4().hex[:12]}"
+    await _external(conn, amqp_url)
+    admin = await aio_pika.connect(amqp_url)
+    channel = await admin.channel()
+    await channel.declare_queue(f"{name}.declared-otherwise", durable=True)
+    for n in range(6):
+        queue_name = "declared-otherwise" if n % 3 == 1 else pointsapp.QUEUE
+        await write(conn, Message(queue_name, AWARD, f"d-{n}", b"{}"))
+    queue = RabbitMQQueue(amqp_url, prefix=name)
+    try:
+        relay = OutboxRelay(database_url, queue, settings=OutboxRelaySettings(poll_seconds=0.05))
+        async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as c:
+            await relay.run_round(c)
+        assert relay.stats.published == 4 and relay.stats.failed == 2
+        assert relay.stats.outages == 0 and not relay.broker_down
+        cur = await conn.execute(
+            "SELECT job_id, attempts, last_error FROM jobfence.outbox ORDER BY job_id"
+        )
+        held = await cur.fetchall()
+        assert [row[:2] for row in held] == [("d-1", 1), ("d-4", 1)]
+        assert all("PRECONDITION_FAILED" in row[2] for row in held), held
+        assert sorted(await _bodies_on(queue, count=4)) == ["d-0", "d-2", "d-3", "d-5"]
+    finally:
+        await queue.close()
+        await channel.queue_delete(f"{name}.declared-otherwise")
+        await admin.close()
         await delete_everything("rabbitmq", amqp_url, name, [pointsapp.QUEUE])
 
 

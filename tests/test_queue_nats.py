@@ -9,11 +9,13 @@ from urllib.parse import urlsplit
 
 import nats
 import pytest
+from nats.js.api import RetentionPolicy, StreamConfig
 from nats.js.errors import NotFoundError
 
 from jobfence import QueueCapabilities, QueueUnavailable
 from jobfence.adapters.nats import NatsQueue
-from queue_conformance import QUEUE, BrokerConformance, QueueEnv, message
+from jobfence.model import Outgoing
+from queue_conformance import OTHER_QUEUE, QUEUE, BrokerConformance, QueueEnv, job_ids, message
 from tcp_proxy import TcpProxy
 
 
@@ -109,5 +111,42 @@ async def test_a_publisher_keeps_the_lease_the_workers_set(nats_url: str) -> Non
     finally:
         await worker.close()
         await relay.close()
+        await js.delete_stream(name)
+        await nc.close()
+
+
+async def test_publish_many_with_a_queue_whose_consumer_cannot_be_made_publishes_the_others(
+    nats_url: str,
+) -> None:
+    """A stream that allows one consumer (created so by someone else): the second queue's
+    consumer is refused, that queue's messages fail, and the first queue's messages are
+    confirmed and delivered."""
+    name = f"JFTEST_{uuid.uuid4().hex[:12]}"
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    await js.add_stream(
+        StreamConfig(
+            name=name,
+            subjects=[f"{name.lower()}.>"],
+            retention=RetentionPolicy.WORK_QUEUE,
+            max_consumers=1,
+        )
+    )
+    queue = NatsQueue(nats_url, stream=name, subject_prefix=name.lower())
+    try:
+        outgoing = [
+            Outgoing(message(f"m{n}", queue=OTHER_QUEUE if n % 3 == 1 else QUEUE)) for n in range(6)
+        ]
+
+        results = await queue.publish_many(outgoing)
+
+        assert [r is None for r in results] == [True, False, True, True, False, True]
+        assert all("maximum consumers limit reached" in str(r) for r in results if r is not None), [
+            str(r) for r in results
+        ]
+        got = await queue.receive([QUEUE], max_messages=10, lease_seconds=30, wait_seconds=5)
+        assert job_ids(got) == ["m0", "m2", "m3", "m5"]
+    finally:
+        await queue.close()
         await js.delete_stream(name)
         await nc.close()

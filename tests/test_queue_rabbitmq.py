@@ -12,7 +12,7 @@ import pytest
 from brokers import rabbitmq_max_message_size
 from jobfence import PublishRefused, QueueCapabilities, QueueUnavailable
 from jobfence.adapters.rabbitmq import RabbitMQQueue
-from jobfence.model import Delivery
+from jobfence.model import Delivery, Outgoing
 from jobfence.ports import QueueSize
 from queue_conformance import QUEUE, BrokerConformance, QueueEnv, job_ids, message
 from support import wait_until
@@ -258,4 +258,40 @@ async def test_a_publish_over_max_message_size_is_refused_for_good_and_the_next_
             assert await queue.ack(delivery) is True
     finally:
         await queue.close()
+        await delete_queues(amqp_url, prefix)
+
+
+async def test_publish_many_with_a_queue_declared_otherwise_publishes_the_others(
+    amqp_url: str,
+) -> None:
+    """A queue someone declared with other arguments (a classic queue where jobfence declares
+    a quorum one) closes the channel at its declaration: that queue's messages fail, and the
+    messages for the other queues are confirmed and delivered."""
+    prefix = f"jftest.{uuid.uuid4().hex[:12]}"
+    admin = await aio_pika.connect(amqp_url)
+    queue = RabbitMQQueue(amqp_url, prefix=prefix)
+    try:
+        channel = await admin.channel()
+        await channel.declare_queue(f"{prefix}.conformance.nobody", durable=True)
+        outgoing = [
+            Outgoing(message(f"m{n}", queue="conformance.nobody" if n % 3 == 1 else QUEUE))
+            for n in range(6)
+        ]
+
+        results = await queue.publish_many(outgoing)
+
+        assert [r is None for r in results] == [True, False, True, True, False, True]
+        assert all("PRECONDITION_FAILED" in str(r) for r in results if r is not None)
+        got: list[Delivery] = []
+
+        async def four() -> bool:
+            got.extend(await queue.receive([QUEUE], max_messages=10, lease_seconds=60))
+            return len(got) >= 4
+
+        await wait_until(four, timeout=10, message="the 4 messages for the other queue")
+        assert job_ids(got) == ["m0", "m2", "m3", "m5"]
+        assert await channel.declare_queue(f"{prefix}.conformance.nobody", passive=True)
+    finally:
+        await queue.close()
+        await admin.close()
         await delete_queues(amqp_url, prefix)

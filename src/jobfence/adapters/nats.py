@@ -417,12 +417,15 @@ class NatsQueue:
         if not outgoing:
             return []
         try:
-            await self._ready_to_publish({item.message.queue for item in outgoing})
+            refused = await self._ready_to_publish({item.message.queue for item in outgoing})
         except Exception as exc:
             return [exc] * len(outgoing)
         results: list[Exception | None] = [None] * len(outgoing)
         acks: dict[int, asyncio.Future[Any]] = {}
         for n, item in enumerate(outgoing):
+            if (refusal := refused.get(item.message.queue)) is not None:
+                results[n] = refusal
+                continue
             try:
                 prior = check_prior_attempts(item.prior_attempts)
                 acks[n] = await self._send_async(item.message, prior)
@@ -455,11 +458,22 @@ class NatsQueue:
         return pending
 
     @_unavailable
-    async def _ready_to_publish(self, queues: set[str]) -> None:
+    async def _ready_to_publish(self, queues: set[str]) -> dict[str, Exception]:
+        """The stream, and the durable consumer of each queue of ``queues``; returns the error
+        of each queue whose consumer JetStream would not create (a stream's consumer limit):
+        that queue's messages fail, and the others are published. A lost connection or a
+        cluster without a leader raises."""
         await self._jetstream()
+        refused: dict[str, Exception] = {}
         for queue in sorted(queues):
             if _SUBJECT_TOKEN.match(queue):  # else its messages are refused one by one
-                await self._consumer(queue, None)
+                try:
+                    await self._consumer(queue, None)
+                except Exception as exc:
+                    if isinstance(_as_unavailable(exc), QueueUnavailable):
+                        raise
+                    refused[queue] = exc
+        return refused
 
     @_unavailable
     async def _send_async(self, message: Message, prior: int) -> asyncio.Future[Any]:

@@ -90,6 +90,7 @@ try:
     from aiormq import spec
     from aiormq.exceptions import (
         AMQPConnectionError,
+        ChannelClosed,
         ChannelNotFoundEntity,
         ChannelPreconditionFailed,
         InvalidFrameError,
@@ -491,30 +492,43 @@ class RabbitMQQueue:
 
     async def _publish_all(self, outgoing: Sequence[Outgoing]) -> list[Exception | None]:
         try:
-            raw = await self._publishing_channel({item.message.queue for item in outgoing})
+            raw, refused = await self._publishing_channel({item.message.queue for item in outgoing})
         except Exception as exc:
             return [exc] * len(outgoing)
-        results = await asyncio.gather(
-            *(
-                self._publish_one(raw, item.message, check_prior_attempts(item.prior_attempts))
-                for item in outgoing
-            ),
-            return_exceptions=True,
+        sending = [item for item in outgoing if item.message.queue not in refused]
+        results = iter(
+            await asyncio.gather(
+                *(
+                    self._publish_one(raw, item.message, check_prior_attempts(item.prior_attempts))
+                    for item in sending
+                ),
+                return_exceptions=True,
+            )
         )
         out: list[Exception | None] = []
-        for result in results:
+        for item in outgoing:
+            result = refused.get(item.message.queue) or next(results)
             if isinstance(result, BaseException) and not isinstance(result, Exception):
                 raise result
             out.append(result)
         return out
 
     @_unavailable
-    async def _publishing_channel(self, queues: set[str]) -> aiormq.abc.AbstractChannel:
+    async def _publishing_channel(
+        self, queues: set[str]
+    ) -> tuple[aiormq.abc.AbstractChannel, dict[str, Exception]]:
+        """The confirming channel, every queue of ``queues`` declared; with the error of each
+        queue the broker would not declare (one declared otherwise, a name the user may not
+        use): that queue's messages fail, and the others are published."""
+        refused: dict[str, Exception] = {}
         for queue in sorted(queues):
             if _NAME.match(queue):  # else its messages are refused one by one
-                await self._queue(queue)
+                try:
+                    await self._queue(queue)
+                except ChannelClosed as exc:  # the channel closes; the next one is opened
+                    refused[queue] = exc
         channel = await self._open_channel()
-        return await channel.get_underlay_channel()
+        return await channel.get_underlay_channel(), refused
 
     @_unavailable
     async def _publish_one(

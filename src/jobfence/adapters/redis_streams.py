@@ -62,7 +62,7 @@ from jobfence.ports import QueueCapabilities, QueueSize
 try:
     import redis.asyncio as aioredis
     from redis.exceptions import ConnectionError as RedisConnectionError
-    from redis.exceptions import ResponseError
+    from redis.exceptions import NoScriptError, ResponseError
     from redis.exceptions import TimeoutError as RedisTimeoutError
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
@@ -141,6 +141,21 @@ end
 return acked
 """
 _ACK_MANY_CHUNK = 200  # entries per script call: Redis runs a script to its end, alone
+
+# KEYS: stream. ARGV: for each entry, its field and value count, then its fields and values.
+# XADDs each entry; returns, per entry, its id or its own error (pcall: one refused entry does
+# not stop the others).
+_XADD_MANY = """
+local out = {}
+local i = 1
+while i <= #ARGV do
+  local k = tonumber(ARGV[i])
+  out[#out + 1] = redis.pcall('XADD', KEYS[1], '*', unpack(ARGV, i + 1, i + k))
+  i = i + k + 1
+end
+return out
+"""
+_XADD_MANY_CHUNK = 200  # entries per script call
 
 
 # KEYS: stream. ARGV: group, consumer. Removes the consumer from the group when it holds
@@ -255,6 +270,7 @@ class RedisStreamsQueue:
         self._forget_consumer = self._redis.register_script(_FORGET_CONSUMER)
         self._ack_many_script = self._redis.register_script(_ACK_MANY)
         self._extend = self._redis.register_script(_EXTEND)
+        self._xadd_many = self._redis.register_script(_XADD_MANY)
         self._grouped: set[str] = set()
         self._lease_ms: int | None = None
         self._closed = False
@@ -300,9 +316,9 @@ class RedisStreamsQueue:
         await self._redis.xadd(stream, fields)  # type: ignore[arg-type]
 
     async def publish_many(self, outgoing: Sequence[Outgoing]) -> list[Exception | None]:
-        """Every ``XADD`` in one pipeline: one round trip for the lot, each reply the
-        confirm of its message (or its error). A lost connection is ``QueueUnavailable`` for
-        every message."""
+        """Every ``XADD`` in one round trip: one script call per stream and per 200 messages,
+        the calls in one pipeline; each entry's id is the confirm of its message (or its own
+        error). A lost connection is ``QueueUnavailable`` for every message."""
         if not outgoing:
             return []
         try:
@@ -324,15 +340,51 @@ class RedisStreamsQueue:
             fields = _fields(item.message, check_prior_attempts(item.prior_attempts))
             replies.append(None)
             entries.append((n, stream, fields))
-        for stream in sorted({stream for _, stream, _ in entries}):
-            await self._ensure_group(stream)
-        pipe = self._redis.pipeline(transaction=False)
-        for _, stream, fields in entries:
-            pipe.xadd(stream, fields)  # type: ignore[arg-type]
-        answers: list[Any] = await pipe.execute(raise_on_error=False)
-        for (n, _, _), answer in zip(entries, answers, strict=True):
-            replies[n] = answer
+        by_stream: dict[str, list[tuple[int, dict[str, bytes | str]]]] = {}
+        for n, stream, fields in entries:
+            by_stream.setdefault(stream, []).append((n, fields))
+        for stream in sorted(by_stream):
+            try:
+                await self._ensure_group(stream)
+            except ResponseError as exc:  # this stream's own (a key of another type)
+                for n, _ in by_stream.pop(stream):
+                    replies[n] = exc
+        calls = [
+            (stream, items[start : start + _XADD_MANY_CHUNK])
+            for stream, items in by_stream.items()
+            for start in range(0, len(items), _XADD_MANY_CHUNK)
+        ]
+        answers = await self._run_xadd_many(calls)
+        if any(isinstance(a, NoScriptError) for a in answers):
+            # A Redis that restarted or flushed its scripts ran none of these calls.
+            await self._redis.script_load(_XADD_MANY)
+            again = [c for c, a in zip(calls, answers, strict=True) if isinstance(a, NoScriptError)]
+            retried = iter(await self._run_xadd_many(again))
+            answers = [next(retried) if isinstance(a, NoScriptError) else a for a in answers]
+        for (_, items), answer in zip(calls, answers, strict=True):
+            if isinstance(answer, Exception):
+                for n, _ in items:
+                    replies[n] = answer
+            else:
+                for (n, _), entry in zip(items, answer, strict=True):
+                    replies[n] = entry
         return replies
+
+    async def _run_xadd_many(
+        self, calls: list[tuple[str, list[tuple[int, dict[str, bytes | str]]]]]
+    ) -> list[Any]:
+        """The ``_XADD_MANY`` calls in one pipeline; one answer per call (a list of entry ids
+        and errors, or the call's error)."""
+        pipe = self._redis.pipeline(transaction=False)
+        for stream, items in calls:
+            args: list[bytes | str | int] = []
+            for _, fields in items:
+                args.append(2 * len(fields))
+                for key, value in fields.items():
+                    args += (key, value)
+            pipe.evalsha(self._xadd_many.sha, 1, stream, *args)
+        answers: list[Any] = await pipe.execute(raise_on_error=False)
+        return answers
 
     @_unavailable
     async def receive(
