@@ -170,7 +170,7 @@ async def child_relay(kind: str, rows: int, delay: float, dbname: str) -> dict[s
             # The relay has no event for it: connected, locked and listening.
             while not relay.active and not task.done():  # noqa: ASYNC110
                 await asyncio.sleep(0.001)
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.process_time()
             while True:
                 cur = await conn.execute("SELECT count(*) FROM jobfence.outbox")
                 left = (await cur.fetchone())[0]  # type: ignore[index]
@@ -178,6 +178,7 @@ async def child_relay(kind: str, rows: int, delay: float, dbname: str) -> dict[s
                     break
                 await asyncio.sleep(0.01)
             elapsed = time.perf_counter() - started
+            cpu = time.process_time() - cpu_started
             relay.stop()
             await conn.execute("SELECT pg_notify('jobfence_outbox', '')")
             await asyncio.wait_for(task, 60)
@@ -192,6 +193,8 @@ async def child_relay(kind: str, rows: int, delay: float, dbname: str) -> dict[s
         "rows": rows,
         "seconds": elapsed,
         "rate": rows / elapsed,
+        # This process's CPU (the relay, and the benchmark's count every 10 ms) per row.
+        "cpu_us": cpu / rows * 1e6,
         "batch_size": settings.batch_size,
         "on_broker": size.total,
         "left": left,
@@ -398,6 +401,7 @@ def publish_rates(args: argparse.Namespace, kind: str, row: dict[str, Any], n: i
         now_rates: list[float] = []
         ratios: list[float] = []
         before_rates: list[float] = []
+        cpu: dict[str, list[float]] = {"now": [], "before": []}
         for r in range(args.rounds):
             n += 1
             # Alternating which goes first, so that neither always meets a quieter minute.
@@ -410,12 +414,15 @@ def publish_rates(args: argparse.Namespace, kind: str, row: dict[str, Any], n: i
                 rows = args.rows
                 if side == "before":
                     rows = args.baseline_rows if delay == 0 else max(int(2 / delay), 20)
-                pair[side] = run_child(python, kind, rows, delay, n)["rate"]
+                measured = run_child(python, kind, rows, delay, n)
+                pair[side] = measured["rate"]
+                cpu[side].append(measured["cpu_us"])
             now_rates.append(pair["now"])
             if "before" in pair:
                 before_rates.append(pair["before"])
                 ratios.append(pair["now"] / pair["before"])
         row[f"now_{label}"] = median(now_rates)
+        row[f"cpu_us_{label}"] = {side: round(median(v), 1) for side, v in cpu.items() if v}
         if ratios:
             row[f"before_{label}"] = median(before_rates)
             row[f"ratio_{label}"] = median(ratios)
