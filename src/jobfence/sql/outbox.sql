@@ -58,7 +58,9 @@ RETURNING id;
 -- The relay's next due rows, oldest first, claimed until %(claim_seconds)s from now in a
 -- transaction of their own: the relay publishes them after the commit, with no transaction
 -- open while it waits for the broker. A row claimed by a relay that died is taken again once
--- its claim ended (or at once, after outbox_release_claims).
+-- its claim ended (or at once, after outbox_release_claims). The rows are updated through the
+-- primary key (an array of the ids taken), so a claim costs the same whatever the outbox holds;
+-- a join with the ids taken could be planned as a scan of the whole table. The relay sorts them.
 WITH clock AS (SELECT coalesce(%(now)s::timestamptz, now()) AS at),
 taken AS (
     SELECT o.id FROM jobfence.outbox o, clock c
@@ -69,8 +71,8 @@ taken AS (
 )
 UPDATE jobfence.outbox o
 SET claimed_until = c.at + make_interval(secs => %(claim_seconds)s::double precision)
-FROM taken, clock c
-WHERE o.id = taken.id
+FROM clock c
+WHERE o.id = ANY(ARRAY(SELECT id FROM taken))
 RETURNING o.id, o.queue, o.consumer, o.job_id, o.body, o.tenant_id, o.correlation_id,
           o.attempts, o.prior_attempts, o.due_at, o.traceparent, o.tracestate;
 
