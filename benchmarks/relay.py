@@ -206,7 +206,7 @@ async def child_relay(kind: str, rows: int, delay: float, dbname: str) -> dict[s
 
 async def end_to_end(  # noqa: PLR0915
     kind: str, jobs: int, concurrency: int, rounds: int, *, relay_process: bool = False
-) -> dict[str, float]:
+) -> dict[str, Any]:
     from pydantic import BaseModel
 
     from jobfence import App, JobMeta, Worker, open_pool
@@ -234,6 +234,9 @@ async def end_to_end(  # noqa: PLR0915
 
     modes = ["outbox", "direct", *(["process"] if relay_process else [])]
     rates: dict[str, list[float]] = {mode: [] for mode in modes}
+    # CPU per job (us) of the broker's server, PostgreSQL's and the processes of this
+    # benchmark (the worker, and the relay's child), in the timed part of each round.
+    cpu: dict[str, dict[str, list[float]]] = {mode: {} for mode in modes}
     order = [mode for r in range(rounds) for mode in (modes if r % 2 == 0 else modes[::-1])]
     for mode in order:
         dbname = f"jobfence_relay_bench_e2e_{os.getpid()}"
@@ -280,12 +283,16 @@ async def end_to_end(  # noqa: PLR0915
                 )
                 handled = 0
                 finished.clear()
+                before = _cpu_seconds(kind)
                 if mode == "process":
                     elapsed = await _with_relay_process(kind, url, name, worker, finished)
                 else:
                     started = time.perf_counter()
                     await asyncio.wait_for(worker.run(until="empty"), 600)
                     elapsed = time.perf_counter() - started
+                for part, seconds in _cpu_seconds(kind).items():
+                    used = seconds - before.get(part, 0.0)
+                    cpu[mode].setdefault(part, []).append(used / jobs * 1e6)
                 cur = await conn.execute("SELECT sum(points) FROM bench_accounts")
                 total = (await cur.fetchone())[0]  # type: ignore[index]
                 assert total == jobs, (total, jobs)
@@ -296,7 +303,39 @@ async def end_to_end(  # noqa: PLR0915
             await _delete(kind, broker_url, name)
             await _drop_database(dbname)
     # The median of the rounds (the upper one of two), each mode's rounds alternating first.
-    return {mode: sorted(got)[len(got) // 2] for mode, got in rates.items()}
+    result: dict[str, Any] = {mode: sorted(got)[len(got) // 2] for mode, got in rates.items()}
+    result["cpu_us_per_job"] = {
+        mode: {part: round(sorted(v)[len(v) // 2]) for part, v in parts.items()}
+        for mode, parts in cpu.items()
+    }
+    return result
+
+
+_SERVERS = {"rabbitmq": "beam.smp", "nats": "nats-server", "redis": "redis-server"}
+
+
+def _cpu_seconds(kind: str) -> dict[str, float]:
+    """CPU seconds (user + system) so far of the broker's server, of PostgreSQL's processes,
+    and of this process with its children (the relay's, once it has ended)."""
+    import psutil
+
+    totals = {"broker": 0.0, "postgresql": 0.0}
+    for proc in psutil.process_iter(["name"]):
+        part = (
+            "broker"
+            if proc.info["name"] == _SERVERS[kind]
+            else "postgresql"
+            if proc.info["name"] in ("postgres", "postmaster")
+            else None
+        )
+        if part is None:
+            continue
+        with contextlib.suppress(psutil.Error):
+            times = proc.cpu_times()
+            totals[part] += times.user + times.system
+    me = psutil.Process().cpu_times()
+    totals["benchmark"] = me.user + me.system + me.children_user + me.children_system
+    return totals
 
 
 async def relay_child(kind: str, url: str, name: str) -> None:
