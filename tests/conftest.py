@@ -117,6 +117,13 @@ async def pool(database_url: str) -> AsyncIterator[AsyncConnectionPool[Any]]:
 
 
 @pytest.fixture
+def autocommit_conn(database_url: str) -> Iterator[psycopg.Connection[Any]]:
+    """A sync connection to the test's database, each statement its own transaction."""
+    with psycopg.connect(database_url, autocommit=True) as c:
+        yield c
+
+
+@pytest.fixture
 async def conn(database_url: str) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
     c = await psycopg.AsyncConnection.connect(database_url, autocommit=True)
     yield c

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
@@ -73,11 +74,22 @@ async def test_a_closed_instance_leaves_the_consumer_group_only_when_it_holds_no
         await admin.aclose()
 
 
+@dataclass
+class Prefixed:
+    """A queue under a prefix of its own, and a plain client to do what no adapter does."""
+
+    prefix: str
+    queue: RedisStreamsQueue
+    admin: aioredis.Redis
+
+
 @pytest.fixture
-async def redis_prefix(redis_url: str) -> AsyncIterator[str]:
+async def prefixed(redis_url: str) -> AsyncIterator[Prefixed]:
     prefix = f"jftest-{uuid.uuid4().hex[:12]}"
-    yield prefix
     admin = aioredis.Redis.from_url(redis_url)
+    queue = RedisStreamsQueue(redis_url, prefix=prefix)
+    yield Prefixed(prefix, queue, admin)
+    await queue.close()
     keys = [key async for key in admin.scan_iter(match=f"{prefix}:*")]
     if keys:
         await admin.delete(*keys)
@@ -95,62 +107,48 @@ async def _receive_all(queue: RedisStreamsQueue, queues: list[str], count: int) 
 
 @pytest.mark.parametrize("when", ["before its group exists", "after its group was made"])
 async def test_publish_many_with_a_stream_key_of_another_type_publishes_the_others(
-    redis_url: str, redis_prefix: str, when: str
+    prefixed: Prefixed, when: str
 ) -> None:
     """A key someone made a string where a queue's stream goes is that queue's messages'
     error alone: the messages for the other queues are confirmed and delivered."""
-    queue = RedisStreamsQueue(redis_url, prefix=redis_prefix)
-    admin = aioredis.Redis.from_url(redis_url)
-    try:
-        outgoing = [
-            Outgoing(message(f"m{n}", queue="broken" if n % 3 == 1 else QUEUE)) for n in range(6)
-        ]
-        if when == "after its group was made":
-            assert await queue.publish_many(outgoing) == [None] * 6
-            await _receive_all(queue, [QUEUE, "broken"], 6)
-        await admin.delete(f"{redis_prefix}:{{broken}}:stream")
-        await admin.set(f"{redis_prefix}:{{broken}}:stream", "not a stream")
+    queue, broken = prefixed.queue, f"{prefixed.prefix}:{{broken}}:stream"
+    outgoing = [
+        Outgoing(message(f"m{n}", queue="broken" if n % 3 == 1 else QUEUE)) for n in range(6)
+    ]
+    if when == "after its group was made":
+        assert await queue.publish_many(outgoing) == [None] * 6
+        await _receive_all(queue, [QUEUE, "broken"], 6)
+    await prefixed.admin.delete(broken)
+    await prefixed.admin.set(broken, "not a stream")
 
-        results = await queue.publish_many(outgoing)
+    results = await queue.publish_many(outgoing)
 
-        assert [r is None for r in results] == [True, False, True, True, False, True]
-        assert all("WRONGTYPE" in str(r) for r in results if r is not None), results
-        assert await _receive_all(queue, [QUEUE], 4) == ["m0", "m2", "m3", "m5"]
-    finally:
-        await queue.close()
-        await admin.aclose()
+    assert [r is None for r in results] == [True, False, True, True, False, True]
+    assert all("WRONGTYPE" in str(r) for r in results if r is not None), results
+    assert await _receive_all(queue, [QUEUE], 4) == ["m0", "m2", "m3", "m5"]
 
 
 async def test_publish_many_after_redis_lost_its_scripts_publishes_every_message_once(
-    redis_url: str, redis_prefix: str
+    prefixed: Prefixed,
 ) -> None:
     """A Redis that restarted forgets its scripts: the next publish_many loads its script
     again and publishes each message once, none twice."""
-    queue = RedisStreamsQueue(redis_url, prefix=redis_prefix)
-    admin = aioredis.Redis.from_url(redis_url)
-    try:
-        assert await queue.publish_many([Outgoing(message("first"))]) == [None]
-        await admin.script_flush()
-        outgoing = [Outgoing(message(f"after-{n}")) for n in range(3)]
-        assert await queue.publish_many(outgoing) == [None] * 3
-        assert await _receive_all(queue, [QUEUE], 4) == ["first", "after-0", "after-1", "after-2"]
-        assert await admin.xlen(f"{redis_prefix}:{{{QUEUE}}}:stream") == 4
-    finally:
-        await queue.close()
-        await admin.aclose()
+    queue = prefixed.queue
+    assert await queue.publish_many([Outgoing(message("first"))]) == [None]
+    await prefixed.admin.script_flush()
+    outgoing = [Outgoing(message(f"after-{n}")) for n in range(3)]
+    assert await queue.publish_many(outgoing) == [None] * 3
+    assert await _receive_all(queue, [QUEUE], 4) == ["first", "after-0", "after-1", "after-2"]
+    assert await prefixed.admin.xlen(f"{prefixed.prefix}:{{{QUEUE}}}:stream") == 4
 
 
 async def test_publish_many_of_more_messages_than_one_script_call_keeps_their_order(
-    redis_url: str, redis_prefix: str
+    prefixed: Prefixed,
 ) -> None:
     """Messages for one stream go in script calls of at most 200 each, in one round trip:
     450 messages arrive once each, in the order given."""
-    queue = RedisStreamsQueue(redis_url, prefix=redis_prefix)
-    try:
-        outgoing = [Outgoing(message(f"n{n:03d}"), n % 4) for n in range(450)]
-        assert await queue.publish_many(outgoing) == [None] * 450
-        got = await queue.receive([QUEUE], max_messages=500, lease_seconds=60)
-        assert job_ids(got) == [f"n{n:03d}" for n in range(450)]
-        assert [d.attempt for d in got] == [n % 4 + 1 for n in range(450)]
-    finally:
-        await queue.close()
+    outgoing = [Outgoing(message(f"n{n:03d}"), n % 4) for n in range(450)]
+    assert await prefixed.queue.publish_many(outgoing) == [None] * 450
+    got = await prefixed.queue.receive([QUEUE], max_messages=500, lease_seconds=60)
+    assert job_ids(got) == [f"n{n:03d}" for n in range(450)]
+    assert [d.attempt for d in got] == [n % 4 + 1 for n in range(450)]

@@ -4,7 +4,6 @@ Python checks keep."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -15,12 +14,6 @@ from hypothesis import strategies as st
 from jobfence import tracing
 
 TP = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
-
-
-@pytest.fixture
-def sync_conn(database_url: str) -> Iterator[psycopg.Connection[Any]]:
-    with psycopg.connect(database_url, autocommit=True) as conn:
-        yield conn
 
 
 def plan_output(conn: psycopg.Connection[Any], table: str, columns: str, values: str) -> str:
@@ -37,18 +30,18 @@ def plan_output(conn: psycopg.Connection[Any], table: str, columns: str, values:
 )
 @pytest.mark.parametrize("session_context", [False, True], ids=["no-context", "session-context"])
 def test_the_trace_context_defaults_are_inlined_into_every_insert(
-    sync_conn: psycopg.Connection[Any], table: str, due: str, session_context: bool
+    autocommit_conn: psycopg.Connection[Any], table: str, due: str, session_context: bool
 ) -> None:
     """Every producer path writes its row with the trace columns left to their defaults (the
     session's context). Were a default a call of a jobfence function, PostgreSQL would plan that
     function's body again in every insert: about 150 us of server CPU per enqueue, as much as
     the insert itself. Inlined, the plan holds only built-in expressions."""
-    with sync_conn.transaction():
+    with autocommit_conn.transaction():
         if session_context:
-            sync_conn.execute("SELECT set_config('jobfence.traceparent', %s, true)", (TP,))
-            sync_conn.execute("SET LOCAL jobfence.tracestate = 'rojo=00f067aa0ba902b7'")
+            autocommit_conn.execute("SELECT set_config('jobfence.traceparent', %s, true)", (TP,))
+            autocommit_conn.execute("SET LOCAL jobfence.tracestate = 'rojo=00f067aa0ba902b7'")
         plan = plan_output(
-            sync_conn,
+            autocommit_conn,
             table,
             f"queue, consumer, job_id, body, {due}",
             "'q', 'c', 'j', '\\x7b7d', now()",
@@ -58,32 +51,32 @@ def test_the_trace_context_defaults_are_inlined_into_every_insert(
 
 
 def test_a_session_trace_context_is_written_by_the_inlined_defaults(
-    sync_conn: psycopg.Connection[Any],
+    autocommit_conn: psycopg.Connection[Any],
 ) -> None:
     long_state = ",".join(f"k{i}=" + "v" * 20 for i in range(12))  # over 241 characters
-    with sync_conn.transaction():
-        sync_conn.execute("SELECT set_config('jobfence.traceparent', %s, true)", (TP,))
-        sync_conn.execute("SELECT set_config('jobfence.tracestate', %s, true)", (long_state,))
-        sync_conn.execute(
+    with autocommit_conn.transaction():
+        autocommit_conn.execute("SELECT set_config('jobfence.traceparent', %s, true)", (TP,))
+        autocommit_conn.execute("SELECT set_config('jobfence.tracestate', %s, true)", (long_state,))
+        autocommit_conn.execute(
             "INSERT INTO jobfence_queue.messages (queue, consumer, job_id, body)"
             " VALUES ('q', 'c', 'long', '\\x7b7d')"
         )
-        sync_conn.execute("SET LOCAL jobfence.tracestate = 'a=1,,b@sys=2 '")
-        sync_conn.execute(
+        autocommit_conn.execute("SET LOCAL jobfence.tracestate = 'a=1,,b@sys=2 '")
+        autocommit_conn.execute(
             "INSERT INTO jobfence_queue.messages (queue, consumer, job_id, body)"
             " VALUES ('q', 'c', 'short', '\\x7b7d')"
         )
-        sync_conn.execute("SET LOCAL jobfence.tracestate = 'a=1,b@sys-too-long-by-far=2'")
-        sync_conn.execute(
+        autocommit_conn.execute("SET LOCAL jobfence.tracestate = 'a=1,b@sys-too-long-by-far=2'")
+        autocommit_conn.execute(
             "INSERT INTO jobfence_queue.messages (queue, consumer, job_id, body)"
             " VALUES ('q', 'c', 'bad-state', '\\x7b7d')"
         )
-        sync_conn.execute("SET LOCAL jobfence.traceparent = ''")
-        sync_conn.execute(
+        autocommit_conn.execute("SET LOCAL jobfence.traceparent = ''")
+        autocommit_conn.execute(
             "INSERT INTO jobfence_queue.messages (queue, consumer, job_id, body)"
             " VALUES ('q', 'c', 'none', '\\x7b7d')"
         )
-    rows = sync_conn.execute(
+    rows = autocommit_conn.execute(
         "SELECT job_id, traceparent, tracestate FROM jobfence_queue.messages ORDER BY id"
     ).fetchall()
     assert rows == [
@@ -158,17 +151,17 @@ TRACEPARENTS = st.one_of(
     parents=st.lists(TRACEPARENTS, max_size=10),
 )
 def test_the_sql_trace_checks_keep_exactly_what_the_python_checks_keep(
-    sync_conn: psycopg.Connection[Any], states: list[str], parents: list[str]
+    autocommit_conn: psycopg.Connection[Any], states: list[str], parents: list[str]
 ) -> None:
     """The SQL checks guard what SQL producers write; the Python checks what every worker
     reads. They must agree, value for value, over values near and across every limit."""
-    kept_states = sync_conn.execute(
+    kept_states = autocommit_conn.execute(
         "SELECT jobfence.valid_tracestate(v) FROM unnest(%s::text[]) WITH ORDINALITY AS u(v, i)"
         " ORDER BY i",
         (states,),
     ).fetchall()
     assert [r[0] for r in kept_states] == [tracing.valid_tracestate(s) for s in states]
-    kept_parents = sync_conn.execute(
+    kept_parents = autocommit_conn.execute(
         "SELECT jobfence.valid_traceparent(v) FROM unnest(%s::text[]) WITH ORDINALITY AS u(v, i)"
         " ORDER BY i",
         (parents,),
