@@ -295,3 +295,84 @@ async def test_publish_many_with_a_queue_declared_otherwise_publishes_the_others
         await queue.close()
         await admin.close()
         await delete_queues(amqp_url, prefix)
+
+
+async def test_a_queue_name_too_long_for_rabbitmq_is_refused_alone_in_publish_many(
+    amqp_url: str,
+) -> None:
+    """RabbitMQ names a queue in at most 255 bytes, prefix included. A longer one is that
+    message's refusal for good, before anything is declared or sent; the messages beside it
+    are confirmed and delivered. A name of exactly 255 bytes is a queue like any other."""
+    prefix = f"jftest.{uuid.uuid4().hex[:12]}"
+    longest = "q" * (255 - len(prefix) - 1)
+    queue = RabbitMQQueue(amqp_url, prefix=prefix)
+    try:
+        outgoing = [
+            Outgoing(message("before")),
+            Outgoing(message("too-long", queue=longest + "q")),
+            Outgoing(message("longest", queue=longest)),
+            Outgoing(message("after")),
+        ]
+
+        results = await queue.publish_many(outgoing)
+
+        assert [r is None for r in results] == [True, False, True, True]
+        assert isinstance(results[1], PublishRefused)
+        assert "at most 255 bytes with its prefix, got 256" in str(results[1])
+        got: list[Delivery] = []
+
+        async def all_three() -> bool:
+            got.extend(await queue.receive([QUEUE, longest], max_messages=10, lease_seconds=60))
+            return len(got) >= 3
+
+        await wait_until(all_three, timeout=10, message="the 3 messages that fit")
+        assert sorted(job_ids(got)) == ["after", "before", "longest"]
+    finally:
+        await queue.close()
+        await delete_queues(amqp_url, prefix)
+        connection = await aio_pika.connect(amqp_url)
+        channel = await connection.channel()
+        await channel.queue_delete(f"{prefix}.{longest}")
+        await connection.close()
+
+
+async def test_a_message_rabbitmq_returns_as_unroutable_fails_alone_in_publish_many(
+    amqp_url: str,
+) -> None:
+    """A queue deleted behind the adapter's back (it declared it before and remembers that):
+    RabbitMQ returns its messages as unroutable (they are published as mandatory), and each
+    such message is a failure of its own, not confirmed; the messages around it, for a queue
+    that exists, are confirmed and delivered, and the channel goes on."""
+    prefix = f"jftest.{uuid.uuid4().hex[:12]}"
+    queue = RabbitMQQueue(amqp_url, prefix=prefix)
+    connection = await aio_pika.connect(amqp_url)
+    try:
+        first = [
+            Outgoing(message("warm-up")),
+            Outgoing(message("gone-1", queue="conformance.other")),
+        ]
+        assert await queue.publish_many(first) == [None, None]
+        channel = await connection.channel()
+        await channel.queue_delete(f"{prefix}.conformance.other")
+        outgoing = [
+            Outgoing(message(f"m{n}", queue="conformance.other" if n % 2 else QUEUE))
+            for n in range(6)
+        ]
+
+        results = await queue.publish_many(outgoing)
+
+        assert [r is None for r in results] == [True, False, True, False, True, False]
+        assert all("did not confirm" in str(r) for r in results if r is not None), results
+        assert await queue.publish_many([Outgoing(message("next"))]) == [None]
+        got: list[Delivery] = []
+
+        async def five() -> bool:
+            got.extend(await queue.receive([QUEUE], max_messages=10, lease_seconds=60))
+            return len(got) >= 5
+
+        await wait_until(five, timeout=10, message="the 5 messages for the queue that exists")
+        assert job_ids(got) == ["warm-up", "m0", "m2", "m4", "next"]
+    finally:
+        await queue.close()
+        await connection.close()
+        await delete_queues(amqp_url, prefix)

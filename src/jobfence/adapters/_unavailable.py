@@ -29,22 +29,38 @@ def unavailable_on(
         async def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
             try:
                 return await method(*args, **kwargs)
-            except QueueUnavailable:
-                raise
-            except errors as exc:
-                raise QueueUnavailable(f"{broker} unreachable: {_text(exc)}") from exc
-            except RuntimeError as exc:
-                if "closed" not in str(exc).lower():
-                    raise
-                raise QueueUnavailable(f"{broker} unreachable: {_text(exc)}") from exc
             except Exception as exc:
-                if also is None or not also(exc):
+                raised = as_unavailable(broker, errors, exc, also=also)
+                if raised is exc:
                     raise
-                raise QueueUnavailable(f"{broker} unreachable: {_text(exc)}") from exc
+                raise raised from exc
 
         return wrapper
 
     return decorate
+
+
+def as_unavailable(
+    broker: str,
+    errors: tuple[type[BaseException], ...],
+    exc: Exception,
+    *,
+    also: Callable[[Exception], bool] | None = None,
+) -> Exception:
+    """``exc`` as :func:`unavailable_on` raises it: a ``QueueUnavailable`` (with ``exc`` as its
+    ``__cause__``) for a lost connection, else ``exc`` itself; for an error that is not raised
+    but reported (one message's result among others)."""
+    if isinstance(exc, QueueUnavailable):
+        return exc
+    if (
+        isinstance(exc, errors)
+        or (isinstance(exc, RuntimeError) and "closed" in str(exc).lower())
+        or (also is not None and also(exc))
+    ):
+        unavailable = QueueUnavailable(f"{broker} unreachable: {_text(exc)}")
+        unavailable.__cause__ = exc
+        return unavailable
+    return exc
 
 
 class _HeldBack(logging.Filter):
@@ -76,4 +92,4 @@ def _text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
-__all__ = ["hold_back", "unavailable_on"]
+__all__ = ["as_unavailable", "hold_back", "unavailable_on"]

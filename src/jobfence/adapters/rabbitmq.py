@@ -61,8 +61,9 @@ import asyncio
 import contextlib
 import re
 import time
+import uuid
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 from urllib.parse import unquote, urlsplit
@@ -77,9 +78,9 @@ from jobfence.adapters._shared import (
     refuse_delay,
     refuse_tx,
 )
-from jobfence.adapters._unavailable import hold_back, unavailable_on
+from jobfence.adapters._unavailable import as_unavailable, hold_back, unavailable_on
 from jobfence.errors import ConfigError, PublishRefused
-from jobfence.limits import checked_delay
+from jobfence.limits import checked_delay, shown_value
 from jobfence.model import Delivery, Message, Outgoing
 from jobfence.ports import QueueCapabilities, QueueSize
 
@@ -88,6 +89,7 @@ try:
     import aiormq.abc
     from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractQueue
     from aiormq import spec
+    from aiormq.abc import ChannelFrame
     from aiormq.exceptions import (
         AMQPConnectionError,
         ChannelClosed,
@@ -95,6 +97,7 @@ try:
         ChannelPreconditionFailed,
         InvalidFrameError,
     )
+    from pamqp.header import ContentHeader
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "jobfence.adapters.rabbitmq needs aio-pika: pip install 'jobfence[rabbitmq]'"
@@ -103,7 +106,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 # A lost or refused connection (aiormq's AMQPConnectionError, the socket's ConnectionError), a
 # timeout, or aio-pika's "closed" RuntimeError: the broker is unreachable (D7).
-_unavailable = unavailable_on("RabbitMQ", (AMQPConnectionError, ConnectionError, TimeoutError))
+_CONNECTION_ERRORS = (AMQPConnectionError, ConnectionError, TimeoutError)
+_unavailable = unavailable_on("RabbitMQ", _CONNECTION_ERRORS)
 # aiormq logs a refused or failed connection at ERROR before raising it, and with every lost
 # connection and failed reconnection its ERROR "Unexpected connection close from remote" and
 # WARNING "Cancelling cause reader exited abnormally"; the adapter raises each as its own error
@@ -202,6 +206,21 @@ def _size_limit_of(exc: BaseException) -> int | None:
 class _NotConfirmed(Exception):
     """The broker answered a publish with something else than its confirm (a nack, or the
     message returned as unroutable): the message is not known to be in the queue."""
+
+
+def _forget(raw: aiormq.Channel, message_id: str, tag: int) -> Callable[[Any], None]:
+    """Once a publish is confirmed (or failed), forget its message id as aiormq does: the id
+    maps a returned message to its publish."""
+
+    def forget(_: Any) -> None:
+        if raw.message_id_delivery_tag.get(message_id) == tag:
+            raw.message_id_delivery_tag.pop(message_id)
+
+    return forget
+
+
+def _as_unavailable(exc: Exception) -> Exception:
+    return as_unavailable("RabbitMQ", _CONNECTION_ERRORS, exc)
 
 
 def _headers(message: Message, prior: int) -> dict[str, Any]:
@@ -397,7 +416,13 @@ class RabbitMQQueue:
             raise ConfigError(
                 f"a RabbitMQ queue name is letters, digits, _ . - or :, got {queue!r}"
             )
-        return f"{self._prefix}.{queue}"
+        name = f"{self._prefix}.{queue}"
+        if len(name) > _SHORTSTR_BYTES:  # ASCII, as _NAME and the prefix's check hold it
+            raise ConfigError(
+                f"a RabbitMQ queue name is at most 255 bytes with its prefix, got {len(name)}"
+                f" for {shown_value(queue)}"
+            )
+        return name
 
     async def _queue(self, queue: str) -> AbstractQueue:
         channel = await self._open_channel()
@@ -496,68 +521,105 @@ class RabbitMQQueue:
         except Exception as exc:
             return [exc] * len(outgoing)
         sending = [item for item in outgoing if item.message.queue not in refused]
-        results = iter(
-            await asyncio.gather(
-                *(
-                    self._publish_one(raw, item.message, check_prior_attempts(item.prior_attempts))
-                    for item in sending
-                ),
-                return_exceptions=True,
-            )
-        )
-        out: list[Exception | None] = []
-        for item in outgoing:
-            result = refused.get(item.message.queue) or next(results)
-            if isinstance(result, BaseException) and not isinstance(result, Exception):
-                raise result
-            out.append(result)
-        return out
+        results = iter(await self._publish_batch(raw, sending))
+        return [refused.get(item.message.queue) or next(results) for item in outgoing]
 
     @_unavailable
     async def _publishing_channel(
         self, queues: set[str]
-    ) -> tuple[aiormq.abc.AbstractChannel, dict[str, Exception]]:
+    ) -> tuple[aiormq.Channel, dict[str, Exception]]:
         """The confirming channel, every queue of ``queues`` declared; with the error of each
         queue the broker would not declare (one declared otherwise, a name the user may not
         use): that queue's messages fail, and the others are published."""
         refused: dict[str, Exception] = {}
         for queue in sorted(queues):
-            if _NAME.match(queue):  # else its messages are refused one by one
+            with contextlib.suppress(ConfigError):  # else its messages are refused one by one
+                self._name(queue)
                 try:
                     await self._queue(queue)
                 except ChannelClosed as exc:  # the channel closes; the next one is opened
                     refused[queue] = exc
         channel = await self._open_channel()
-        return await channel.get_underlay_channel(), refused
+        raw = await channel.get_underlay_channel()
+        assert isinstance(raw, aiormq.Channel)
+        return raw, refused
 
-    @_unavailable
-    async def _publish_one(
-        self, raw: aiormq.abc.AbstractChannel, message: Message, prior: int
-    ) -> None:
+    async def _publish_batch(
+        self, raw: aiormq.Channel, outgoing: Sequence[Outgoing]
+    ) -> list[Exception | None]:
+        """Publish ``outgoing`` on ``raw`` as aiormq's ``basic_publish`` does each message (a
+        delivery tag and a confirmation future per message, under the channel's lock), but
+        with the lock taken once and every message's frames written at once; then await the
+        confirms together. Per message this costs about a quarter of the client CPU of a
+        ``basic_publish`` in a task of its own. A message that cannot be framed (a name no
+        queue can have, a routing key over 255 bytes) is refused alone, before anything is
+        sent."""
+        results: list[Exception | None] = [None] * len(outgoing)
+        framed: list[tuple[int, str, bytes]] = []  # (index, message id, frames)
+        for n, item in enumerate(outgoing):
+            try:
+                framed.append((n, *self._frames(raw, item)))
+            except (ConfigError, ValueError, TypeError) as exc:
+                results[n] = PublishRefused(f"RabbitMQ refuses this message: {exc}")
+        if not framed:
+            return results
+        confirmations: list[asyncio.Future[Any]] = []
         try:
-            name = self._name(message.queue)
-        except ConfigError as exc:
-            raise PublishRefused(f"RabbitMQ refuses this message: {exc}") from None
-        if raw.is_closed:
-            raise RuntimeError("the RabbitMQ channel is closed")
-        # wait=False: aiormq's Channel (its abstract class lacks the argument) then does not
-        # hold the channel's lock until each frame has left the socket.
-        confirmation = await raw.basic_publish(  # type: ignore[call-arg]
-            message.body,
-            routing_key=name,
-            properties=spec.Basic.Properties(
-                headers=_headers(message, prior),
-                message_id=_short(message.job_id),
-                correlation_id=_short(message.correlation_id),
-                delivery_mode=2,  # persistent
-            ),
-            mandatory=True,
-            wait=False,
+            async with raw.lock:  # a closed channel raises here, before any tag is taken
+                first_tag = raw.delivery_tag + 1
+                try:
+                    for _, message_id, _ in framed:
+                        raw.delivery_tag += 1
+                        tag = raw.delivery_tag
+                        confirmation = raw.create_future()
+                        raw.confirmations[tag] = confirmation
+                        raw.message_id_delivery_tag[message_id] = tag
+                        confirmation.add_done_callback(_forget(raw, message_id, tag))
+                        confirmations.append(confirmation)
+                    payload = b"".join(frames for _, _, frames in framed)
+                    await raw.write_queue.put(ChannelFrame(payload=payload, should_close=False))
+                except BaseException:
+                    # Nothing was sent: the tags are taken back while the lock is held.
+                    for tag in range(first_tag, raw.delivery_tag + 1):
+                        raw.confirmations.pop(tag, None)
+                    raw.delivery_tag = first_tag - 1
+                    for confirmation in confirmations:
+                        confirmation.cancel()
+                    raise
+        except Exception as exc:
+            for n, _, _ in framed:
+                results[n] = _as_unavailable(exc)
+            return results
+        answers = await asyncio.gather(*confirmations, return_exceptions=True)
+        for (n, _, _), answer in zip(framed, answers, strict=True):
+            if isinstance(answer, BaseException) and not isinstance(answer, Exception):
+                raise answer
+            if isinstance(answer, Exception):
+                results[n] = _as_unavailable(answer)
+            elif not isinstance(answer, spec.Basic.Ack):
+                results[n] = _NotConfirmed(
+                    f"RabbitMQ did not confirm the message ({type(answer).__name__})"
+                )
+        return results
+
+    def _frames(self, raw: aiormq.Channel, item: Outgoing) -> tuple[str, bytes]:
+        """The message id aiormq knows a returned message by, and the message's frames
+        (publish, content header, body) as they go on the wire."""
+        message = item.message
+        name = self._name(message.queue)
+        message_id = _short(message.job_id) or uuid.uuid4().hex
+        properties = spec.Basic.Properties(
+            headers=_headers(message, check_prior_attempts(item.prior_attempts)),
+            message_id=message_id,
+            correlation_id=_short(message.correlation_id),
+            delivery_mode=2,  # persistent
         )
-        if not isinstance(confirmation, spec.Basic.Ack):
-            raise _NotConfirmed(
-                f"RabbitMQ did not confirm the message ({type(confirmation).__name__})"
-            )
+        frames: list[Any] = [
+            spec.Basic.Publish(exchange="", routing_key=name, mandatory=True),
+            ContentHeader(properties=properties, body_size=len(message.body)),
+            *raw._split_body(message.body),
+        ]
+        return message_id, ChannelFrame.marshall(raw.number, frames).payload
 
     async def _publish(self, message: Message, *, prior: int) -> None:
         await self._queue(message.queue)
