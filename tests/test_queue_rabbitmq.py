@@ -261,6 +261,18 @@ async def test_a_publish_over_max_message_size_is_refused_for_good_and_the_next_
         await delete_queues(amqp_url, prefix)
 
 
+async def _receive_until(queue: RabbitMQQueue, queues: list[str], count: int) -> list[Delivery]:
+    """Receive from ``queues`` until ``count`` deliveries came (10 s at most)."""
+    got: list[Delivery] = []
+
+    async def enough() -> bool:
+        got.extend(await queue.receive(queues, max_messages=count, lease_seconds=60))
+        return len(got) >= count
+
+    await wait_until(enough, timeout=10, message=f"{count} messages")
+    return got
+
+
 async def test_publish_many_with_a_queue_declared_otherwise_publishes_the_others(
     amqp_url: str,
 ) -> None:
@@ -282,13 +294,7 @@ async def test_publish_many_with_a_queue_declared_otherwise_publishes_the_others
 
         assert [r is None for r in results] == [True, False, True, True, False, True]
         assert all("PRECONDITION_FAILED" in str(r) for r in results if r is not None)
-        got: list[Delivery] = []
-
-        async def four() -> bool:
-            got.extend(await queue.receive([QUEUE], max_messages=10, lease_seconds=60))
-            return len(got) >= 4
-
-        await wait_until(four, timeout=10, message="the 4 messages for the other queue")
+        got = await _receive_until(queue, [QUEUE], 4)
         assert job_ids(got) == ["m0", "m2", "m3", "m5"]
         assert await channel.declare_queue(f"{prefix}.conformance.nobody", passive=True)
     finally:
@@ -319,13 +325,7 @@ async def test_a_queue_name_too_long_for_rabbitmq_is_refused_alone_in_publish_ma
         assert [r is None for r in results] == [True, False, True, True]
         assert isinstance(results[1], PublishRefused)
         assert "at most 255 bytes with its prefix, got 256" in str(results[1])
-        got: list[Delivery] = []
-
-        async def all_three() -> bool:
-            got.extend(await queue.receive([QUEUE, longest], max_messages=10, lease_seconds=60))
-            return len(got) >= 3
-
-        await wait_until(all_three, timeout=10, message="the 3 messages that fit")
+        got = await _receive_until(queue, [QUEUE, longest], 3)
         assert sorted(job_ids(got)) == ["after", "before", "longest"]
     finally:
         await queue.close()
@@ -364,13 +364,7 @@ async def test_a_message_rabbitmq_returns_as_unroutable_fails_alone_in_publish_m
         assert [r is None for r in results] == [True, False, True, False, True, False]
         assert all("did not confirm" in str(r) for r in results if r is not None), results
         assert await queue.publish_many([Outgoing(message("next"))]) == [None]
-        got: list[Delivery] = []
-
-        async def five() -> bool:
-            got.extend(await queue.receive([QUEUE], max_messages=10, lease_seconds=60))
-            return len(got) >= 5
-
-        await wait_until(five, timeout=10, message="the 5 messages for the queue that exists")
+        got = await _receive_until(queue, [QUEUE], 5)
         assert job_ids(got) == ["warm-up", "m0", "m2", "m4", "next"]
     finally:
         await queue.close()
