@@ -304,6 +304,7 @@ async def end_to_end(  # noqa: PLR0915
             await _drop_database(dbname)
     # The median of the rounds (the upper one of two), each mode's rounds alternating first.
     result: dict[str, Any] = {mode: sorted(got)[len(got) // 2] for mode, got in rates.items()}
+    result["rounds"] = {mode: [round(r) for r in got] for mode, got in rates.items()}
     result["cpu_us_per_job"] = {
         mode: {part: round(sorted(v)[len(v) // 2]) for part, v in parts.items()}
         for mode, parts in cpu.items()
