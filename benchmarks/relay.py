@@ -2,7 +2,7 @@
 and the end-to-end throughput through the outbox against the same workers fed directly.
 
     .venv/bin/python benchmarks/relay.py --baseline-python /work/main/.venv/bin/python
-    .venv/bin/python benchmarks/relay.py --brokers nats --rows 3000 --no-e2e
+    .venv/bin/python benchmarks/relay.py --brokers nats --rows 5000 --no-e2e
 
 Side by side in one run, per broker (RabbitMQ, NATS JetStream, Redis Streams on this machine):
 
@@ -504,13 +504,13 @@ def print_table(lines: list[dict[str, Any]]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--brokers", default="rabbitmq,nats,redis")
-    parser.add_argument("--rows", type=int, default=3000, help="rows for this tree's relay")
+    parser.add_argument("--rows", type=int, default=20000, help="rows for this tree's relay")
     parser.add_argument(
         "--baseline-python",
         default="/work/main/.venv/bin/python",
         help="an interpreter importing the jobfence to compare with ('' to skip)",
     )
-    parser.add_argument("--baseline-rows", type=int, default=600)
+    parser.add_argument("--baseline-rows", type=int, default=3000)
     parser.add_argument("--delay", type=float, default=0.05, help="broker reply delay (s)")
     parser.add_argument("--jobs", type=int, default=5000, help="end-to-end jobs")
     parser.add_argument("--concurrency", type=int, default=4)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 import uuid
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
@@ -14,6 +15,7 @@ from nats.js.errors import NotFoundError
 
 from jobfence import QueueCapabilities, QueueUnavailable
 from jobfence.adapters.nats import NatsQueue
+from jobfence.errors import PublishRefused
 from jobfence.model import Outgoing
 from queue_conformance import OTHER_QUEUE, QUEUE, BrokerConformance, QueueEnv, job_ids, message
 from tcp_proxy import TcpProxy
@@ -149,4 +151,68 @@ async def test_publish_many_with_a_queue_whose_consumer_cannot_be_made_publishes
     finally:
         await queue.close()
         await js.delete_stream(name)
+        await nc.close()
+
+
+async def test_publish_many_a_message_over_the_streams_own_size_limit_fails_alone(
+    nats_url: str,
+) -> None:
+    """A stream created by someone else with ``max_msg_size`` 200 bytes: JetStream answers the
+    one larger message with an error in its ack; that message is refused for good
+    (``PublishRefused``, with JetStream's words: the relay makes it a dead letter), not taken
+    for an outage, and the others are confirmed and delivered in order."""
+    name = f"JFTEST_{uuid.uuid4().hex[:12]}"
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    await js.add_stream(
+        StreamConfig(
+            name=name,
+            subjects=[f"{name.lower()}.>"],
+            retention=RetentionPolicy.WORK_QUEUE,
+            max_msg_size=200,
+        )
+    )
+    queue = NatsQueue(nats_url, stream=name, subject_prefix=name.lower())
+    try:
+        outgoing = [
+            Outgoing(message(f"m{n}", body=b'{"n": "' + b"x" * 300 + b'"}' if n == 2 else None))
+            for n in range(5)
+        ]
+
+        results = await queue.publish_many(outgoing)
+
+        assert [r is None for r in results] == [True, True, False, True, True]
+        assert isinstance(results[2], PublishRefused), results[2]
+        assert "message size exceeds maximum allowed" in str(results[2])
+        got = await queue.receive([QUEUE], max_messages=10, lease_seconds=30, wait_seconds=5)
+        assert job_ids(got) == ["m0", "m1", "m3", "m4"]
+    finally:
+        await queue.close()
+        await js.delete_stream(name)
+        await nc.close()
+
+
+async def test_publish_many_after_the_stream_was_deleted_is_an_outage_at_once(
+    nats_url: str,
+) -> None:
+    """The stream deleted under a connected queue: no stream answers the subject (NATS's "no
+    responders"), and every message of the batch is ``QueueUnavailable`` as soon as that
+    answer comes, not after the wait for acks. The next batch makes the stream again."""
+    name = f"JFTEST_{uuid.uuid4().hex[:12]}"
+    queue = NatsQueue(nats_url, stream=name, subject_prefix=name.lower())
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    try:
+        assert await queue.publish_many([Outgoing(message("first"))]) == [None]
+        await js.delete_stream(name)
+
+        started = time.monotonic()
+        results = await queue.publish_many([Outgoing(message(f"m{n}")) for n in range(3)])
+
+        assert all(isinstance(r, QueueUnavailable) for r in results), results
+        assert time.monotonic() - started < 2.0
+    finally:
+        await queue.close()
+        with contextlib.suppress(NotFoundError):
+            await js.delete_stream(name)
         await nc.close()

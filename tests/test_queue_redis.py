@@ -142,6 +142,31 @@ async def test_publish_many_after_redis_lost_its_scripts_publishes_every_message
     assert await prefixed.admin.xlen(f"{prefixed.prefix}:{{{QUEUE}}}:stream") == 4
 
 
+async def test_publish_many_carries_every_byte_of_bodies_and_ids_the_packing_uses_itself(
+    prefixed: Prefixed,
+) -> None:
+    """The script call's one argument is a string of ``<length>:<bytes>`` tokens: bodies and
+    ids holding colons, digits, NUL bytes, bytes that are not UTF-8 and characters of several
+    bytes arrive as they were sent, an empty body included."""
+    bodies = [b"", b"12:34:", b"\x00\xff\xfe:0:", "\u00e9\u6f22:\U0001f600".encode(), b"9" * 5000]
+    outgoing = [
+        Outgoing(
+            message(
+                f"{n}:\u00e9\u6f22:{n}",
+                body=body,
+                tenant_id="t:\u00e9" if n % 2 else None,
+                correlation_id=f"5:{n}" if n % 2 == 0 else None,
+            ),
+            n,
+        )
+        for n, body in enumerate(bodies)
+    ]
+    assert await prefixed.queue.publish_many(outgoing) == [None] * len(bodies)
+    got = await prefixed.queue.receive([QUEUE], max_messages=10, lease_seconds=60)
+    assert [d.message for d in got] == [o.message for o in outgoing]
+    assert [d.attempt for d in got] == [n + 1 for n in range(len(bodies))]
+
+
 async def test_publish_many_of_more_messages_than_one_script_call_keeps_their_order(
     prefixed: Prefixed,
 ) -> None:

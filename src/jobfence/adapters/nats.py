@@ -73,6 +73,7 @@ from jobfence.ports import QueueCapabilities, QueueSize
 
 try:
     import nats
+    from nats.aio.client import NO_RESPONDERS_STATUS
     from nats.aio.client import Client as NatsClient
     from nats.aio.msg import Msg
     from nats.js import JetStreamContext
@@ -80,6 +81,7 @@ try:
         AckPolicy,
         ConsumerConfig,
         DeliverPolicy,
+        Header,
         RetentionPolicy,
         StorageType,
         StreamConfig,
@@ -136,6 +138,7 @@ _H_CORRELATION = "Jobfence-Correlation-Id"
 _H_PRIOR = "Jobfence-Prior"
 _H_TRACEPARENT = "traceparent"
 _H_TRACESTATE = "tracestate"
+_H_EXPECTED_STREAM = "Nats-Expected-Stream"  # JetStream refuses the publish into another stream
 _SUBJECT_TOKEN = re.compile(r"^[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*$")
 _NAME = re.compile(r"^[A-Za-z0-9_\-]+$")
 _HEADER_SAFE = "!\"#$&'()*+,-./:;<=>?@[\\]^_`{|}~"
@@ -149,6 +152,7 @@ _NO_WAIT_ANSWER_SECONDS = 5.0
 _STREAM_READY_SECONDS = 30.0
 # The JetStream error code of a create whose stream exists with another configuration.
 _STREAM_NAME_IN_USE = 10058
+_MESSAGE_TOO_LARGE = 10054  # "message size exceeds maximum allowed" (the stream's max_msg_size)
 
 
 async def _client_error(exc: Exception) -> None:
@@ -223,6 +227,82 @@ def _headers_size(headers: dict[str, str], stream: str) -> int:
     return len("NATS/1.0\r\n\r\n") + sum(len(line.encode()) + 2 for line in lines)
 
 
+class _AckInbox:
+    """The JetStream acks of this adapter's publishes: one subscription to an inbox of its own
+    (``<inbox>.*``); each publish gets a reply subject ``<inbox>.<n>`` and a future that the
+    ack settles: ``None``, or the error JetStream answered (``APIError``, as nats-py raises
+    it), or ``NoStreamResponseError`` when no stream took the subject. nats-py's own
+    ``publish_async`` does the same, with a task, a random token and a parsed ``PubAck`` per
+    message on top: half the relay's CPU per message on NATS. The subscription is nats-py's,
+    restored by it after a reconnect."""
+
+    def __init__(self, prefix: str) -> None:
+        self._prefix = prefix
+        self._cut = len(prefix) + 1
+        self._next = 0
+        self._waiting: dict[str, asyncio.Future[None]] = {}
+
+    @classmethod
+    async def open(cls, nc: NatsClient) -> _AckInbox:
+        inbox = cls(nc.new_inbox())
+        await nc.subscribe(f"{inbox._prefix}.*", cb=inbox._on_ack)
+        return inbox
+
+    def expect(self) -> tuple[str, asyncio.Future[None]]:
+        """A reply subject for one publish, and the future of its ack."""
+        self._next += 1
+        token = str(self._next)
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        future.add_done_callback(lambda _: self._waiting.pop(token, None))
+        self._waiting[token] = future
+        return f"{self._prefix}.{token}", future
+
+    def forget(self, reply: str) -> None:
+        """The publish of ``reply`` did not go out: no ack will come."""
+        future = self._waiting.pop(reply[self._cut :], None)
+        if future is not None:
+            future.cancel()
+
+    async def _on_ack(self, msg: Msg) -> None:
+        future = self._waiting.pop(msg.subject[self._cut :], None)
+        if future is None or future.done():
+            return  # late (its wait was given up) or not one of ours
+        if msg.headers and msg.headers.get(Header.STATUS) == NO_RESPONDERS_STATUS:
+            future.set_exception(NoStreamResponseError())
+            return
+        data = msg.data
+        if b'"error"' not in data:  # {"stream": ..., "seq": ...}: stored
+            future.set_result(None)
+            return
+        try:
+            answer = json.loads(data)
+        except ValueError:
+            future.set_exception(APIError(description="JetStream sent an unreadable ack"))
+            return
+        if isinstance(answer, dict) and isinstance(answer.get("error"), dict):
+            future.set_exception(_ack_error(answer["error"]))
+        else:
+            future.set_result(None)
+
+
+def _ack_error(error: dict[str, Any]) -> Exception:
+    """The exception of a JetStream ack's ``error``, of nats-py's class for its code
+    (``APIError.from_error`` raises it rather than return it: inside nats-py's own
+    ``publish_async`` callback that left the ack's future waiting until it timed out, so that
+    a message JetStream refused looked like an outage)."""
+    try:
+        APIError.from_error(error)
+    except APIError as exc:
+        if exc.err_code == _MESSAGE_TOO_LARGE:  # the stream's max_msg_size: never stored
+            refused = PublishRefused(f"NATS refuses this message: {exc.description}")
+            refused.__cause__ = exc
+            return refused
+        return exc
+    except Exception:  # an error object of another shape
+        pass
+    return APIError(description=str(error.get("description", "JetStream refused the message")))
+
+
 def _lease_margin(lease_seconds: float) -> float:
     return max(lease_seconds * 0.1, 0.05)
 
@@ -256,6 +336,7 @@ class NatsQueue:
         self._default_lease = default_lease_seconds
         self._nc: NatsClient | None = None
         self._js: JetStreamContext | None = None
+        self._inbox: _AckInbox | None = None
         self._connect_lock = asyncio.Lock()
         self._ack_wait: dict[str, float] = {}  # queue -> the AckWait its consumer has
         self._closed = False
@@ -287,6 +368,7 @@ class NatsQueue:
                     with contextlib.suppress(Exception):
                         await nc.close()
                     raise
+                self._inbox = await _AckInbox.open(self._nc)
                 self._js = js
             return self._js
 
@@ -420,17 +502,32 @@ class NatsQueue:
             refused = await self._ready_to_publish({item.message.queue for item in outgoing})
         except Exception as exc:
             return [exc] * len(outgoing)
+        nc, inbox = self._nc, self._inbox
+        assert nc is not None and inbox is not None  # _ready_to_publish connected
         results: list[Exception | None] = [None] * len(outgoing)
-        acks: dict[int, asyncio.Future[Any]] = {}
+        acks: dict[int, asyncio.Future[None]] = {}
+        subjects: dict[str, str] = {}
         for n, item in enumerate(outgoing):
-            if (refusal := refused.get(item.message.queue)) is not None:
+            message = item.message
+            if (refusal := refused.get(message.queue)) is not None:
                 results[n] = refusal
                 continue
             try:
-                prior = check_prior_attempts(item.prior_attempts)
-                acks[n] = await self._send_async(item.message, prior)
+                subject = subjects.get(message.queue)
+                if subject is None:
+                    subject = subjects[message.queue] = self._publish_subject(message.queue)
+                headers = self._headers_of(message, check_prior_attempts(item.prior_attempts))
+                headers[_H_EXPECTED_STREAM] = self._stream
+                self._check_connected()
+                reply, ack = inbox.expect()
+                try:
+                    await nc.publish(subject, message.body, reply=reply, headers=headers)
+                except BaseException:
+                    inbox.forget(reply)
+                    raise
+                acks[n] = ack
             except Exception as exc:
-                results[n] = exc
+                results[n] = _as_unavailable(exc)
         pending = await self._acks(list(acks.values()))
         for n, future in acks.items():
             if future in pending:
@@ -475,20 +572,11 @@ class NatsQueue:
                     refused[queue] = exc
         return refused
 
-    @_unavailable
-    async def _send_async(self, message: Message, prior: int) -> asyncio.Future[Any]:
-        """Send ``message`` as an asynchronous JetStream publish; the future is its ack."""
+    def _publish_subject(self, queue: str) -> str:
         try:
-            subject = self._subject(message.queue)
+            return self._subject(queue)
         except ConfigError as exc:
             raise PublishRefused(f"NATS refuses this message: {exc}") from None
-        js = await self._jetstream()
-        self._check_connected()
-        headers = self._headers_of(message, prior)
-        future: asyncio.Future[Any] = await js.publish_async(
-            subject, message.body, stream=self._stream, headers=headers
-        )
-        return future
 
     @property
     def max_message_bytes(self) -> int | None:

@@ -142,16 +142,28 @@ return acked
 """
 _ACK_MANY_CHUNK = 200  # entries per script call: Redis runs a script to its end, alone
 
-# KEYS: stream. ARGV: for each entry, its field and value count, then its fields and values.
-# XADDs each entry; returns, per entry, its id or its own error (pcall: one refused entry does
-# not stop the others).
+# KEYS: stream. ARGV[1]: the entries, packed (_packed_entries): tokens, each "<length>:<bytes>";
+# an entry is a token holding its field and value count, then its fields and values. One
+# argument for the lot, so that the client packs one string instead of ten per entry. XADDs each
+# entry; returns, per entry, its id or its own error (pcall: one refused entry does not stop the
+# others).
 _XADD_MANY = """
+local s = ARGV[1]
+local pos = 1
+local function token()
+  local colon = string.find(s, ':', pos, true)
+  local n = tonumber(string.sub(s, pos, colon - 1))
+  pos = colon + n + 1
+  return string.sub(s, colon + 1, colon + n)
+end
 local out = {}
-local i = 1
-while i <= #ARGV do
-  local k = tonumber(ARGV[i])
-  out[#out + 1] = redis.pcall('XADD', KEYS[1], '*', unpack(ARGV, i + 1, i + k))
-  i = i + k + 1
+while pos <= #s do
+  local k = tonumber(token())
+  local args = {}
+  for j = 1, k do
+    args[j] = token()
+  end
+  out[#out + 1] = redis.pcall('XADD', KEYS[1], '*', unpack(args))
 end
 return out
 """
@@ -222,6 +234,39 @@ def _fields(message: Message, prior: int) -> dict[str, bytes | str]:
         if message.tracestate is not None:
             fields["tracestate"] = message.tracestate
     return fields
+
+
+def _packed_entries(items: list[tuple[int, dict[str, bytes | str]]]) -> bytes:
+    """``_XADD_MANY``'s argument: per entry, its field and value count, then each field and
+    value, every one a token ``<length>:<bytes>`` (UTF-8 for text)."""
+    parts: list[bytes] = []
+    for _, fields in items:
+        count = b"%d" % (2 * len(fields))
+        parts += (b"%d:" % len(count), count)
+        for key, value in fields.items():
+            name = _FIELD_TOKENS.get(key) or _token(key.encode())
+            data = value if isinstance(value, bytes) else value.encode()
+            parts += (name, b"%d:" % len(data), data)
+    return b"".join(parts)
+
+
+def _token(data: bytes) -> bytes:
+    return b"%d:%b" % (len(data), data)
+
+
+_FIELD_TOKENS = {
+    name: _token(name.encode())
+    for name in (
+        "consumer",
+        "job_id",
+        "body",
+        "prior",
+        "tenant_id",
+        "correlation_id",
+        "traceparent",
+        "tracestate",
+    )
+}
 
 
 _NAMES = FieldNames(
@@ -377,12 +422,7 @@ class RedisStreamsQueue:
         and errors, or the call's error)."""
         pipe = self._redis.pipeline(transaction=False)
         for stream, items in calls:
-            args: list[bytes | str | int] = []
-            for _, fields in items:
-                args.append(2 * len(fields))
-                for key, value in fields.items():
-                    args += (key, value)
-            pipe.evalsha(self._xadd_many.sha, 1, stream, *args)
+            pipe.evalsha(self._xadd_many.sha, 1, stream, _packed_entries(items))
         answers: list[Any] = await pipe.execute(raise_on_error=False)
         return answers
 
