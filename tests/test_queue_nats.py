@@ -6,14 +6,17 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 import nats
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from nats.js.api import RetentionPolicy, StreamConfig
 from nats.js.errors import NotFoundError
 
 from jobfence import QueueCapabilities, QueueUnavailable
+from jobfence.adapters import nats as nats_adapter
 from jobfence.adapters.nats import NatsQueue
 from jobfence.errors import PublishRefused
 from jobfence.model import Outgoing
@@ -216,3 +219,21 @@ async def test_publish_many_after_the_stream_was_deleted_is_an_outage_at_once(
         with contextlib.suppress(NotFoundError):
             await js.delete_stream(name)
         await nc.close()
+
+
+@given(st.text())
+def test_a_header_value_is_percent_encoded_where_needed_and_reads_back_as_it_was(
+    value: str,
+) -> None:
+    """Any text, ids with line breaks, ``%`` and non-ASCII included: written as
+    ``urllib.parse.quote`` with the header-safe characters writes it (values that need nothing
+    encoded go as they are, without calling it), ASCII with no space or line break, and read
+    back unchanged."""
+    written = nats_adapter._header(value)
+    assert written == quote(value, safe=nats_adapter._HEADER_SAFE)
+    assert written.isascii() and not any(c.isspace() for c in written)
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return  # a lone surrogate: no UTF-8 to read back
+    assert nats_adapter._unquote(written) == value

@@ -142,6 +142,9 @@ _H_EXPECTED_STREAM = "Nats-Expected-Stream"  # JetStream refuses the publish int
 _SUBJECT_TOKEN = re.compile(r"^[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*$")
 _NAME = re.compile(r"^[A-Za-z0-9_\-]+$")
 _HEADER_SAFE = "!\"#$&'()*+,-./:;<=>?@[\\]^_`{|}~"
+# What quote(..., safe=_HEADER_SAFE) leaves as it is: ASCII letters and digits, "_.-~" and
+# _HEADER_SAFE.
+_HEADER_AS_IS = re.compile("[A-Za-z0-9_.~" + re.escape(_HEADER_SAFE) + "-]*")
 # A waiting receive re-issues its pull request at least this often (looks at close() again),
 # and at least four times per lease.
 _WAIT_SLICE_SECONDS = 1.0
@@ -190,6 +193,8 @@ def _refuse_tx(operation: str) -> ConfigError:
 def _header(value: str) -> str:
     """A header value: spaces, line breaks, ``%`` and non-ASCII percent-encoded (headers are
     line-based and trimmed), the rest as is."""
+    if _HEADER_AS_IS.fullmatch(value):  # nothing to encode (most ids): as quote would give it
+        return value
     return quote(value, safe=_HEADER_SAFE)
 
 
@@ -223,8 +228,10 @@ def _as_unavailable(exc: BaseException) -> Exception:
 def _headers_size(headers: dict[str, str], stream: str) -> int:
     """The bytes ``headers`` take on the wire (``NATS/1.0``, a line per header, the expected
     stream's header included), which count towards the server's ``max_payload``."""
-    lines = [f"{k}: {v}" for k, v in headers.items()] + [f"Nats-Expected-Stream: {stream}"]
-    return len("NATS/1.0\r\n\r\n") + sum(len(line.encode()) + 2 for line in lines)
+    size = len(f"NATS/1.0\r\n\r\n{_H_EXPECTED_STREAM}: {stream}\r\n")
+    for key, value in headers.items():
+        size += len(key) + (len(value) if value.isascii() else len(value.encode())) + 4
+    return size
 
 
 class _AckInbox:
