@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from urllib.parse import urlsplit, urlunsplit
 
 import aio_pika
@@ -81,7 +82,7 @@ async def test_a_retry_whose_copy_cannot_be_published_gives_the_original_back(
         async def refused(*args: object, **kwargs: object) -> None:
             raise ConnectionError("the broker refused the copy")
 
-        monkeypatch.setattr(queue, "_publish", refused)
+        monkeypatch.setattr(queue, "_publish_one", refused)
         with pytest.raises(QueueUnavailable, match="refused the copy") as raised:
             await queue.retry(first, delay_seconds=0.0, error="Flaky: again")
         assert isinstance(raised.value.__cause__, ConnectionError)
@@ -366,6 +367,49 @@ async def test_a_message_rabbitmq_returns_as_unroutable_fails_alone_in_publish_m
         assert await queue.publish_many([Outgoing(message("next"))]) == [None]
         got = await _receive_until(queue, [QUEUE], 5)
         assert job_ids(got) == ["warm-up", "m0", "m2", "m4", "next"]
+    finally:
+        await queue.close()
+        await connection.close()
+        await delete_queues(amqp_url, prefix)
+
+
+async def test_a_job_for_two_consumers_in_one_batch_is_confirmed_or_returned_each_as_its_own(
+    amqp_url: str,
+) -> None:
+    """One job id for two consumers in the same batch (a fan-out), one on a queue deleted
+    behind the adapter's back, one on a queue that exists, in both orders. RabbitMQ returns the
+    first as unroutable and confirms the second: the returned one fails and the delivered one
+    succeeds, each by its own publish, so the outbox keeps the row of the message the broker
+    dropped. (A message id shared by two outstanding publishes once matched the return to the
+    wrong one: the dropped message counted as published, and its job was lost.)"""
+    prefix = f"jftest.{uuid.uuid4().hex[:12]}"
+    queue = RabbitMQQueue(amqp_url, prefix=prefix)
+    connection = await aio_pika.connect(amqp_url)
+    try:
+        first = [Outgoing(message("warm-up")), Outgoing(message("warm-up", queue="gone"))]
+        assert await queue.publish_many(first) == [None, None]
+        channel = await connection.channel()
+        await channel.queue_delete(f"{prefix}.gone")
+
+        def fan_out(job_id: str, gone_first: bool) -> list[Outgoing]:
+            to_gone = replace(message(job_id, queue="gone"), consumer="audit")
+            to_queue = message(job_id)
+            return (
+                [Outgoing(to_gone), Outgoing(to_queue)]
+                if gone_first
+                else [
+                    Outgoing(to_queue),
+                    Outgoing(to_gone),
+                ]
+            )
+
+        outgoing = fan_out("j1", True) + fan_out("j2", False) + fan_out("j3", True)
+        results = await queue.publish_many(outgoing)
+
+        assert [r is None for r in results] == [False, True, True, False, False, True]
+        assert all("did not confirm" in str(r) for r in results if r is not None), results
+        got = await _receive_until(queue, [QUEUE], 4)
+        assert job_ids(got) == ["warm-up", "j1", "j2", "j3"]
     finally:
         await queue.close()
         await connection.close()

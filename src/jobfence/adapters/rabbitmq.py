@@ -254,7 +254,6 @@ class _Incoming:
     tag: int
     headers: dict[str, Any]
     body: bytes
-    message_id: str | None
     correlation_id: str | None
     unsettled: set[int]
 
@@ -269,7 +268,6 @@ class _Incoming:
             tag=tag,
             headers=dict(props.headers or {}),
             body=bytes(delivered.body),
-            message_id=props.message_id,
             correlation_id=props.correlation_id,
             unsettled=unsettled,
         )
@@ -450,21 +448,15 @@ class RabbitMQQueue:
             raise _refuse_tx("publish")
         if checked_delay(delay_seconds) > 0:
             raise _refuse_delay("publish")
-        prior = check_prior_attempts(prior_attempts)
-        refusal = self._refusal(message)
-        if refusal is None:
-            try:
-                await self._publish(message, prior=prior)
-                return
-            except ChannelPreconditionFailed as exc:
-                limit = _size_limit_of(exc)
-                if limit is None:
-                    raise
-                self._size_limit = (limit, time.monotonic())
-                refusal = self._refusal(message)
-                if refusal is None:  # the limit changed since: unknown, not refused for good
-                    raise
-        raise refusal
+        await self._publish_one(message, prior=check_prior_attempts(prior_attempts))
+
+    async def _publish_one(self, message: Message, *, prior: int) -> None:
+        """Publish ``message`` (confirmed) as :meth:`publish_many` does: its message id unique
+        among the channel's publishes still unconfirmed, the broker's size limit learnt from a
+        refusal; raises its failure."""
+        (result,) = await self.publish_many([Outgoing(message, prior)])
+        if result is not None:
+            raise result
 
     async def publish_many(self, outgoing: Sequence[Outgoing]) -> list[Exception | None]:
         """Every message published at once on the confirming channel (straight to aiormq's
@@ -568,7 +560,14 @@ class RabbitMQQueue:
             async with raw.lock:  # a closed channel raises here, before any tag is taken
                 first_tag = raw.delivery_tag + 1
                 try:
-                    for _, message_id, _ in framed:
+                    for i, (n, job_message_id, _) in enumerate(framed):
+                        message_id = job_message_id
+                        if message_id in raw.message_id_delivery_tag:
+                            # Outstanding already (one job for two consumers in this batch, or
+                            # a publish beside it): a message id of its own, as a returned
+                            # message finds its publish by its id.
+                            message_id = uuid.uuid4().hex
+                            framed[i] = (n, *self._frames(raw, outgoing[n], message_id))
                         raw.delivery_tag += 1
                         tag = raw.delivery_tag
                         confirmation = raw.create_future()
@@ -602,12 +601,15 @@ class RabbitMQQueue:
                 )
         return results
 
-    def _frames(self, raw: aiormq.Channel, item: Outgoing) -> tuple[str, bytes]:
-        """The message id aiormq knows a returned message by, and the message's frames
-        (publish, content header, body) as they go on the wire."""
+    def _frames(
+        self, raw: aiormq.Channel, item: Outgoing, message_id: str | None = None
+    ) -> tuple[str, bytes]:
+        """The message id aiormq knows a returned message by (the job id, when it fits and
+        ``message_id`` is not given), and the message's frames (publish, content header,
+        body) as they go on the wire."""
         message = item.message
         name = self._name(message.queue)
-        message_id = _short(message.job_id) or uuid.uuid4().hex
+        message_id = message_id or _short(message.job_id) or uuid.uuid4().hex
         properties = spec.Basic.Properties(
             headers=_headers(message, check_prior_attempts(item.prior_attempts)),
             message_id=message_id,
@@ -620,21 +622,6 @@ class RabbitMQQueue:
             *raw._split_body(message.body),
         ]
         return message_id, ChannelFrame.marshall(raw.number, frames).payload
-
-    async def _publish(self, message: Message, *, prior: int) -> None:
-        await self._queue(message.queue)
-        channel = await self._open_channel()
-        await channel.default_exchange.publish(  # returns once the broker confirmed it
-            aio_pika.Message(
-                message.body,
-                headers=_headers(message, prior),
-                message_id=_short(message.job_id),
-                correlation_id=_short(message.correlation_id),
-                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-            ),
-            routing_key=self._name(message.queue),
-            mandatory=True,
-        )
 
     @_unavailable
     async def receive(
@@ -838,7 +825,9 @@ class RabbitMQQueue:
                 aio_pika.Message(
                     bytes(incoming.body),
                     headers=copy,
-                    message_id=incoming.message_id,
+                    # None: aiormq gives the copy a random message id, by which a return finds
+                    # it (the original's id may be outstanding in another publish).
+                    message_id=None,
                     correlation_id=incoming.correlation_id,
                     delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
                 ),
@@ -980,7 +969,7 @@ class RabbitMQQueue:
         """Publish a copy (confirmed), then ack the original. If the copy cannot be published,
         the original goes back to the queue (and counts), so it never sits unacked."""
         try:
-            await self._publish(message, prior=prior)
+            await self._publish_one(message, prior=prior)
         except BaseException:
             await self._give_back(receipt)
             raise
