@@ -70,6 +70,7 @@ from urllib.parse import unquote, urlsplit
 
 from psycopg import AsyncConnection
 
+from jobfence.adapters._amqp import content_frames
 from jobfence.adapters._shared import (
     FieldNames,
     check_prior_attempts,
@@ -97,7 +98,8 @@ try:
         ChannelPreconditionFailed,
         InvalidFrameError,
     )
-    from pamqp.header import ContentHeader
+
+    from jobfence.adapters._amqp import content_frames
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "jobfence.adapters.rabbitmq needs aio-pika: pip install 'jobfence[rabbitmq]'"
@@ -192,6 +194,7 @@ _SIZE_REFUSAL = re.compile(r"message size (\d+) is larger than configured max si
 
 
 _SIZE_LIMIT_KEPT_SECONDS = 60.0
+_PUBLISH_FRAMES_KEPT = 1024  # basic.publish frames kept, one per queue and channel
 
 
 def _size_limit_of(exc: BaseException) -> int | None:
@@ -392,6 +395,7 @@ class RabbitMQQueue:
         # The broker's max_message_size as its last refusal named it, and when (AMQP does not
         # tell it at connect): kept for _SIZE_LIMIT_KEPT_SECONDS, as it may be raised meanwhile.
         self._size_limit: tuple[int, float] | None = None
+        self._publish_frames: dict[tuple[int, str], bytes] = {}
 
     # -- connection and queues -----------------------------------------------------------
 
@@ -608,20 +612,30 @@ class RabbitMQQueue:
         ``message_id`` is not given), and the message's frames (publish, content header,
         body) as they go on the wire."""
         message = item.message
-        name = self._name(message.queue)
         message_id = message_id or _short(message.job_id) or uuid.uuid4().hex
-        properties = spec.Basic.Properties(
+        return message_id, self._publish_frame(raw.number, message.queue) + content_frames(
+            raw.number,
+            raw.max_content_size,
+            message.body,
             headers=_headers(message, check_prior_attempts(item.prior_attempts)),
-            message_id=message_id,
-            correlation_id=_short(message.correlation_id),
             delivery_mode=2,  # persistent
+            correlation_id=_short(message.correlation_id),
+            message_id=message_id,
         )
-        frames: list[Any] = [
-            spec.Basic.Publish(exchange="", routing_key=name, mandatory=True),
-            ContentHeader(properties=properties, body_size=len(message.body)),
-            *raw._split_body(message.body),
-        ]
-        return message_id, ChannelFrame.marshall(raw.number, frames).payload
+
+    def _publish_frame(self, channel: int, queue: str) -> bytes:
+        """The ``basic.publish`` method frame to ``queue`` on ``channel`` (mandatory, on the
+        default exchange), marshalled once per queue and channel."""
+        key = (channel, queue)
+        publish = self._publish_frames.get(key)
+        if publish is None:
+            if len(self._publish_frames) >= _PUBLISH_FRAMES_KEPT:
+                self._publish_frames.clear()  # queues without end (a producer's bug): no growth
+            publish = self._publish_frames[key] = ChannelFrame.marshall(
+                channel,
+                [spec.Basic.Publish(exchange="", routing_key=self._name(queue), mandatory=True)],
+            ).payload
+        return publish
 
     @_unavailable
     async def receive(
