@@ -3,6 +3,8 @@ so aiormq's ``basic_publish``) writes for the same message, for any message jobf
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -44,42 +46,34 @@ def _pamqp(
     return b"".join(frames)
 
 
-@given(
-    channel=st.integers(min_value=1, max_value=65535),
-    max_content=st.integers(min_value=1, max_value=64),
-    body=st.binary(max_size=300),
-    headers=_headers,
-    correlation_id=_short,
-    message_id=_short,
+_messages = st.fixed_dictionaries(
+    {
+        "channel": st.integers(min_value=1, max_value=65535),
+        "max_content": st.integers(min_value=1, max_value=64),
+        "body": st.binary(max_size=300),
+        "headers": _headers,
+        "correlation_id": _short,
+        "message_id": _short,
+    }
 )
+
+
+@given(_messages)
 def test_the_content_frames_are_the_bytes_pamqp_writes_for_any_message(
-    *,
-    channel: int,
-    max_content: int,
-    body: bytes,
-    headers: dict[str, str | int],
-    correlation_id: str | None,
-    message_id: str | None,
+    case: dict[str, Any],
 ) -> None:
     """Headers of text (any Unicode) and integers of every size, ids absent, empty or up to
     255 bytes, bodies empty or split over several frames: the same bytes as pamqp's."""
     ours = content_frames(
-        channel,
-        max_content,
-        body,
-        headers=headers,
+        case["channel"],
+        case["max_content"],
+        case["body"],
+        headers=case["headers"],
         delivery_mode=2,
-        correlation_id=correlation_id,
-        message_id=message_id,
+        correlation_id=case["correlation_id"],
+        message_id=case["message_id"],
     )
-    assert ours == _pamqp(
-        channel=channel,
-        max_content=max_content,
-        body=body,
-        headers=headers,
-        correlation_id=correlation_id,
-        message_id=message_id,
-    )
+    assert ours == _pamqp(**case)
 
 
 def test_an_id_over_255_bytes_or_a_header_of_another_type_is_refused() -> None:

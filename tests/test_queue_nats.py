@@ -120,12 +120,9 @@ async def test_a_publisher_keeps_the_lease_the_workers_set(nats_url: str) -> Non
         await nc.close()
 
 
-async def test_publish_many_with_a_queue_whose_consumer_cannot_be_made_publishes_the_others(
-    nats_url: str,
-) -> None:
-    """A stream that allows one consumer (created so by someone else): the second queue's
-    consumer is refused, that queue's messages fail, and the first queue's messages are
-    confirmed and delivered."""
+@contextlib.asynccontextmanager
+async def _stream_made_elsewhere(nats_url: str, **limits: int) -> AsyncIterator[NatsQueue]:
+    """A work-queue stream created by someone else with ``limits``, and a queue on it."""
     name = f"JFTEST_{uuid.uuid4().hex[:12]}"
     nc = await nats.connect(nats_url)
     js = nc.jetstream()
@@ -134,11 +131,25 @@ async def test_publish_many_with_a_queue_whose_consumer_cannot_be_made_publishes
             name=name,
             subjects=[f"{name.lower()}.>"],
             retention=RetentionPolicy.WORK_QUEUE,
-            max_consumers=1,
+            **limits,  # type: ignore[arg-type]
         )
     )
     queue = NatsQueue(nats_url, stream=name, subject_prefix=name.lower())
     try:
+        yield queue
+    finally:
+        await queue.close()
+        await js.delete_stream(name)
+        await nc.close()
+
+
+async def test_publish_many_with_a_queue_whose_consumer_cannot_be_made_publishes_the_others(
+    nats_url: str,
+) -> None:
+    """A stream that allows one consumer (created so by someone else): the second queue's
+    consumer is refused, that queue's messages fail, and the first queue's messages are
+    confirmed and delivered."""
+    async with _stream_made_elsewhere(nats_url, max_consumers=1) as queue:
         outgoing = [
             Outgoing(message(f"m{n}", queue=OTHER_QUEUE if n % 3 == 1 else QUEUE)) for n in range(6)
         ]
@@ -151,10 +162,6 @@ async def test_publish_many_with_a_queue_whose_consumer_cannot_be_made_publishes
         ]
         got = await queue.receive([QUEUE], max_messages=10, lease_seconds=30, wait_seconds=5)
         assert job_ids(got) == ["m0", "m2", "m3", "m5"]
-    finally:
-        await queue.close()
-        await js.delete_stream(name)
-        await nc.close()
 
 
 async def test_publish_many_a_message_over_the_streams_own_size_limit_fails_alone(
@@ -164,19 +171,7 @@ async def test_publish_many_a_message_over_the_streams_own_size_limit_fails_alon
     one larger message with an error in its ack; that message is refused for good
     (``PublishRefused``, with JetStream's words: the relay makes it a dead letter), not taken
     for an outage, and the others are confirmed and delivered in order."""
-    name = f"JFTEST_{uuid.uuid4().hex[:12]}"
-    nc = await nats.connect(nats_url)
-    js = nc.jetstream()
-    await js.add_stream(
-        StreamConfig(
-            name=name,
-            subjects=[f"{name.lower()}.>"],
-            retention=RetentionPolicy.WORK_QUEUE,
-            max_msg_size=200,
-        )
-    )
-    queue = NatsQueue(nats_url, stream=name, subject_prefix=name.lower())
-    try:
+    async with _stream_made_elsewhere(nats_url, max_msg_size=200) as queue:
         outgoing = [
             Outgoing(message(f"m{n}", body=b'{"n": "' + b"x" * 300 + b'"}' if n == 2 else None))
             for n in range(5)
@@ -189,10 +184,6 @@ async def test_publish_many_a_message_over_the_streams_own_size_limit_fails_alon
         assert "message size exceeds maximum allowed" in str(results[2])
         got = await queue.receive([QUEUE], max_messages=10, lease_seconds=30, wait_seconds=5)
         assert job_ids(got) == ["m0", "m1", "m3", "m4"]
-    finally:
-        await queue.close()
-        await js.delete_stream(name)
-        await nc.close()
 
 
 async def test_publish_many_after_the_stream_was_deleted_is_an_outage_at_once(
@@ -200,7 +191,7 @@ async def test_publish_many_after_the_stream_was_deleted_is_an_outage_at_once(
 ) -> None:
     """The stream deleted under a connected queue: no stream answers the subject (NATS's "no
     responders"), and every message of the batch is ``QueueUnavailable`` as soon as that
-    answer comes, not after the wait for acks. The next batch makes the stream again."""
+    answer comes, not after the wait for acks."""
     name = f"JFTEST_{uuid.uuid4().hex[:12]}"
     queue = NatsQueue(nats_url, stream=name, subject_prefix=name.lower())
     nc = await nats.connect(nats_url)
