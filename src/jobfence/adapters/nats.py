@@ -240,8 +240,8 @@ class _AckInbox:
     ack settles: ``None``, or the error JetStream answered (``APIError``, as nats-py raises
     it), or ``NoStreamResponseError`` when no stream took the subject. nats-py's own
     ``publish_async`` does the same, with a task, a random token and a parsed ``PubAck`` per
-    message on top: half the relay's CPU per message on NATS. The subscription is nats-py's,
-    restored by it after a reconnect."""
+    message on top: about a third of the relay's CPU per message on NATS. The subscription is
+    nats-py's, restored by it after a reconnect."""
 
     def __init__(self, prefix: str) -> None:
         self._prefix = prefix

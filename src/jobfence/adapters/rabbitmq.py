@@ -70,7 +70,6 @@ from urllib.parse import unquote, urlsplit
 
 from psycopg import AsyncConnection
 
-from jobfence.adapters._amqp import content_frames
 from jobfence.adapters._shared import (
     FieldNames,
     check_prior_attempts,
