@@ -12,6 +12,7 @@ import nats
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from nats.aio.msg import Msg
 from nats.js.api import RetentionPolicy, StreamConfig
 from nats.js.errors import NotFoundError
 
@@ -228,3 +229,33 @@ def test_a_header_value_is_percent_encoded_where_needed_and_reads_back_as_it_was
     except UnicodeEncodeError:
         return  # a lone surrogate: no UTF-8 to read back
     assert nats_adapter._unquote(written) == value
+
+
+async def test_only_a_jetstream_ack_confirms_a_publish_anything_else_on_its_inbox_fails_it() -> (
+    None
+):
+    """What comes back on a publish's reply subject is read as JetStream's ack only when it is
+    one (``{"stream": ..., "seq": ...}``); an error ack is that error; anything else (another
+    responder on the subject, a forged reply) fails the publish, which is tried again, rather
+    than confirm a message nobody stored."""
+    inbox = nats_adapter._AckInbox("_INBOX.test")
+    answers = [
+        b'{"stream":"JOBS", "seq":7}',
+        b'{"stream":"JOBS","seq":8,"duplicate":true}',
+        b'{"error":{"code":400,"err_code":10054,"description":"message size exceeds maximum"}}',
+        b"ok",
+        b'{"ok":true}',
+        b'["stream","seq"]',
+        b"",
+    ]
+    futures = []
+    for data in answers:
+        reply, future = inbox.expect()
+        await inbox._on_ack(Msg(None, subject=reply, data=data))  # type: ignore[arg-type]
+        futures.append(future)
+
+    assert [f.exception() is None for f in futures] == [True, True] + [False] * 5
+    assert isinstance(futures[2].exception(), PublishRefused)
+    assert all("not a JetStream ack" in str(f.exception()) for f in futures[3:]), [
+        str(f.exception()) for f in futures[3:]
+    ]

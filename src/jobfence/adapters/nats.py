@@ -278,18 +278,21 @@ class _AckInbox:
             future.set_exception(NoStreamResponseError())
             return
         data = msg.data
-        if b'"error"' not in data:  # {"stream": ..., "seq": ...}: stored
-            future.set_result(None)
+        if data.startswith(b'{"stream":') and b'"error"' not in data and b'"seq":' in data:
+            future.set_result(None)  # {"stream": ..., "seq": ...}: stored
             return
         try:
             answer = json.loads(data)
         except ValueError:
-            future.set_exception(APIError(description="JetStream sent an unreadable ack"))
-            return
+            answer = None
         if isinstance(answer, dict) and isinstance(answer.get("error"), dict):
             future.set_exception(_ack_error(answer["error"]))
-        else:
+        elif isinstance(answer, dict) and "stream" in answer and "seq" in answer:
             future.set_result(None)
+        else:  # not JetStream's (another responder on the subject): not known to be stored
+            future.set_exception(
+                APIError(description="the publish was answered with something not a JetStream ack")
+            )
 
 
 def _ack_error(error: dict[str, Any]) -> Exception:
