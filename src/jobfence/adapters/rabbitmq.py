@@ -451,6 +451,7 @@ class RabbitMQQueue:
             raise _refuse_tx("publish")
         if checked_delay(delay_seconds) > 0:
             raise _refuse_delay("publish")
+        self._name(message.queue)  # a name no queue can have: ConfigError, as before sending
         await self._publish_one(message, prior=check_prior_attempts(prior_attempts))
 
     async def _publish_one(self, message: Message, *, prior: int) -> None:
