@@ -388,6 +388,17 @@ class Worker:
     async def _finished(self, until: RunUntil) -> bool:
         if self._busy or self._buffer.qsize():
             return False
+        if self._relay_task is not None and self._relay_task.done():
+            self._relay_task.result()  # the relay stopped for good (an unmigrated database)
+        # The outbox first, then the queue: a row leaves the outbox only once its message is on
+        # the queue, so a job is in one or the other at every moment. Counted the other way
+        # round, a message the relay published between the two counts was in neither.
+        try:
+            if await self._outbox_holds(until):
+                return False
+        except Exception as exc:
+            await self._queue_failed("count the outbox", exc)
+            return False
         try:
             size = await self.queue.size(self.queues)
         except Exception as exc:
@@ -396,15 +407,7 @@ class Worker:
         self._fetch_failures = 0
         if self._busy or self._buffer.qsize():
             return False
-        if not (size.due == 0 if until == "idle" else size.total == 0):
-            return False
-        if self._relay_task is not None and self._relay_task.done():
-            self._relay_task.result()  # the relay stopped for good (an unmigrated database)
-        try:
-            return not await self._outbox_holds(until)
-        except Exception as exc:
-            await self._queue_failed("count the outbox", exc)
-            return False
+        return size.due == 0 if until == "idle" else size.total == 0
 
     async def _queue_failed(self, doing: str, exc: Exception) -> None:
         """Back off on every queue failure, so a lasting error (a permission revoked, a table
