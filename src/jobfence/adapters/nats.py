@@ -156,6 +156,12 @@ _STREAM_READY_SECONDS = 30.0
 # The JetStream error code of a create whose stream exists with another configuration.
 _STREAM_NAME_IN_USE = 10058
 _MESSAGE_TOO_LARGE = 10054  # "message size exceeds maximum allowed" (the stream's max_msg_size)
+# After a publish or a pull that nothing answered ("no responders": no stream took the subject,
+# no consumer took the pull), whether the stream and the consumer still exist is asked, at most
+# this often, each question given this long: a stream or consumer deleted on the server is made
+# again, while a cluster electing a leader costs at most one unanswered question per interval.
+_RECHECK_SECONDS = 5.0
+_RECHECK_ANSWER_SECONDS = 1.0
 
 
 async def _client_error(exc: Exception) -> None:
@@ -349,6 +355,8 @@ class NatsQueue:
         self._inbox: _AckInbox | None = None
         self._connect_lock = asyncio.Lock()
         self._ack_wait: dict[str, float] = {}  # queue -> the AckWait its consumer has
+        self._unanswered: set[str] = set()  # queues whose publish or pull nothing answered
+        self._recheck_at = 0.0
         self._closed = False
 
     # -- connection, stream and consumers ------------------------------------------------
@@ -388,13 +396,7 @@ class NatsQueue:
         still electing): retried with backoff for up to ``_STREAM_READY_SECONDS``, an existing
         stream (whoever created it) being success; then one ``QueueUnavailable`` saying what
         did not answer."""
-        config = StreamConfig(
-            name=self._stream,
-            subjects=[f"{self._subject_prefix}.>"],
-            storage=StorageType.FILE,
-            retention=RetentionPolicy.WORK_QUEUE,
-            num_replicas=self._replicas,
-        )
+        config = self._stream_config()
         give_up = time.monotonic() + _STREAM_READY_SECONDS
         pause = 0.1
         while True:
@@ -424,6 +426,54 @@ class NatsQueue:
                 ) from last
             await asyncio.sleep(pause * random.uniform(0.5, 1.0))
             pause = min(pause * 2, 2.0)
+
+    def _stream_config(self) -> StreamConfig:
+        return StreamConfig(
+            name=self._stream,
+            subjects=[f"{self._subject_prefix}.>"],
+            storage=StorageType.FILE,
+            retention=RetentionPolicy.WORK_QUEUE,
+            num_replicas=self._replicas,
+        )
+
+    async def _recheck(self) -> None:
+        """After "no responders" on a publish or a pull of a queue: does the stream exist, and
+        the queue's consumer? One that was deleted on the server (by hand, or lost with a
+        server's JetStream store) is made again, with a WARNING: the messages it held are gone
+        with it. Asked at most every ``_RECHECK_SECONDS``; no answer (a cluster electing a
+        leader, the server away) leaves things as they are until the next time."""
+        if not self._unanswered or time.monotonic() < self._recheck_at or self._nc is None:
+            return
+        self._recheck_at = time.monotonic() + _RECHECK_SECONDS
+        js = self._nc.jetstream(timeout=_RECHECK_ANSWER_SECONDS)
+        try:
+            try:
+                await js.stream_info(self._stream)
+            except NotFoundError:
+                await js.add_stream(self._stream_config())
+                self._ack_wait.clear()  # its consumers went with it
+                self._unanswered.clear()
+                log.warning(
+                    "the NATS stream %s was gone (deleted on the server, or lost with a "
+                    "server's JetStream store): made again; the messages it held are gone "
+                    "with it",
+                    self._stream,
+                )
+                return
+            for queue in sorted(self._unanswered):
+                try:
+                    await js.consumer_info(self._stream, self._durable(queue))
+                except NotFoundError:
+                    self._ack_wait.pop(queue, None)  # made again at its next use
+                    log.warning(
+                        "the NATS consumer of queue %s on stream %s was gone (deleted on the "
+                        "server): made again",
+                        queue,
+                        self._stream,
+                    )
+            self._unanswered.clear()
+        except Exception as exc:
+            log.debug("NATS stream %s not checked now (%s)", self._stream, type(exc).__name__)
 
     def _check_replicas(self, replicas: int) -> None:
         """A WARNING when the existing stream keeps fewer copies than this adapter asks for:
@@ -546,6 +596,8 @@ class NatsQueue:
                     f" within {_ACKS_WITHIN:.0f}s"
                 )
             elif (error := future.exception()) is not None:
+                if isinstance(error, NoStreamResponseError):
+                    self._unanswered.add(outgoing[n].message.queue)
                 results[n] = _as_unavailable(error)
         return results
 
@@ -571,6 +623,7 @@ class NatsQueue:
         that queue's messages fail, and the others are published. A lost connection or a
         cluster without a leader raises."""
         await self._jetstream()
+        await self._recheck()
         refused: dict[str, Exception] = {}
         for queue in sorted(queues):
             if _SUBJECT_TOKEN.match(queue):  # else its messages are refused one by one
@@ -612,13 +665,18 @@ class NatsQueue:
     async def _publish(self, message: Message, *, prior: int) -> None:
         js = await self._jetstream()
         self._check_connected()
+        await self._recheck()
         await self._consumer(message.queue, None)
-        await js.publish(
-            self._subject(message.queue),
-            message.body,
-            stream=self._stream,
-            headers=self._headers_of(message, prior),
-        )
+        try:
+            await js.publish(
+                self._subject(message.queue),
+                message.body,
+                stream=self._stream,
+                headers=self._headers_of(message, prior),
+            )
+        except NoStreamResponseError:
+            self._unanswered.add(message.queue)
+            raise
 
     def _headers_of(self, message: Message, prior: int) -> dict[str, str]:
         """The message's headers, or :class:`PublishRefused` when they and the body are over
@@ -660,6 +718,8 @@ class NatsQueue:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_seconds
         try:
+            await self._jetstream()
+            await self._recheck()
             durables = [(q, await self._consumer(q, lease_seconds)) for q in queues]
             got: list[Delivery] = []
             for queue, durable in durables:
@@ -726,11 +786,13 @@ class NatsQueue:
                         queue,
                         answer_within,
                     )
+                    self._unanswered.add(queue)  # a consumer always answers: is it there?
                     break
                 status = (msg.headers or {}).get("Status")
                 if status == "100":  # idle heartbeat
                     continue
-                if status == "503":  # no responders: the consumer has no leader now
+                if status == "503":  # no responders: the consumer has no leader now, or is gone
+                    self._unanswered.add(queue)
                     raise nats.errors.NoRespondersError
                 if status is not None or not msg.reply:
                     break  # 404 no messages, 408 request timeout, 409 and the like

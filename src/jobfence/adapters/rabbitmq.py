@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import re
 import time
 import uuid
@@ -104,6 +105,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         "jobfence.adapters.rabbitmq needs aio-pika: pip install 'jobfence[rabbitmq]'"
     ) from exc
 
+
+log = logging.getLogger("jobfence.adapters.rabbitmq")
 
 # A lost or refused connection (aiormq's AMQPConnectionError, the socket's ConnectionError), a
 # timeout, or aio-pika's "closed" RuntimeError: the broker is unreachable (D7).
@@ -603,7 +606,20 @@ class RabbitMQQueue:
                 results[n] = _NotConfirmed(
                     f"RabbitMQ did not confirm the message ({type(answer).__name__})"
                 )
+                if isinstance(answer, aiormq.abc.DeliveredMessage):
+                    # Returned as unroutable: its queue is gone (deleted on the server); it is
+                    # declared again before the next publish to it.
+                    self._forget_declared(outgoing[n].message.queue)
         return results
+
+    def _forget_declared(self, queue: str) -> None:
+        name = self._name(queue)
+        if self._declared.pop(name, None) is not None:
+            log.warning(
+                "RabbitMQ returned a message for queue %s as unroutable: the queue was deleted "
+                "on the server; it is declared again before the next publish to it",
+                name,
+            )
 
     def _frames(
         self, raw: aiormq.Channel, item: Outgoing, message_id: str | None = None

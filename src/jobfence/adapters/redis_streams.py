@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import socket
 import uuid
@@ -72,6 +73,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 # redis-py's ConnectionError and TimeoutError (a dropped, refused or timed-out connection): the
 # broker is unreachable (D7).
 _unavailable = unavailable_on("Redis", (RedisConnectionError, RedisTimeoutError, ConnectionError))
+
+log = logging.getLogger("jobfence.adapters.redis_streams")
 
 GROUP = "jobfence"
 # The longest a waiting receive blocks in one XREADGROUP before it looks at expired leases
@@ -459,6 +462,25 @@ class RedisStreamsQueue:
             if self._closed:
                 return []
             raise
+        except ResponseError as exc:
+            if not _group_gone(exc):
+                raise
+            self._forget_groups(streams)
+            return []
+
+    def _forget_groups(self, streams: Sequence[str]) -> None:
+        """A stream of ``streams``, or its group, was deleted on the server: each is made again
+        (``XGROUP CREATE ... MKSTREAM``) before its next use. The entries that were in it are
+        gone with it; those published since are read from its start."""
+        gone = sorted(stream for stream in streams if stream in self._grouped)
+        self._grouped.difference_update(streams)
+        if gone:
+            log.warning(
+                "a Redis stream of queue(s) %s, or its consumer group %s, was deleted on the "
+                "server: made again at the next fetch; the entries it held are gone with it",
+                ", ".join(self._queue_of(stream) for stream in gone),
+                GROUP,
+            )
 
     async def _take(
         self, streams: Sequence[str], max_messages: int, lease_ms: int
@@ -532,17 +554,23 @@ class RedisStreamsQueue:
     ) -> bool:
         if receipt.settled:
             return False
-        done = await self._settle(
-            keys=[receipt.stream],
-            args=[
-                GROUP,
-                receipt.entry_id,
-                receipt.consumer,
-                receipt.times_delivered,
-                "again" if again else "ack",
-                prior,
-            ],
-        )
+        try:
+            done = await self._settle(
+                keys=[receipt.stream],
+                args=[
+                    GROUP,
+                    receipt.entry_id,
+                    receipt.consumer,
+                    receipt.times_delivered,
+                    "again" if again else "ack",
+                    prior,
+                ],
+            )
+        except ResponseError as exc:
+            if not _group_gone(exc):
+                raise
+            self._forget_groups([receipt.stream])
+            return False  # the entry went with its stream: nothing left to settle
         if done:
             receipt.settled = True
         return bool(done)
@@ -560,10 +588,16 @@ class RedisStreamsQueue:
         receipt = _receipt(delivery)
         if receipt.settled:
             return False
-        done = await self._extend(
-            keys=[receipt.stream],
-            args=[GROUP, receipt.entry_id, receipt.consumer, receipt.times_delivered],
-        )
+        try:
+            done = await self._extend(
+                keys=[receipt.stream],
+                args=[GROUP, receipt.entry_id, receipt.consumer, receipt.times_delivered],
+            )
+        except ResponseError as exc:
+            if not _group_gone(exc):
+                raise
+            self._forget_groups([receipt.stream])
+            return False
         return bool(done)
 
     @_unavailable
@@ -581,7 +615,14 @@ class RedisStreamsQueue:
                 args: list[str | int] = [GROUP, consumer]
                 for receipt in chunk:
                     args += [receipt.entry_id, receipt.times_delivered]
-                acked = {_text_id(i) for i in await self._ack_many_script(keys=[stream], args=args)}
+                try:
+                    answer = await self._ack_many_script(keys=[stream], args=args)
+                except ResponseError as exc:
+                    if not _group_gone(exc):
+                        raise
+                    self._forget_groups([stream])
+                    break  # its entries went with it: nothing left to ack
+                acked = {_text_id(i) for i in answer}
                 for receipt in chunk:
                     if receipt.entry_id in acked:
                         receipt.settled = True
@@ -655,6 +696,15 @@ class RedisStreamsQueue:
                 await self._forget_consumer(keys=[stream], args=[GROUP, self._consumer])
         with contextlib.suppress(Exception):
             await self._redis.aclose()
+
+
+def _group_gone(exc: Exception) -> bool:
+    """True for Redis's answer to a command on a stream whose key, or whose consumer group,
+    was deleted on the server: NOGROUP, or UNBLOCKED for a read waiting on it when it went."""
+    if not isinstance(exc, ResponseError):
+        return False
+    text = str(exc)
+    return text.startswith("NOGROUP") or text.startswith("UNBLOCKED")
 
 
 def _text_id(raw: bytes | str) -> str:
