@@ -39,7 +39,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from statistics import median
 from typing import Any, TypeVar
@@ -55,8 +55,10 @@ BROKER_URLS = {
     "rabbitmq": os.environ.get("JOBFENCE_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/"),
     "nats": os.environ.get("JOBFENCE_TEST_NATS_URL", "nats://127.0.0.1:4222"),
     "redis": os.environ.get("JOBFENCE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0"),
+    # Set by the parent once it has started the cluster (``--brokers nats3``).
+    "nats3": os.environ.get("JOBFENCE_BENCH_NATS_CLUSTER_URL", ""),
 }
-KIND = {"rabbitmq": "rabbitmq", "nats": "nats", "redis": "redis"}
+KIND = {"rabbitmq": "rabbitmq", "nats": "nats", "redis": "redis", "nats3": "nats"}
 QUEUE = "bench"
 CONSUMER = "bench_award"
 OUTBOX_FILL = """
@@ -79,10 +81,11 @@ def _queue(kind: str, url: str, name: str) -> Any:
         from jobfence.adapters.redis_streams import RedisStreamsQueue
 
         return RedisStreamsQueue(url, prefix=name)
-    if kind == "nats":
+    if kind in ("nats", "nats3"):
         from jobfence.adapters.nats import NatsQueue
 
-        return NatsQueue(url, stream=name.upper(), subject_prefix=name)
+        replicas = 3 if kind == "nats3" else 1
+        return NatsQueue(url, stream=name.upper(), subject_prefix=name, replicas=replicas)
     from jobfence.adapters.rabbitmq import RabbitMQQueue
 
     return RabbitMQQueue(url, prefix=name)
@@ -97,10 +100,10 @@ async def _delete(kind: str, url: str, name: str) -> None:
         if keys:
             await admin.delete(*keys)
         await admin.aclose()
-    elif kind == "nats":
+    elif kind in ("nats", "nats3"):
         import nats
 
-        nc = await nats.connect(url)
+        nc = await nats.connect(url.split(","))
         with contextlib.suppress(Exception):  # nothing was published
             await nc.jetstream().delete_stream(name.upper())
         await nc.close()
@@ -312,7 +315,12 @@ async def end_to_end(  # noqa: PLR0915
     return result
 
 
-_SERVERS = {"rabbitmq": "beam.smp", "nats": "nats-server", "redis": "redis-server"}
+_SERVERS = {
+    "rabbitmq": "beam.smp",
+    "nats": "nats-server",
+    "nats3": "nats-server",
+    "redis": "redis-server",
+}
 
 
 def _cpu_seconds(kind: str) -> dict[str, float]:
@@ -437,7 +445,9 @@ def publish_rates(args: argparse.Namespace, kind: str, row: dict[str, Any], n: i
     """The publish rates of ``kind`` into ``row``, now and before, alone and with the delay,
     ``args.rounds`` alternating rounds; returns the next database number."""
     now_python = sys.executable
-    for label, delay in (("alone", 0.0), ("50ms", args.delay)):
+    # On the cluster, the replication between its servers is the latency: no proxy in front.
+    cases = [("alone", 0.0)] + ([] if kind == "nats3" else [("50ms", args.delay)])
+    for label, delay in cases:
         now_rates: list[float] = []
         ratios: list[float] = []
         before_rates: list[float] = []
@@ -480,6 +490,9 @@ def print_table(lines: list[dict[str, Any]]) -> None:
     for row in lines:
         cells = [row["broker"]]
         for label in ("alone", "50ms"):
+            if f"now_{label}" not in row:
+                cells += ["", "", ""]
+                continue
             cells.append(f"{row[f'now_{label}']:,.0f}/s")
             if f"ratio_{label}" in row:
                 low, high = min(row[f"ratios_{label}"]), max(row[f"ratios_{label}"])
@@ -538,7 +551,57 @@ def main() -> None:
     brokers = [b for b in args.brokers.split(",") if b]
     print(f"# {' '.join([Path(sys.executable).name, *sys.argv])}")
     print(f"# now: {now_python}; before: {args.baseline_python or '(none)'}")
-    lines = []
+    lines: list[dict[str, Any]] = []
+    with contextlib.ExitStack() as stack:
+        if "nats3" in brokers:
+            stack.enter_context(_nats_cluster())
+        _measure(args, brokers, lines)
+
+    print_table(lines)
+    print(f"# rates: medians of {args.rounds} rounds; ratios: the median of the per-round ratios")
+    print(f"# cpu pressure: {Path('/proc/pressure/cpu').read_text().splitlines()[0]}")
+
+
+@contextlib.contextmanager
+def _nats_cluster() -> Iterator[None]:
+    """Three JetStream servers clustered on loopback (``tests/nats_servers.py``), their URL in
+    the environment the children inherit; streams on it have three replicas."""
+    import tempfile
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from nats_servers import nats_cluster
+
+    with (
+        tempfile.TemporaryDirectory(prefix="jfrelay-nats3-") as tmp,
+        nats_cluster(Path(tmp)) as servers,
+    ):
+        url = ",".join(s.url for s in servers)
+        _run(functools.partial(_jetstream_ready, url))
+        os.environ["JOBFENCE_BENCH_NATS_CLUSTER_URL"] = BROKER_URLS["nats3"] = url
+        print(f"# nats3: a 3-server JetStream cluster at {url}, streams with 3 replicas")
+        yield
+
+
+async def _jetstream_ready(url: str, within: float = 60.0) -> None:
+    """Until the cluster's JetStream answers (its meta leader elected)."""
+    import nats
+
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            nc = await nats.connect(url.split(","), connect_timeout=2, max_reconnect_attempts=1)
+            try:
+                await nc.jetstream(timeout=2).account_info()
+                return
+            finally:
+                await nc.close()
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)
+
+
+def _measure(args: argparse.Namespace, brokers: list[str], lines: list[dict[str, Any]]) -> None:
     n = 0
     for kind in brokers:
         row: dict[str, Any] = {"broker": kind}
@@ -556,10 +619,6 @@ def main() -> None:
             )
         lines.append(row)
         print(json.dumps(row), flush=True)
-
-    print_table(lines)
-    print(f"# rates: medians of {args.rounds} rounds; ratios: the median of the per-round ratios")
-    print(f"# cpu pressure: {Path('/proc/pressure/cpu').read_text().splitlines()[0]}")
 
 
 if __name__ == "__main__":
