@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -178,3 +179,61 @@ async def test_a_queue_deleted_on_the_broker_under_a_relay_alone_is_made_again_b
             await asyncio.wait_for(relaying, 30)
         await queue.close()
     assert await scalar(conn, "SELECT count(*) FROM core.dead_letters") == 0
+
+
+async def test_a_nats_consumer_deleted_under_a_running_worker_is_made_again(
+    nats_url: str,
+    database_url: str,
+    conn: psycopg.AsyncConnection[Any],
+    pool: AsyncConnectionPool[Any],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Only the queue's durable consumer deleted (``nats consumer rm``), the stream kept: the
+    worker's pulls go unanswered, it asks, finds the consumer gone and makes it again; the jobs
+    enqueued after the deletion are applied, with one WARNING naming the queue."""
+    import nats
+
+    from jobfence.adapters.nats import NatsQueue
+
+    name = f"jfgone{uuid.uuid4().hex[:12]}"
+    await conn.execute(pointsapp.SCHEMA_SQL)
+    await record_queue(conn, "nats", nats_url)
+    queue = NatsQueue(nats_url, stream=name.upper(), subject_prefix=name)
+    worker = Worker(
+        pointsapp.build_app(),
+        pool,
+        queue,
+        poll_seconds=0.05,
+        outbox_settings=OutboxRelaySettings(poll_seconds=0.05),
+    )
+    running = asyncio.create_task(worker.run())
+
+    async def applied(n: int) -> Any:
+        async def check() -> bool:
+            assert not running.done(), running
+            return await scalar(conn, "SELECT count(*) FROM public.awards") == n
+
+        return check
+
+    nc = await nats.connect(nats_url)
+    try:
+        await _enqueue(database_url, [f"before-{n}" for n in range(3)])
+        await wait_until(await applied(3), timeout=20, message="the first jobs applied")
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="jobfence"):
+            await nc.jetstream().delete_consumer(name.upper(), NatsQueue._durable(pointsapp.QUEUE))
+            await _enqueue(database_url, [f"after-{n}" for n in range(3)])
+            await wait_until(await applied(6), timeout=15, message="the jobs enqueued after")
+    finally:
+        worker.stop()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(running, 30)
+        await queue.close()
+        with contextlib.suppress(Exception):
+            await nc.jetstream().delete_stream(name.upper())
+        await nc.close()
+    assert await scalar(conn, "SELECT count(DISTINCT job_id) FROM public.awards") == 6
+    warnings = [r.getMessage() for r in caplog.records if r.name == "jobfence.adapters.nats"]
+    assert any(
+        f"consumer of queue {pointsapp.QUEUE}" in w and "made again" in w for w in warnings
+    ), warnings
