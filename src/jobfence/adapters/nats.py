@@ -718,7 +718,6 @@ class NatsQueue:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_seconds
         try:
-            await self._jetstream()
             await self._recheck()
             durables = [(q, await self._consumer(q, lease_seconds)) for q in queues]
             got: list[Delivery] = []
