@@ -124,3 +124,12 @@ def build_app(
 
 
 app = build_app()
+
+
+async def enqueue_awards(database_url: str, job_ids: list[str]) -> None:
+    """One award of 1 point to account 1 per job id, enqueued in one transaction (through the
+    outbox when the database's queue is a broker)."""
+    async with await psycopg.AsyncConnection.connect(database_url) as tx:
+        for job_id in job_ids:
+            await app.enqueue(tx, "award_points", {"account_id": 1, "points": 1}, job_id=job_id)
+        await tx.commit()

@@ -24,8 +24,6 @@ from jobfence.outbox import OutboxRelay, OutboxRelaySettings, record_queue
 from jobfence.queues import parse_queue_url
 from support import scalar, wait_until
 
-AWARD = "award_points"
-
 
 @pytest.fixture(params=BROKERS)
 async def broker(request: pytest.FixtureRequest) -> AsyncIterator[tuple[str, str, str]]:
@@ -57,12 +55,11 @@ async def _delete_on_broker(kind: str, url: str, name: str) -> None:
         await connection.close()
 
 
-async def _enqueue(database_url: str, job_ids: list[str]) -> None:
-    app = pointsapp.build_app()
-    async with await psycopg.AsyncConnection.connect(database_url) as tx:
-        for job_id in job_ids:
-            await app.enqueue(tx, AWARD, {"account_id": 1, "points": 1}, job_id=job_id)
-        await tx.commit()
+async def _stop(relay: OutboxRelay, task: asyncio.Task[Any], conn: Any) -> None:
+    relay.stop()
+    await conn.execute("SELECT pg_notify('jobfence_outbox', '')")  # wakes it to see the stop
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(task, 30)
 
 
 @pytest.mark.parametrize("relay", ["in_the_worker", "beside_it"])
@@ -105,7 +102,7 @@ async def test_a_queue_deleted_on_the_broker_under_a_running_worker_and_relay_is
         return check
 
     try:
-        await _enqueue(database_url, [f"before-{n}" for n in range(3)])
+        await pointsapp.enqueue_awards(database_url, [f"before-{n}" for n in range(3)])
         await wait_until(await applied(3), timeout=20, message="the first jobs applied")
 
         caplog.clear()
@@ -113,7 +110,7 @@ async def test_a_queue_deleted_on_the_broker_under_a_running_worker_and_relay_is
             await _delete_on_broker(kind, url, name)
             loop = asyncio.get_running_loop()
             deleted_at = loop.time()
-            await _enqueue(database_url, [f"after-{n}" for n in range(3)])
+            await pointsapp.enqueue_awards(database_url, [f"after-{n}" for n in range(3)])
             await wait_until(await applied(6), timeout=30, message="the jobs enqueued after")
             took = loop.time() - deleted_at
         print(f"\n{kind}, relay {relay}: applied {took:.2f}s after the deletion")
@@ -122,10 +119,7 @@ async def test_a_queue_deleted_on_the_broker_under_a_running_worker_and_relay_is
         with contextlib.suppress(Exception):
             await asyncio.wait_for(running, 30)
         if beside is not None and relaying is not None and own is not None:
-            beside.stop()
-            await conn.execute("SELECT pg_notify('jobfence_outbox', '')")
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(relaying, 30)
+            await _stop(beside, relaying, conn)
             await own.close()
         await queue.close()
     assert await scalar(conn, "SELECT count(DISTINCT job_id) FROM public.awards") == 6
@@ -165,18 +159,15 @@ async def test_a_queue_deleted_on_the_broker_under_a_relay_alone_is_made_again_b
         return check
 
     try:
-        await _enqueue(database_url, [f"before-{n}" for n in range(3)])
+        await pointsapp.enqueue_awards(database_url, [f"before-{n}" for n in range(3)])
         await wait_until(await published(3), timeout=20, message="the first jobs published")
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="jobfence"):
             await _delete_on_broker(kind, url, name)
-            await _enqueue(database_url, [f"after-{n}" for n in range(3)])
+            await pointsapp.enqueue_awards(database_url, [f"after-{n}" for n in range(3)])
             await wait_until(await published(3), timeout=15, message="the jobs enqueued after")
     finally:
-        relay.stop()
-        await conn.execute("SELECT pg_notify('jobfence_outbox', '')")
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(relaying, 30)
+        await _stop(relay, relaying, conn)
         await queue.close()
     assert await scalar(conn, "SELECT count(*) FROM core.dead_letters") == 0
 
@@ -217,12 +208,12 @@ async def test_a_nats_consumer_deleted_under_a_running_worker_is_made_again(
 
     nc = await nats.connect(nats_url)
     try:
-        await _enqueue(database_url, [f"before-{n}" for n in range(3)])
+        await pointsapp.enqueue_awards(database_url, [f"before-{n}" for n in range(3)])
         await wait_until(await applied(3), timeout=20, message="the first jobs applied")
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="jobfence"):
             await nc.jetstream().delete_consumer(name.upper(), NatsQueue._durable(pointsapp.QUEUE))
-            await _enqueue(database_url, [f"after-{n}" for n in range(3)])
+            await pointsapp.enqueue_awards(database_url, [f"after-{n}" for n in range(3)])
             await wait_until(await applied(6), timeout=15, message="the jobs enqueued after")
     finally:
         worker.stop()

@@ -76,14 +76,6 @@ async def _external(conn: psycopg.AsyncConnection[Any], url: str) -> None:
     await record_queue(conn, target.kind, target.location)
 
 
-async def _enqueue(database_url: str, job_ids: list[str]) -> None:
-    app = pointsapp.build_app()
-    async with await psycopg.AsyncConnection.connect(database_url) as tx:
-        for job_id in job_ids:
-            await app.enqueue(tx, AWARD, {"account_id": 1, "points": 1}, job_id=job_id)
-        await tx.commit()
-
-
 async def _run(relay: OutboxRelay) -> asyncio.Task[Any]:
     task = asyncio.create_task(relay.run())
 
@@ -112,7 +104,7 @@ async def test_with_50ms_confirms_and_a_2s_idle_transaction_timeout_the_relay_em
     await _external(conn, url)
     dbname = conn.info.dbname
     await conn.execute(f'ALTER DATABASE "{dbname}" SET idle_in_transaction_session_timeout = 2000')
-    await _enqueue(database_url, [f"s-{n}" for n in range(300)])
+    await pointsapp.enqueue_awards(database_url, [f"s-{n}" for n in range(300)])
     async with proxied(url, reply_delay=0.05) as proxy:
         queue = make_queue(kind, through(proxy, url), name)
         relay = OutboxRelay(database_url, queue, settings=OutboxRelaySettings(poll_seconds=0.05))
@@ -197,7 +189,7 @@ async def test_a_broker_outage_under_a_trickle_of_commits_is_one_backoff_and_two
     async def trickle() -> None:
         nonlocal produced
         while not producing.is_set():
-            await _enqueue(database_url, [f"t-{produced}"])
+            await pointsapp.enqueue_awards(database_url, [f"t-{produced}"])
             produced += 1
             await asyncio.sleep(0.05)
 
