@@ -219,9 +219,20 @@ class Worker:
 
     def check(self) -> None:
         """Start-up checks: D3 fence TTLs; the retry overrides' rationales, the consumers that
-        commit jobs in groups and those with a sync handler, in the log; a warning when delayed
-        retries need a relay this worker does not run."""
+        commit jobs in groups and those with a sync handler, in the log; a warning when the
+        pool is smaller than the worker needs, and when delayed retries need a relay this
+        worker does not run."""
         self.app.check_fence_ttls()
+        max_size = getattr(self._pool, "max_size", None)
+        if isinstance(max_size, int) and max_size < self.concurrency + 2:
+            log.warning(
+                "the connection pool holds at most %d connections for concurrency %d: jobs"
+                " wait for a connection, and so do fetches, acks and lease extensions behind"
+                " them; size the pool concurrency + 2 (%d)",
+                max_size,
+                self.concurrency,
+                self.concurrency + 2,
+            )
         if not self.queue.capabilities.delayed_retry and self.outbox_relay is None:
             log.warning(
                 "this worker runs without the outbox relay (outbox_relay=False,"
