@@ -70,7 +70,7 @@ async def work(args: argparse.Namespace) -> None:
     else:
         queue = bs.jobfence_queue(bs.JOBFENCE_RABBITMQ, BROKER_URL, args.name)
     try:
-        worker = Worker(build_jobfence_app(tracker), pool, queue, poll_seconds=0.05)
+        worker = Worker(build_jobfence_app(tracker), pool, queue, concurrency=1, poll_seconds=0.05)
         await queue.size([QUEUE])
         started, cpu = time.monotonic(), time.process_time()
         await worker.run(until="idle" if args.queue == "pg" else "empty")
