@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -412,5 +413,63 @@ async def test_a_job_for_two_consumers_in_one_batch_is_confirmed_or_returned_eac
         assert job_ids(got) == ["warm-up", "j1", "j2", "j3"]
     finally:
         await queue.close()
+        await connection.close()
+        await delete_queues(amqp_url, prefix)
+
+
+async def test_a_consumer_the_broker_cancels_is_started_again_at_the_next_receive(
+    amqp_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The queue deleted on the server (an operator's cleanup) and made again by a producer
+    before the worker's next receive: RabbitMQ cancelled the worker's consumer
+    (``basic.cancel``). The adapter says so once and consumes the queue again at its next
+    receive, so what is published next is pushed to it, as before the deletion, instead of
+    being fetched one round trip per message for as long as the worker runs."""
+    prefix = f"jftest.{uuid.uuid4().hex[:12]}"
+    worker = RabbitMQQueue(amqp_url, prefix=prefix)
+    producer = RabbitMQQueue(amqp_url, prefix=prefix)
+    connection = await aio_pika.connect(amqp_url)
+    name = f"{prefix}.{QUEUE}"
+
+    async def consumers() -> int:
+        channel = await connection.channel()
+        declared = await channel.declare_queue(name, passive=True)
+        await channel.close()
+        count = declared.declaration_result.consumer_count
+        assert isinstance(count, int)
+        return count
+
+    async def publish(job_id: str) -> None:
+        async def published() -> bool:  # the first try after the deletion is returned
+            return await producer.publish_many([Outgoing(message(job_id))]) == [None]
+
+        await wait_until(published, timeout=10, message=f"{job_id} published")
+
+    try:
+        await publish("before")
+        await worker.ack_many(await _receive_until(worker, [QUEUE], 1))
+        assert await consumers() == 1
+        with caplog.at_level(logging.WARNING, logger="jobfence"):
+            channel = await connection.channel()
+            await channel.queue_delete(name)
+            await channel.close()
+
+            async def cancelled() -> bool:
+                return any("cancelled the consumer" in r.getMessage() for r in caplog.records)
+
+            await wait_until(cancelled, timeout=10, message="the consumer cancelled")
+            await publish("after")
+            got = await _receive_until(worker, [QUEUE], 1)
+        assert job_ids(got) == ["after"]
+        await worker.ack_many(got)
+        assert await consumers() == 1
+        cancels = [r.getMessage() for r in caplog.records if "cancelled the" in r.getMessage()]
+        assert cancels == [
+            f"RabbitMQ cancelled the consumer of queue {name} (the queue was deleted on the"
+            " server): it is declared and consumed again at the next receive",
+        ]
+    finally:
+        await worker.close()
+        await producer.close()
         await connection.close()
         await delete_queues(amqp_url, prefix)

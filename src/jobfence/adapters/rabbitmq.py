@@ -759,6 +759,9 @@ class RabbitMQQueue:
             # that the receive starting it hands out what was already there.
             declared = await raw.queue_declare(amqp_queue.name, passive=True)
             ready = min(declared.message_count or 0, self._prefetch or prefetch + _ACK_ROOM)
+            # Once per channel (a bound method is one set member): a consumer the broker
+            # cancels is started again (its queue declared again) by the next receive.
+            raw.on_consumer_cancel_callbacks.add(self._cancelled)
             ok = await raw.basic_consume(amqp_queue.name, arrived, no_ack=False)
             assert ok.consumer_tag is not None
             self._consumers[queue] = _Consumer(
@@ -769,6 +772,21 @@ class RabbitMQQueue:
                 unsettled=unsettled,
             )
             await self._first_pushes(buffer, ready)
+
+    def _cancelled(self, frame: spec.Basic.Cancel) -> None:
+        """The broker cancelled a consumer (``basic.cancel``: its queue was deleted on the
+        server): forget it, and the queue's declaration, so that the next receive declares the
+        queue and consumes it again. Its deliveries already buffered stay valid on the
+        channel."""
+        for queue, consumer in list(self._consumers.items()):
+            if consumer.tag == frame.consumer_tag:
+                del self._consumers[queue]
+                self._declared.pop(consumer.name, None)
+                log.warning(
+                    "RabbitMQ cancelled the consumer of queue %s (the queue was deleted on the"
+                    " server): it is declared and consumed again at the next receive",
+                    consumer.name,
+                )
 
     async def _first_pushes(self, buffer: deque[_Buffered], ready: int) -> None:
         """Wait (up to a second) until ``ready`` messages were pushed into ``buffer``: a quorum
