@@ -25,7 +25,8 @@ from jobfence import (
     Worker,
     replay_dead_letter,
 )
-from jobfence.harness import INTERNAL_FAILURE, UNFENCEABLE, Harness, Outcome
+from jobfence.harness import INTERNAL_FAILURE, Harness, Outcome
+from jobfence.limits import UNFENCEABLE
 from support import scalar
 
 INT_MAX = 2**31 - 1

@@ -24,7 +24,7 @@ import pointsapp
 from brokers import BROKERS, make_queue, on_broker
 from jobfence import Delivery, Message, PrometheusMetrics, QueuePort, Worker
 from jobfence.codec import PAYLOAD_MESSAGE, original_message
-from jobfence.harness import UNFENCEABLE
+from jobfence.limits import UNFENCEABLE
 from support import scalar
 
 BODY = b'{"account_id": 1, "points": 5}'

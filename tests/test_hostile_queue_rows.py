@@ -11,6 +11,7 @@ behind it never ran, and an outbox row with ``prior_attempts = 2147483647`` loop
 from __future__ import annotations
 
 import asyncio
+import json
 from importlib import resources
 from typing import Any
 
@@ -22,7 +23,9 @@ from psycopg_pool import AsyncConnectionPool
 import pointsapp
 from brokers import make_queue, on_broker
 from jobfence import PgQueue, PrometheusMetrics, Worker
+from jobfence.codec import original_message
 from jobfence.harness import DELIVERY_LIMIT
+from jobfence.limits import UNFENCEABLE, shown_value
 from jobfence.outbox import OutboxRelaySettings, record_queue
 from jobfence.queues import parse_queue_url
 from support import run_jobfence, scalar
@@ -221,3 +224,88 @@ async def test_a_row_a_producer_wrote_with_a_lease_token_runs_like_any_other(
     assert stats.outcomes == {"succeeded": 1}
     assert await scalar(conn, "SELECT points FROM public.accounts WHERE id = 1") == 5
     assert await scalar(conn, "SELECT count(*) FROM jobfence_queue.messages") == 0
+
+
+@pytest.fixture(params=["nats", "redis", "rabbitmq"])
+async def broker_target(request: pytest.FixtureRequest) -> Any:
+    async with on_broker(request, [pointsapp.QUEUE], prefix="jfhostile") as (kind, url, name):
+        queue = make_queue(kind, url, name)
+        yield url, queue
+        await queue.close()
+
+
+# Dot-separated tokens, as a NATS subject is made of, 5,007 characters: longer than a NATS
+# server's control line (4 KB) and RabbitMQ's queue names (255 bytes).
+LONG_QUEUE = "loyalty" + ".x" * 2500
+
+
+@pytest.mark.parametrize(
+    ("column", "value", "field"),
+    [
+        pytest.param("queue", LONG_QUEUE, "queue", id="queue-of-5007-characters"),
+        pytest.param("queue", "loyalty points", "queue", id="queue-with-a-space"),
+        pytest.param("consumer", "award\npoints", "consumer", id="consumer-with-a-newline"),
+        pytest.param("correlation_id", "c" * 3000, "correlation_id", id="correlation-id-of-3000"),
+    ],
+)
+async def test_an_outbox_row_no_worker_could_take_is_one_dead_letter_and_the_rest_run(  # noqa: PLR0917
+    broker_target: tuple[str, Any],
+    pool: AsyncConnectionPool[Any],
+    conn: psycopg.AsyncConnection[Any],
+    caplog: pytest.LogCaptureFixture,
+    column: str,
+    value: str,
+    field: str,
+) -> None:
+    """A row written straight into the outbox (by a role that may, or an application's own
+    INSERT) with a queue name, consumer name or id over jobfence's limits is never sent to the
+    broker: the relay makes it one dead letter of class UnfenceableMessage, with its values
+    shown as bounded stand-ins, and publishes the rows behind it."""
+    url, queue = broker_target
+    await conn.execute(pointsapp.SCHEMA_SQL)
+    target = parse_queue_url(url)
+    await record_queue(conn, target.kind, target.location)
+    row = {"queue": "loyalty", "consumer": "award_points", "correlation_id": None}
+    row[column] = value
+    await conn.execute(
+        "INSERT INTO jobfence.outbox (queue, consumer, job_id, body, correlation_id)"
+        " VALUES (%(queue)s, %(consumer)s, 'hostile', %(body)s, %(correlation_id)s)",
+        {**row, "body": BODY},
+    )
+    await _enqueue_five(conn)
+    metrics = PrometheusMetrics()
+    worker = Worker(
+        pointsapp.build_app(),
+        pool,
+        queue,
+        concurrency=2,
+        poll_seconds=0.05,
+        lease_seconds=30,
+        metrics=metrics,
+        outbox_settings=OutboxRelaySettings(poll_seconds=0.05),
+    )
+    await asyncio.wait_for(worker.run(until="empty"), 30)
+
+    assert metrics.count("succeeded") == 5
+    assert await scalar(conn, "SELECT points FROM public.accounts WHERE id = 1") == 5
+    assert await scalar(conn, "SELECT count(*) FROM jobfence.outbox") == 0
+    cur = await conn.execute(
+        "SELECT job_id, error_class, attempts, last_error, queue, consumer, correlation_id,"
+        " payload FROM core.dead_letters"
+    )
+    ((job_id, error_class, attempts, last_error, *stored, payload),) = await cur.fetchall()
+    assert (job_id, error_class, attempts) == ("hostile", UNFENCEABLE, 1)
+    assert last_error.startswith(
+        f"{UNFENCEABLE}: the message cannot be fenced or stored as it is: {field} "
+    ), last_error
+    assert "\n" not in last_error
+    for stored_value in stored:  # what is stored fits its indexes: the value, or its stand-in
+        assert stored_value is None or len(stored_value.encode()) <= 1024
+    kept = original_message(json.dumps(payload))  # the whole message, as it was written
+    assert getattr(kept, column) == value
+    assert (kept.job_id, kept.body) == ("hostile", BODY)
+    if shown_value(value) != value:  # a log line shows it only when short and printable
+        assert value not in caplog.text
+    # Never sent: nothing of it is on the broker, and no outage was taken for it.
+    assert (await queue.size([pointsapp.QUEUE])).total == 0
+    assert "went away" not in caplog.text

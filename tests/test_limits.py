@@ -39,8 +39,7 @@ from jobfence import (
 )
 from jobfence.adapters.pg_queue import publish_on
 from jobfence.codec import PAYLOAD_MESSAGE, encode_payload, original_message
-from jobfence.harness import UNFENCEABLE
-from jobfence.limits import bounded
+from jobfence.limits import UNFENCEABLE, bounded
 from support import run_jobfence, scalar
 from test_api_support import PREFIX, assert_problem, auth, running_api, wait_bulk_finished
 

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import secrets
 import shutil
 import socket
 import subprocess
@@ -30,6 +31,8 @@ import pointsapp
 from brokers import BROKERS, delete_everything, make_queue, on_broker, rabbitmq_max_message_size
 from jobfence import JobRefused, Message, Producer, QueuePort, Worker, replay_dead_letter
 from jobfence.adapters.nats import NatsQueue
+from jobfence.codec import original_message
+from jobfence.limits import UNFENCEABLE, bounded
 from jobfence.outbox import OutboxRelay, OutboxRelaySettings, record_queue, write
 from jobfence.queues import parse_queue_url
 from support import scalar, wait_until
@@ -353,6 +356,45 @@ async def _replayed_and_published(
     async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as c:
         await relay.run_round(c)
     assert relay.stats.published == 1 and relay.stats.dead_lettered == 0
+
+
+async def test_a_refused_message_whose_job_id_no_dead_letter_could_hold_does_not_stop_the_relay(
+    database_url: str, conn: psycopg.AsyncConnection[Any], tmp_path: Path
+) -> None:
+    """A row written straight into the outbox with a 3,000-character job id (over the limit of
+    1,024 bytes, and over what an index entry of core.dead_letters can hold) and a body over
+    NATS's max_payload. Such a row is one dead letter of class UnfenceableMessage, its job id a
+    bounded stand-in, and the rows beside it are published once each. Before, its dead letter
+    could not be inserted: the relay's round failed, and the same batch was published again
+    every round, forever."""
+    long_id = secrets.token_hex(1500)  # random: an index entry cannot compress it
+    with private_nats(tmp_path, max_payload=1024 * 1024) as small:
+        await _external(conn, small)
+        blob = json.dumps({"account_id": 1, "points": 1, "note": "x" * 1_500_000}).encode()
+        for job_id, body in (("small-1", b"{}"), (long_id, blob), ("small-2", b"{}")):
+            await conn.execute(
+                "INSERT INTO jobfence.outbox (queue, consumer, job_id, body)"
+                " VALUES (%s, %s, %s, %s)",
+                (pointsapp.QUEUE, AWARD, job_id, body),
+            )
+        queue = NatsQueue(small, stream="JFLONGID", subject_prefix="jflongid")
+        relay = OutboxRelay(database_url, queue, settings=OutboxRelaySettings(poll_seconds=0.05))
+        try:
+            async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as c:
+                await relay.run_round(c)
+                await relay.run_round(c)
+            assert (relay.stats.published, relay.stats.dead_lettered) == (2, 1)
+            assert relay.stats.outages == 0
+            assert (await queue.size([pointsapp.QUEUE])).total == 2
+        finally:
+            await queue.close()
+    assert await scalar(conn, "SELECT count(*) FROM jobfence.outbox") == 0
+    cur = await conn.execute("SELECT id, job_id, error_class, payload FROM core.dead_letters")
+    ((dead_letter_id, job_id, error_class, payload),) = await cur.fetchall()
+    assert (job_id, error_class) == (bounded(long_id), UNFENCEABLE)
+    kept = original_message(json.dumps(payload))
+    assert (kept.job_id, kept.body) == (long_id, blob)
+    assert await _alerts_of(conn, dead_letter_id) == 1
 
 
 async def _alerts_of(conn: psycopg.AsyncConnection[Any], dead_letter_id: int) -> int:

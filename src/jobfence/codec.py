@@ -5,12 +5,21 @@ from __future__ import annotations
 import base64
 import json
 import re
+from dataclasses import replace
 from typing import Any
 
 from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 
 from jobfence.errors import PoisonMessage
+from jobfence.limits import (
+    MAX_CORRELATION_ID_BYTES,
+    MAX_JOB_ID_BYTES,
+    MAX_NAME_CHARS,
+    MAX_TENANT_ID_BYTES,
+    storable,
+    storable_text,
+)
 from jobfence.model import Message
 from jobfence.redact import printable
 
@@ -115,6 +124,23 @@ def message_payload(message: Message, note: str) -> tuple[str, str]:
         "data": _b64(message.body),
     }
     return json.dumps(wrapper), PAYLOAD_MESSAGE
+
+
+def kept_whole(message: Message, note: str) -> tuple[Message, str, str]:
+    """A dead letter that keeps ``message`` whole: its identifiers as a dead letter can store
+    them (each one that cannot be stored as it is replaced by its bounded stand-in,
+    :func:`jobfence.limits.bounded`), and the ``(jsonb text, payload_encoding)`` of
+    :func:`message_payload`, ``note`` saying why."""
+    payload, encoding = message_payload(message, storable_text(note))
+    ids = replace(
+        message,
+        job_id=storable(message.job_id, MAX_JOB_ID_BYTES, required=True) or "",
+        queue=storable(message.queue, MAX_NAME_CHARS, required=True) or "",
+        consumer=storable(message.consumer, MAX_NAME_CHARS, required=True) or "",
+        tenant_id=storable(message.tenant_id, MAX_TENANT_ID_BYTES),
+        correlation_id=storable(message.correlation_id, MAX_CORRELATION_ID_BYTES),
+    )
+    return ids, payload, encoding
 
 
 def original_message(payload_text: str) -> Message:

@@ -31,7 +31,7 @@ import random
 import time
 import traceback
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import psycopg
@@ -48,22 +48,18 @@ from jobfence.app import App, Consumer
 from jobfence.codec import (
     decode_body,
     describe_validation_error,
-    message_payload,
+    kept_whole,
     stored_payload,
 )
 from jobfence.errors import HardFailure, PoisonMessage, QueueUnavailable
 from jobfence.guard import after_handler, guarded
 from jobfence.limits import (
     MAX_ATTEMPT,
-    MAX_CORRELATION_ID_BYTES,
-    MAX_JOB_ID_BYTES,
-    MAX_NAME_CHARS,
-    MAX_TENANT_ID_BYTES,
-    identifiers_problem,
+    UNFENCEABLE,
     recordable_attempt,
     shown_value,
-    storable,
     storable_text,
+    unfenceable_reason,
 )
 from jobfence.model import Delivery, JobMeta
 from jobfence.pgtx import NextBeginFailed, Tx
@@ -80,8 +76,6 @@ MAX_TRACEBACK_FRAMES = 15
 # Serialization failures and deadlocks are retried at once, without counting an attempt (D7).
 CONFLICT_RETRIES = 3
 UNKNOWN_CONSUMER_LABEL = "<unknown>"
-# A delivery whose identifiers break a limit (jobfence.limits): dead-lettered at once, whole.
-UNFENCEABLE = "UnfenceableMessage"
 # A job whose handling fails inside jobfence (not in its handler: the dead letter or the retry
 # cannot be written, say) stays leased and comes back when its lease runs out. The delivery
 # that fails so with this attempt number or a later one is dead-lettered by a fallback that
@@ -582,18 +576,15 @@ class Harness:
                 " gave a delivery count it cannot have)",
                 error_class=UNFENCEABLE,
             )
-        found = identifiers_problem(
+        unfenceable = unfenceable_reason(
             queue=message.queue,
             consumer=message.consumer,
             job_id=message.job_id,
             tenant_id=message.tenant_id,
             correlation_id=message.correlation_id,
         )
-        if found is not None:
-            return PoisonMessage(
-                f"the message cannot be fenced or stored as it is: {found[1]}",
-                error_class=UNFENCEABLE,
-            )
+        if unfenceable is not None:
+            return PoisonMessage(unfenceable, error_class=UNFENCEABLE)
         consumer = self._app.get(message.consumer)
         if consumer is None:
             return PoisonMessage(
@@ -1009,15 +1000,7 @@ class Harness:
             payload_text, encoding = stored_payload(message.body)
             ids = message
         else:
-            payload_text, encoding = message_payload(message, storable_text(whole_message))
-            ids = replace(
-                message,
-                job_id=storable(message.job_id, MAX_JOB_ID_BYTES, required=True) or "",
-                queue=storable(message.queue, MAX_NAME_CHARS, required=True) or "",
-                consumer=storable(message.consumer, MAX_NAME_CHARS, required=True) or "",
-                tenant_id=storable(message.tenant_id, MAX_TENANT_ID_BYTES),
-                correlation_id=storable(message.correlation_id, MAX_CORRELATION_ID_BYTES),
-            )
+            ids, payload_text, encoding = kept_whole(message, whole_message)
         params = {
             "job_id": ids.job_id,
             "queue": ids.queue,

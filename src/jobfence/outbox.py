@@ -42,9 +42,16 @@ from jobfence import tracing
 from jobfence._sql import Queries
 from jobfence.adapters._shared import check_prior_attempts
 from jobfence.alerts.outbox import record_dead_letter_alerts
-from jobfence.codec import stored_payload
+from jobfence.codec import kept_whole, stored_payload
 from jobfence.errors import ConfigError, PublishRefused, QueueUnavailable
-from jobfence.limits import MAX_PRIOR_ATTEMPTS, checked_delay, shown_value, storable_text
+from jobfence.limits import (
+    MAX_PRIOR_ATTEMPTS,
+    UNFENCEABLE,
+    checked_delay,
+    shown_value,
+    storable_text,
+    unfenceable_reason,
+)
 from jobfence.model import Message, Outgoing
 from jobfence.ports import Clock, QueuePort
 from jobfence.redact import redact_text
@@ -299,6 +306,29 @@ def _id_array(ids: list[int]) -> str:
     """``ids`` as a PostgreSQL array literal, which the statements cast to ``bigint[]``:
     cheaper than adapting a list of ints element by element."""
     return "{" + ",".join(map(str, ids)) + "}"
+
+
+class _Unfenceable(Exception):
+    """A claimed row whose identifiers break jobfence's limits (written straight into the
+    outbox, past the producers' checks): no worker could take it, and a broker may not even
+    carry it (a subject over NATS's control line closes the connection), so it is never
+    published; it becomes an ``UnfenceableMessage`` dead letter, kept whole, as a worker would
+    make it."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _unfenceable(message: Message) -> _Unfenceable | None:
+    reason = unfenceable_reason(
+        queue=message.queue,
+        consumer=message.consumer,
+        job_id=message.job_id,
+        tenant_id=message.tenant_id,
+        correlation_id=message.correlation_id,
+    )
+    return None if reason is None else _Unfenceable(reason)
 
 
 def _outgoing(row: dict[str, Any]) -> Outgoing:
@@ -559,6 +589,19 @@ class OutboxRelay:
 
     async def _publish_many(self, rows: list[dict[str, Any]]) -> list[Exception | None]:
         outgoing = [_outgoing(row) for row in rows]
+        refused = [_unfenceable(item.message) for item in outgoing]
+        if any(refused):  # published: the others; the refused rows are dead-lettered
+            sendable = [n for n, refusal in enumerate(refused) if refusal is None]
+            results: list[Exception | None] = list(refused)
+            sent = await self._publish_outgoing([outgoing[n] for n in sendable])
+            for n, result in zip(sendable, sent, strict=True):
+                results[n] = result
+            return results
+        return await self._publish_outgoing(outgoing)
+
+    async def _publish_outgoing(self, outgoing: list[Outgoing]) -> list[Exception | None]:
+        if not outgoing:
+            return []
         # One send span per message, child of its create span; the message carries it.
         sends = tracing.start_sends([o.message for o in outgoing])
         if sends is not None:
@@ -568,7 +611,7 @@ class OutboxRelay:
         try:
             results: list[Exception | None] = await self._queue.publish_many(outgoing)
         except Exception as exc:  # an adapter that raised instead of reporting per message
-            results = [exc] * len(rows)
+            results = [exc] * len(outgoing)
         if sends is not None:
             sends.end(results)
         return results
@@ -592,7 +635,7 @@ class OutboxRelay:
             elif isinstance(result, QueueUnavailable):
                 away.append(row["id"])
                 away_error = away_error or result
-            elif isinstance(result, PublishRefused):
+            elif isinstance(result, PublishRefused | _Unfenceable):
                 refused.append((row, result))
             else:
                 failed.append((row, result))
@@ -641,6 +684,13 @@ class OutboxRelay:
                     {"ids": _id_array(away), "error": _error_text(away_error)},
                 )
             for row, refusal in refused:
+                if isinstance(refusal, _Unfenceable):
+                    text = f"{UNFENCEABLE}: {refusal.reason}"
+                    dl = await self._dead_letter(
+                        conn, row, UNFENCEABLE, text, whole_message=refusal.reason
+                    )
+                    dead_letters.append((row, UNFENCEABLE, text, dl))
+                    continue
                 text = _error_text(refusal)
                 dl = await self._dead_letter(conn, row, PUBLISH_REFUSED, text)
                 dead_letters.append((row, PUBLISH_REFUSED, text, dl))
@@ -660,7 +710,7 @@ class OutboxRelay:
                     "outbox relay: publishing job %s to queue %s failed (%s); it stays in the"
                     " outbox and is tried again in %.1fs (failure %d of %d)",
                     shown_value(row["job_id"]),
-                    row["queue"],
+                    shown_value(row["queue"]),
                     text,
                     delay,
                     failures,
@@ -670,7 +720,7 @@ class OutboxRelay:
             log.warning(
                 "outbox relay: job %s for queue %s is a dead letter of class %s (%s)%s",
                 shown_value(row["job_id"]),
-                row["queue"],
+                shown_value(row["queue"]),
                 error_class,
                 text,
                 f", id {dl}" if dl is not None else ", beside the one already pending review",
@@ -678,13 +728,32 @@ class OutboxRelay:
         return len(dead_letters)
 
     async def _dead_letter(
-        self, conn: AsyncConnection[Any], row: dict[str, Any], error_class: str, text: str
+        self,
+        conn: AsyncConnection[Any],
+        row: dict[str, Any],
+        error_class: str,
+        text: str,
+        *,
+        whole_message: str | None = None,
     ) -> int | None:
-        payload, encoding = stored_payload(bytes(row["body"]))
+        """The row leaves the outbox for a dead letter; ``whole_message`` (a note saying why)
+        keeps the whole message, with bounded stand-ins for the identifiers (as a worker keeps
+        an unfenceable delivery)."""
+        message = _outgoing(row).message
+        if whole_message is None:
+            ids = message
+            payload, encoding = stored_payload(message.body)
+        else:
+            ids, payload, encoding = kept_whole(message, whole_message)
         cur = await conn.execute(
             SQL["outbox_dead_letter"],
             {
                 "id": row["id"],
+                "job_id": ids.job_id,
+                "queue": ids.queue,
+                "consumer": ids.consumer,
+                "tenant_id": ids.tenant_id,
+                "correlation_id": ids.correlation_id,
                 "payload": payload,
                 "payload_encoding": encoding,
                 "last_error": storable_text(text),

@@ -109,19 +109,20 @@ SET attempts = least(greatest(attempts, 0), 2147483646) + 1, last_error = %(erro
 WHERE id = %(id)s;
 
 -- name: outbox_dead_letter
--- A message the broker refuses for good (or that failed too often): its row leaves the outbox
--- for a dead letter of its own error class, in one statement; the caller records the alert
--- with the id returned (none when the job already has a dead letter pending review, D5).
+-- A message the broker refuses for good (or that failed too often, or whose identifiers no
+-- worker could take): its row leaves the outbox for a dead letter of its own error class, in
+-- one statement; the caller records the alert with the id returned (none when the job already
+-- has a dead letter pending review, D5). The identifiers are the caller's: the row's, or their
+-- bounded stand-ins when the row's cannot be stored as they are (the payload keeps them whole).
 WITH gone AS (
-    DELETE FROM jobfence.outbox WHERE id = %(id)s
-    RETURNING queue, consumer, job_id, tenant_id, correlation_id, prior_attempts
+    DELETE FROM jobfence.outbox WHERE id = %(id)s RETURNING prior_attempts
 )
 INSERT INTO core.dead_letters (
     job_id, queue, consumer, tenant_id, payload, payload_encoding, attempts,
     last_error, error_class, correlation_id
 )
-SELECT g.job_id, g.queue, g.consumer, g.tenant_id, %(payload)s, %(payload_encoding)s,
-       greatest(g.prior_attempts, 1), %(last_error)s, %(error_class)s, g.correlation_id
+SELECT %(job_id)s, %(queue)s, %(consumer)s, %(tenant_id)s, %(payload)s, %(payload_encoding)s,
+       greatest(g.prior_attempts, 1), %(last_error)s, %(error_class)s, %(correlation_id)s
 FROM gone g
 ON CONFLICT (job_id, consumer) WHERE status = 'pending_review' DO NOTHING
 RETURNING id;
