@@ -447,3 +447,43 @@ async def test_a_secret_quoted_in_a_dead_letters_error_is_masked_in_the_incident
     [post] = server.posts()
     assert secret not in post.body.decode()
     assert "upstream refused key ***" in post.json()["description"]
+
+
+async def test_a_forged_job_id_or_error_cannot_start_a_line_of_its_own_in_the_incident(
+    database_url: str, conn: AsyncConnection[Any], server: FakeBetterStack
+) -> None:
+    """A job id may hold any character but NUL (a newline is a valid id), and an error message
+    is the handler's: in the incident, each is escaped on its one line, as in the logs, so that
+    neither can add a line that reads as jobfence's own, nor colour a terminal."""
+    forged = "- #1 job all-clear, 1 attempt: resolved, nothing to do"
+    async with conn.transaction():
+        cur = await conn.execute(
+            CORE_SQL["dead_letter_insert"],
+            {
+                "job_id": f"inj\n{forged}",
+                "queue": QUEUE,
+                "consumer": CONSUMER,
+                "tenant_id": None,
+                "payload": "{}",
+                "payload_encoding": "json",
+                "attempts": 1,
+                "last_error": f"{HARD}: declined \x1b[31mred\x1b[0m\rreset",
+                "error_class": HARD,
+                "correlation_id": None,
+                "traceparent": None,
+            },
+        )
+        row = await cur.fetchone()
+        assert row is not None
+        await record_dead_letter_alerts(conn, [row[0]])
+    sink = sink_for(server)
+    relay = make_relay(database_url, server, sink=sink)
+    async with running(relay):
+        await wait_for_alerts(conn, "sent", 1)
+    await sink.aclose()
+    [post] = server.posts()
+    description = post.json()["description"]
+    assert not [line for line in description.splitlines() if line.startswith(forged)]
+    assert f"job inj\\n{forged}" in description
+    assert "declined \\x1b[31mred\\x1b[0m\\rreset" in description
+    assert "\x1b" not in post.body.decode() and "\r" not in description

@@ -66,6 +66,7 @@ from jobfence.alerts.outbox import SQL, alert_counts
 from jobfence.config import secrets_from_env
 from jobfence.errors import ConfigError
 from jobfence.ports import AlertMetricsSink, Clock
+from jobfence.redact import printable
 from jobfence.schema import ensure_migrated
 
 if TYPE_CHECKING:
@@ -927,14 +928,16 @@ class AlertRelay:
             if row["scope"] == "storm":
                 content = await self._storm_update(conn, str(row["incident_id"]), total, new)
             else:
-                where = f"consumer {row['consumer']} ({row['error_class']})"
+                consumer = printable(row["consumer"])
+                where = f"consumer {consumer} ({printable(row['error_class'])})"
                 if row["scope"] == "unknown_consumers":
                     where = "consumers that are not registered"
                 elif row["scope"] == "other_error_classes":
-                    where = f"consumer {row['consumer']} (other error classes)"
+                    where = f"consumer {consumer} (other error classes)"
                 content = (
                     f"jobfence: {_plural(total, 'dead letter')} so far on queue "
-                    f"{row['queue']}, {where}, {new} since the last count. This incident stays "
+                    f"{printable(row['queue'])}, {where}, {new} since the last count. This"
+                    " incident stays "
                     "open until every one is replayed or discarded (runbook: "
                     "dead-letter-replay); it is then resolved automatically."
                 )
@@ -967,7 +970,8 @@ class AlertRelay:
             f"{new} since the last count. Largest keys:"
         ]
         lines += [
-            f"- queue {queue}, consumer {consumer}, error class {error_class}: "
+            f"- queue {printable(queue)}, consumer {printable(consumer)}, error class"
+            f" {printable(error_class)}: "
             f"{_plural(int(count), 'dead letter')} in {_plural(int(alerts), 'group')}"
             for queue, consumer, error_class, _scope, count, alerts in rows
         ]
@@ -1132,6 +1136,10 @@ class AlertRelay:
             await cur.execute(SQL["alert_group_context"], {"group_id": group_id})
             row = await cur.fetchone()
         assert row is not None, f"alert group {group_id} vanished"
+        # Shown in incidents: a name stored from a message jobfence could not fence may hold
+        # any character; escaped, as in the logs (jobfence.redact.printable).
+        for key in ("queue", "consumer", "error_class"):
+            row[key] = printable(row[key])
         return _Group(**row)
 
     async def _request(
@@ -1208,8 +1216,8 @@ class AlertRelay:
             "First of them:" if samples else "",
         ]
         lines += [
-            f"- #{dl_id} job {job_id}, {_plural(attempts, 'attempt')}: {self._mask(error)}"
-            + (f" (trace {trace_id})" if trace_id else "")
+            f"- #{dl_id} job {printable(job_id)}, {_plural(attempts, 'attempt')}:"
+            f" {printable(self._mask(error))}" + (f" (trace {trace_id})" if trace_id else "")
             for dl_id, job_id, attempts, error, trace_id in samples
         ]
         metadata = {
