@@ -26,7 +26,7 @@ from jobfence import PgQueue, PrometheusMetrics, Worker
 from jobfence.codec import original_message
 from jobfence.harness import DELIVERY_LIMIT
 from jobfence.limits import UNFENCEABLE, shown_value
-from jobfence.outbox import OutboxRelaySettings, record_queue
+from jobfence.outbox import OutboxRelay, OutboxRelaySettings, record_queue
 from jobfence.queues import parse_queue_url
 from support import run_jobfence, scalar
 
@@ -309,3 +309,28 @@ async def test_an_outbox_row_no_worker_could_take_is_one_dead_letter_and_the_res
     # Never sent: nothing of it is on the broker, and no outage was taken for it.
     assert (await queue.size([pointsapp.QUEUE])).total == 0
     assert "went away" not in caplog.text
+
+
+async def test_an_outbox_row_a_producer_wrote_with_a_claim_is_published_like_any_other(
+    redis_target: tuple[str, Any], database_url: str, conn: psycopg.AsyncConnection[Any]
+) -> None:
+    """``claimed_until`` is the relay's own column. A row written with a claim far ahead (an
+    INSERT of a role allowed to write every column) is published at the relay's next round, as
+    any due row: no relay makes a claim longer than its ``claim_seconds``. Before, it waited
+    until a relay next took over (which clears every claim), which could be days."""
+    url, queue = redis_target
+    target = parse_queue_url(url)
+    await record_queue(conn, target.kind, target.location)
+    await conn.execute(
+        "INSERT INTO jobfence.outbox (queue, consumer, job_id, body, claimed_until)"
+        " VALUES ('loyalty', 'award_points', 'claimed', %s, now() + interval '1 year')",
+        (BODY,),
+    )
+    relay = OutboxRelay(database_url, queue, settings=OutboxRelaySettings(poll_seconds=0.05))
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as c:
+        await relay.run_round(c)
+    assert relay.stats.published == 1
+    assert await scalar(conn, "SELECT count(*) FROM jobfence.outbox") == 0
+    [delivery] = await queue.receive([pointsapp.QUEUE], max_messages=5, lease_seconds=30)
+    assert delivery.message.job_id == "claimed"
+    await queue.ack(delivery)

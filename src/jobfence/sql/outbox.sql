@@ -61,10 +61,15 @@ RETURNING id;
 -- its claim ended (or at once, after outbox_release_claims). The rows are updated through the
 -- primary key (an array of the ids taken), so a claim costs the same whatever the outbox holds;
 -- a join with the ids taken could be planned as a scan of the whole table. The relay sorts them.
+-- A claim ending later than %(claim_seconds)s from now is not one a relay made (the active relay
+-- makes claims that long, and clears every claim when it takes over): a row written with it by
+-- hand is taken like any other.
 WITH clock AS (SELECT coalesce(%(now)s::timestamptz, now()) AS at),
 taken AS (
     SELECT o.id FROM jobfence.outbox o, clock c
-    WHERE o.due_at <= c.at AND (o.claimed_until IS NULL OR o.claimed_until <= c.at)
+    WHERE o.due_at <= c.at
+      AND (o.claimed_until IS NULL OR o.claimed_until <= c.at
+           OR o.claimed_until > c.at + make_interval(secs => %(claim_seconds)s::double precision))
     ORDER BY o.due_at, o.id
     LIMIT %(limit)s
     FOR UPDATE OF o SKIP LOCKED
