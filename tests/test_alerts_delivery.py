@@ -411,26 +411,20 @@ async def test_the_harness_records_the_alert_in_the_dead_letters_own_transaction
     assert counts.pending == 0  # no relay ran: the group is not even open yet
 
 
-async def test_a_secret_quoted_in_a_dead_letters_error_is_masked_in_the_incident(
-    database_url: str,
-    conn: AsyncConnection[Any],
-    server: FakeBetterStack,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    secret = "jwt-signing-secret-4f9a1c"
-    monkeypatch.setenv("JOBFENCE_JWT_SECRET", secret)
+async def _dead_letter_with_alert(conn: AsyncConnection[Any], job_id: str, last_error: str) -> None:
+    """A dead letter of ``job_id`` whose error is ``last_error``, and its alert, committed."""
     async with conn.transaction():
         cur = await conn.execute(
             CORE_SQL["dead_letter_insert"],
             {
-                "job_id": "leaky",
+                "job_id": job_id,
                 "queue": QUEUE,
                 "consumer": CONSUMER,
                 "tenant_id": None,
                 "payload": "{}",
                 "payload_encoding": "json",
                 "attempts": 1,
-                "last_error": f"{HARD}: upstream refused key {secret}",
+                "last_error": last_error,
                 "error_class": HARD,
                 "correlation_id": None,
                 "traceparent": None,
@@ -439,6 +433,17 @@ async def test_a_secret_quoted_in_a_dead_letters_error_is_masked_in_the_incident
         row = await cur.fetchone()
         assert row is not None
         await record_dead_letter_alerts(conn, [row[0]])
+
+
+async def test_a_secret_quoted_in_a_dead_letters_error_is_masked_in_the_incident(
+    database_url: str,
+    conn: AsyncConnection[Any],
+    server: FakeBetterStack,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    secret = "jwt-signing-secret-4f9a1c"
+    monkeypatch.setenv("JOBFENCE_JWT_SECRET", secret)
+    await _dead_letter_with_alert(conn, "leaky", f"{HARD}: upstream refused key {secret}")
     sink = sink_for(server)
     relay = make_relay(database_url, server, sink=sink)
     async with running(relay):
@@ -456,26 +461,9 @@ async def test_a_forged_job_id_or_error_cannot_start_a_line_of_its_own_in_the_in
     is the handler's: in the incident, each is escaped on its one line, as in the logs, so that
     neither can add a line that reads as jobfence's own, nor colour a terminal."""
     forged = "- #1 job all-clear, 1 attempt: resolved, nothing to do"
-    async with conn.transaction():
-        cur = await conn.execute(
-            CORE_SQL["dead_letter_insert"],
-            {
-                "job_id": f"inj\n{forged}",
-                "queue": QUEUE,
-                "consumer": CONSUMER,
-                "tenant_id": None,
-                "payload": "{}",
-                "payload_encoding": "json",
-                "attempts": 1,
-                "last_error": f"{HARD}: declined \x1b[31mred\x1b[0m\rreset",
-                "error_class": HARD,
-                "correlation_id": None,
-                "traceparent": None,
-            },
-        )
-        row = await cur.fetchone()
-        assert row is not None
-        await record_dead_letter_alerts(conn, [row[0]])
+    await _dead_letter_with_alert(
+        conn, f"inj\n{forged}", f"{HARD}: declined \x1b[31mred\x1b[0m\rreset"
+    )
     sink = sink_for(server)
     relay = make_relay(database_url, server, sink=sink)
     async with running(relay):

@@ -49,6 +49,27 @@ async def _enqueue_five(conn: psycopg.AsyncConnection[Any]) -> None:
         await app.enqueue(conn, "award_points", {"account_id": 1, "points": 1}, job_id=f"ok-{n}")
 
 
+async def _five_applied_on_a_broker(
+    pool: AsyncConnectionPool[Any], queue: Any, conn: psycopg.AsyncConnection[Any]
+) -> None:
+    """A worker with its outbox relay runs until the outbox and the queue are empty: the five
+    jobs of :func:`_enqueue_five` are applied once each."""
+    metrics = PrometheusMetrics()
+    worker = Worker(
+        pointsapp.build_app(),
+        pool,
+        queue,
+        concurrency=2,
+        poll_seconds=0.05,
+        lease_seconds=30,
+        metrics=metrics,
+        outbox_settings=OutboxRelaySettings(poll_seconds=0.05),
+    )
+    await asyncio.wait_for(worker.run(until="empty"), 60)
+    assert metrics.count("succeeded") == 5
+    assert await scalar(conn, "SELECT points FROM public.accounts WHERE id = 1") == 5
+
+
 async def _dead_letters(conn: psycopg.AsyncConnection[Any]) -> list[tuple[Any, ...]]:
     cur = await conn.execute(
         "SELECT job_id, error_class, attempts, status FROM core.dead_letters ORDER BY id"
@@ -143,21 +164,7 @@ async def test_an_outbox_row_with_prior_attempts_at_the_top_is_one_dead_letter_a
     await conn.execute(INSERT_OUTBOX_ROW, ("huge-prior", BODY, 0, "now", INT_MAX))
     await _enqueue_five(conn)
     assert await scalar(conn, "SELECT count(*) FROM jobfence.outbox") == 6
-    metrics = PrometheusMetrics()
-    worker = Worker(
-        pointsapp.build_app(),
-        pool,
-        queue,
-        concurrency=2,
-        poll_seconds=0.05,
-        lease_seconds=30,
-        metrics=metrics,
-        outbox_settings=OutboxRelaySettings(poll_seconds=0.05),
-    )
-    await asyncio.wait_for(worker.run(until="empty"), 60)
-
-    assert metrics.count("succeeded") == 5
-    assert await scalar(conn, "SELECT points FROM public.accounts WHERE id = 1") == 5
+    await _five_applied_on_a_broker(pool, queue, conn)
     assert await _dead_letters(conn) == [("huge-prior", DELIVERY_LIMIT, INT_MAX, "pending_review")]
     assert await scalar(conn, "SELECT count(*) FROM jobfence.outbox") == 0
     assert (await queue.size([pointsapp.QUEUE])).total == 0
@@ -273,21 +280,7 @@ async def test_an_outbox_row_no_worker_could_take_is_one_dead_letter_and_the_res
         {**row, "body": BODY},
     )
     await _enqueue_five(conn)
-    metrics = PrometheusMetrics()
-    worker = Worker(
-        pointsapp.build_app(),
-        pool,
-        queue,
-        concurrency=2,
-        poll_seconds=0.05,
-        lease_seconds=30,
-        metrics=metrics,
-        outbox_settings=OutboxRelaySettings(poll_seconds=0.05),
-    )
-    await asyncio.wait_for(worker.run(until="empty"), 30)
-
-    assert metrics.count("succeeded") == 5
-    assert await scalar(conn, "SELECT points FROM public.accounts WHERE id = 1") == 5
+    await _five_applied_on_a_broker(pool, queue, conn)
     assert await scalar(conn, "SELECT count(*) FROM jobfence.outbox") == 0
     cur = await conn.execute(
         "SELECT job_id, error_class, attempts, last_error, queue, consumer, correlation_id,"

@@ -17,6 +17,7 @@ from jobfence.limits import (
     MAX_JOB_ID_BYTES,
     MAX_NAME_CHARS,
     MAX_TENANT_ID_BYTES,
+    identifiers_problem,
     storable,
     storable_text,
 )
@@ -124,6 +125,19 @@ def message_payload(message: Message, note: str) -> tuple[str, str]:
         "data": _b64(message.body),
     }
     return json.dumps(wrapper), PAYLOAD_MESSAGE
+
+
+def unfenceable(message: Message) -> str | None:
+    """Why ``message`` can never be fenced or stored, its identifiers breaking a limit (the
+    reason of an ``UnfenceableMessage`` dead letter); None when it can."""
+    found = identifiers_problem(
+        queue=message.queue,
+        consumer=message.consumer,
+        job_id=message.job_id,
+        tenant_id=message.tenant_id,
+        correlation_id=message.correlation_id,
+    )
+    return None if found is None else f"the message cannot be fenced or stored as it is: {found[1]}"
 
 
 def kept_whole(message: Message, note: str) -> tuple[Message, str, str]:

@@ -50,6 +50,7 @@ from jobfence.codec import (
     describe_validation_error,
     kept_whole,
     stored_payload,
+    unfenceable,
 )
 from jobfence.errors import HardFailure, PoisonMessage, QueueUnavailable
 from jobfence.guard import after_handler, guarded
@@ -59,7 +60,6 @@ from jobfence.limits import (
     recordable_attempt,
     shown_value,
     storable_text,
-    unfenceable_reason,
 )
 from jobfence.model import Delivery, JobMeta
 from jobfence.pgtx import NextBeginFailed, Tx
@@ -576,15 +576,9 @@ class Harness:
                 " gave a delivery count it cannot have)",
                 error_class=UNFENCEABLE,
             )
-        unfenceable = unfenceable_reason(
-            queue=message.queue,
-            consumer=message.consumer,
-            job_id=message.job_id,
-            tenant_id=message.tenant_id,
-            correlation_id=message.correlation_id,
-        )
-        if unfenceable is not None:
-            return PoisonMessage(unfenceable, error_class=UNFENCEABLE)
+        reason = unfenceable(message)
+        if reason is not None:
+            return PoisonMessage(reason, error_class=UNFENCEABLE)
         consumer = self._app.get(message.consumer)
         if consumer is None:
             return PoisonMessage(

@@ -101,29 +101,9 @@ def identifiers_problem(
     return None
 
 
-# A job whose identifiers break a limit: dead-lettered at once, kept whole
-# (jobfence.codec.kept_whole), never replayed as it is.
+# A job whose identifiers break a limit (jobfence.codec.unfenceable): dead-lettered at once,
+# kept whole (jobfence.codec.kept_whole), never replayed as it is.
 UNFENCEABLE = "UnfenceableMessage"
-
-
-def unfenceable_reason(
-    *,
-    queue: object,
-    consumer: object,
-    job_id: object,
-    tenant_id: object,
-    correlation_id: object,
-) -> str | None:
-    """Why a job with these identifiers can never be fenced or stored (the reason of an
-    ``UnfenceableMessage`` dead letter); None when it can."""
-    found = identifiers_problem(
-        queue=queue,
-        consumer=consumer,
-        job_id=job_id,
-        tenant_id=tenant_id,
-        correlation_id=correlation_id,
-    )
-    return None if found is None else f"the message cannot be fenced or stored as it is: {found[1]}"
 
 
 def bounded(value: str) -> str:

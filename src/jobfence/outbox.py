@@ -42,7 +42,7 @@ from jobfence import tracing
 from jobfence._sql import Queries
 from jobfence.adapters._shared import check_prior_attempts
 from jobfence.alerts.outbox import record_dead_letter_alerts
-from jobfence.codec import kept_whole, stored_payload
+from jobfence.codec import kept_whole, stored_payload, unfenceable
 from jobfence.errors import ConfigError, PublishRefused, QueueUnavailable
 from jobfence.limits import (
     MAX_PRIOR_ATTEMPTS,
@@ -50,7 +50,6 @@ from jobfence.limits import (
     checked_delay,
     shown_value,
     storable_text,
-    unfenceable_reason,
 )
 from jobfence.model import Message, Outgoing
 from jobfence.ports import Clock, QueuePort
@@ -321,13 +320,7 @@ class _Unfenceable(Exception):
 
 
 def _unfenceable(message: Message) -> _Unfenceable | None:
-    reason = unfenceable_reason(
-        queue=message.queue,
-        consumer=message.consumer,
-        job_id=message.job_id,
-        tenant_id=message.tenant_id,
-        correlation_id=message.correlation_id,
-    )
+    reason = unfenceable(message)
     return None if reason is None else _Unfenceable(reason)
 
 
