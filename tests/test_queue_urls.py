@@ -28,7 +28,7 @@ from jobfence.errors import ConfigError
 from jobfence.outbox import queue_setting
 from jobfence.queues import BrokerSettings, open_queue, parse_queue_url
 from nats_servers import free_port
-from support import wait_until
+from support import run_jobfence, wait_until
 
 PASSWORD = "pa55-w0rd"
 TESTS_DIR = Path(__file__).parent
@@ -136,6 +136,32 @@ def test_a_bad_url_parameter_or_server_is_refused_naming_it(url: str, says: str)
         parse_queue_url(url)
     assert says in str(refused.value)
     assert str(refused.value).startswith("JOBFENCE_QUEUE_URL: ")
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        # a seed list whose second server has another scheme, or lost its scheme
+        f"nats://a:pw1@h1:4222,redis://b:{PASSWORD}@h2:4222",
+        f"nats://a:pw1@h1:4222,b:{PASSWORD}@h2:4222",
+        # a password written with / unescaped: urllib reads its first part as the port
+        f"redis://u:{PASSWORD}/x@redis.internal:6379/0",
+    ],
+    ids=["seed-list-other-scheme", "seed-list-no-scheme", "slash-in-password"],
+)
+def test_a_refused_queue_url_quotes_no_password_in_its_reason(url: str, database_url: str) -> None:
+    """The refusal's reason may quote a piece of the URL (a server of the list, urllib's own
+    error): the password is hidden there too, and from the command that takes the URL of the
+    broker a move leaves (``--from-queue-url``, not an environment variable)."""
+    with pytest.raises(ConfigError) as refused:
+        parse_queue_url(url)
+    assert PASSWORD not in str(refused.value), refused.value
+    done = run_jobfence(
+        database_url, "migrate", "--queue-url", "postgresql", "--from-queue-url", url
+    )
+    assert done.returncode == 2, done
+    assert done.stderr.startswith("jobfence: error: "), done.stderr
+    assert PASSWORD not in done.stdout + done.stderr, done.stderr
 
 
 @pytest.mark.parametrize(

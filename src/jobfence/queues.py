@@ -297,7 +297,8 @@ def parse_queue_url(url: str | None) -> QueueTarget:
         )
 
     def refuse(why: str) -> ConfigError:
-        return ConfigError(f"{ENV_QUEUE_URL}: {redact_url(text)!r}: {why}")
+        # The reason may quote a piece of the URL (a server of a list, urllib's own error).
+        return ConfigError(f"{ENV_QUEUE_URL}: {redact_url(text)!r}: {redact_url(text, why)}")
 
     servers_text, _, query = text.partition("?")
     if "://" in query:
