@@ -147,28 +147,52 @@ async def test_json_logs_carry_the_forged_values_escaped_in_the_message_and_the_
     assert dead[0]["correlation_id"].startswith("c\\n2026-12-01")
 
 
+INT_PARSING = "Input should be a valid integer, unable to parse string as an integer"
+
+
+@pytest.mark.parametrize(
+    ("consumer", "body", "says"),
+    [
+        (
+            "charge",
+            {"n": CARD},
+            f"payload does not match Card: 1 validation error: n: {INT_PARSING} [int_parsing]",
+        ),
+        (  # the card number is a key of a mapping: pydantic's location holds it
+            "tally",
+            {"points": {CARD: 5}},
+            "payload does not match Tally: 1 validation error: points.<key>.[key]:"
+            f" {INT_PARSING} [int_parsing]",
+        ),
+        (  # an unknown key under extra="forbid": the location is the key itself
+            "strict",
+            {"amount": 1, CARD: 2},
+            "payload does not match Strict: 1 validation error: <key>: Extra inputs are not"
+            " permitted [extra_forbidden]",
+        ),
+    ],
+    ids=["value", "mapping-key", "unknown-key"],
+)
 async def test_a_schema_invalid_payload_value_is_in_no_log_no_last_error_and_no_alert(
-    database_url: str, conn: psycopg.AsyncConnection[Any]
+    database_url: str,
+    conn: psycopg.AsyncConnection[Any],
+    consumer: str,
+    body: dict[str, Any],
+    says: str,
 ) -> None:
-    await conn.execute(
-        ENQUEUE, ("charge", hostile.QUEUE, "card-1", json.dumps({"n": CARD}), None, None)
-    )
+    await conn.execute(ENQUEUE, (consumer, hostile.QUEUE, "card-1", json.dumps(body), None, None))
 
     done = run_worker(database_url, JOBFENCE_LOG_FORMAT="text")
 
     assert CARD not in done.stderr + done.stdout
     [poison] = [line for line in done.stderr.splitlines() if "is poison" in line]
-    says = (
-        "payload does not match Card: 1 validation error: n: Input should be a valid integer,"
-        " unable to parse string as an integer [int_parsing]"
-    )
-    assert poison.endswith(f"is poison, dead-lettered without retry: {says}")
+    assert poison.endswith(f"is poison, dead-lettered without retry: {says}"), poison
     cur = await conn.execute("SELECT last_error, payload, error_class FROM core.dead_letters")
     [(last_error, payload, error_class)] = await cur.fetchall()
     assert error_class == "SchemaInvalid"
     assert CARD not in last_error
     assert last_error == f"SchemaInvalid: {says}"  # names the field and the error
-    assert payload == {"n": CARD}  # the operator still has the value
+    assert payload == body  # the operator still has the value
 
     server = FakeBetterStack("bst-test-token-7f3a").start()
     try:
@@ -212,6 +236,38 @@ def test_a_validation_error_is_told_by_field_and_error_without_the_input(
     text = describe_validation_error(caught.value)
     assert says in text
     assert CARD not in text and "\n" not in text
+
+
+class Ledger(BaseModel):
+    by_owner: dict[str, int]
+    checkout: Checkout = Field(alias="Checkout")
+
+
+@pytest.mark.parametrize(
+    ("payload", "says"),
+    [
+        (
+            {"by_owner": {"alice": "x"}, "Checkout": {"kind": "card", "amount": 1}},
+            "by_owner.<key>:",
+        ),
+        ({"by_owner": {}, "Checkout": {"kind": "card", "amount": "x"}}, "Checkout.amount:"),
+    ],
+    ids=["mapping-key", "alias-and-nested-field"],
+)
+def test_a_key_of_a_mapping_in_the_payload_is_shown_as_key_and_the_schemas_names_as_they_are(
+    payload: dict[str, Any], says: str
+) -> None:
+    """With the consumer's schema, a location shows only the names the schema declares (its
+    fields, their aliases, those of its nested models): a key of a mapping is the payload's
+    own value, however plain it looks. Without a schema (a handler's own ValidationError), a
+    part that is not an identifier is shown as ``<key>``."""
+    with pytest.raises(ValidationError) as caught:
+        Ledger.model_validate(payload)
+    assert says in describe_validation_error(caught.value, Ledger)
+    assert "alice" not in describe_validation_error(caught.value, Ledger)
+    with pytest.raises(ValidationError) as caught:
+        Ledger.model_validate({"by_owner": {CARD: "x"}, "Checkout": {"kind": "card", "amount": 1}})
+    assert "by_owner.<key>:" in describe_validation_error(caught.value)
 
 
 @pytest.fixture

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import re
 from dataclasses import replace
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
 from jobfence.errors import PoisonMessage
@@ -260,8 +261,53 @@ def _template(error_type: str) -> str | None:
     return _templates.get(error_type)
 
 
-def _loc_part(part: object) -> str:
-    text = printable(str(part))
+# Stands for a part of an error's location that is not a name the schema declares: a key of a
+# mapping in the payload (``dict[str, int]``, an unknown key under ``extra="forbid"``) is the
+# payload's own value, and may be an account or card number.
+KEY_SHOWN = "<key>"
+_DECLARED_FIELDS = ("model-fields", "typed-dict")
+
+
+@functools.cache
+def declared_names(schema: type[BaseModel]) -> frozenset[str]:
+    """Every field name, alias and model name ``schema`` declares, its nested models and typed
+    dicts included: the parts of an error's location that come from the schema, not from the
+    payload."""
+    names: set[str] = set()
+    stack: list[Any] = [schema.__pydantic_core_schema__]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list | tuple):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        kind = node.get("type")
+        if kind in _DECLARED_FIELDS and isinstance(node.get("fields"), dict):
+            names.update(node["fields"])
+        elif kind == "dataclass-args":
+            names.update(f["name"] for f in node.get("fields", ()) if isinstance(f, dict))
+        alias = node.get("validation_alias")
+        for part in alias if isinstance(alias, list) else [alias]:
+            for piece in part if isinstance(part, list) else [part]:
+                if isinstance(piece, str):
+                    names.add(piece)
+        if isinstance(node.get("model_name"), str):
+            names.add(node["model_name"])
+        stack.extend(value for value in node.values() if isinstance(value, dict | list))
+    return frozenset(names)
+
+
+def _loc_part(part: object, declared: frozenset[str] | None) -> str:
+    """A part of an error's location as shown: an index, pydantic's ``[key]`` marker, or a
+    name ``declared`` by the schema (without a schema: a name that is an identifier); any
+    other part is a value of the payload, shown as ``<key>``."""
+    if isinstance(part, int) or part == "[key]":
+        return str(part)
+    text = str(part)
+    if (text not in declared) if declared is not None else not text.isidentifier():
+        return KEY_SHOWN
+    text = printable(text)
     return text if len(text) <= 64 else text[:61] + "..."
 
 
@@ -285,15 +331,18 @@ def _message(error: ErrorDetails) -> str:
     return _PLACEHOLDER.sub(fill, template)
 
 
-def describe_validation_error(exc: ValidationError) -> str:
+def describe_validation_error(exc: ValidationError, schema: type[BaseModel] | None = None) -> str:
     """A pydantic ValidationError on one line that names the fields and the errors and never
     quotes a value of the input: ``2 validation errors: n: Input should be a valid integer,
     unable to parse string as an integer [int_parsing]; k: Value error, … [value_error]``
-    (at most ``MAX_SHOWN_ERRORS``)."""
+    (at most ``MAX_SHOWN_ERRORS``). A key of a mapping in the input is a value too: a part
+    of a location that ``schema`` does not declare (without ``schema``: that is not an
+    identifier) is shown as ``<key>``."""
+    declared = declared_names(schema) if schema is not None else None
     errors = exc.errors(include_url=False, include_input=False)
     parts = [
-        f"{'.'.join(_loc_part(p) for p in error['loc']) or '(payload)'}: {_message(error)}"
-        f" [{error['type']}]"
+        f"{'.'.join(_loc_part(p, declared) for p in error['loc']) or '(payload)'}:"
+        f" {_message(error)} [{error['type']}]"
         for error in errors[:MAX_SHOWN_ERRORS]
     ]
     more = f"; and {len(errors) - MAX_SHOWN_ERRORS} more" if len(errors) > MAX_SHOWN_ERRORS else ""

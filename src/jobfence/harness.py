@@ -593,7 +593,7 @@ class Harness:
             # Names the fields and the errors, never a value: the dead letter keeps the payload.
             return PoisonMessage(
                 f"payload does not match {consumer.schema.__name__}:"
-                f" {describe_validation_error(exc)}",
+                f" {describe_validation_error(exc, consumer.schema)}",
                 error_class="SchemaInvalid",
             )
         meta = JobMeta(

@@ -1,12 +1,13 @@
 """An app for the tests of what a producer can put into a worker's log: a card consumer whose
-schema wants a number, and whose handler fails with an error text that holds an ANSI escape."""
+schema wants a number, and whose handler fails with an error text that holds an ANSI escape;
+consumers whose schemas have a payload's keys in their errors (a mapping, ``extra="forbid"``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from psycopg import AsyncConnection
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from jobfence import App, HardFailure, JobMeta
 
@@ -22,5 +23,22 @@ async def charge(payload: Card, job: JobMeta, tx: AsyncConnection[Any]) -> None:
     raise HardFailure(ESCAPE_ERROR)
 
 
+class Tally(BaseModel):
+    """Points per account number: the account numbers are the payload's keys."""
+
+    points: dict[int, int]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    amount: int
+
+
+async def accepted(payload: BaseModel, job: JobMeta, tx: AsyncConnection[Any]) -> None:
+    return None
+
+
 app = App()
 app.consumer("charge", queue=QUEUE, schema=Card)(charge)
+app.consumer("tally", queue=QUEUE, schema=Tally)(accepted)
+app.consumer("strict", queue=QUEUE, schema=Strict)(accepted)
