@@ -126,6 +126,48 @@ async def test_dead_letters_show_prints_a_hostile_job_id_and_last_error_escaped(
     assert "inj\\n2026-12-01 19:00:00,000 CRITICAL" in done.stdout  # the job id, escaped
 
 
+# U+009B is the 8-bit CSI (``\x9b2J`` clears the screen where C1 controls are honoured), U+0085
+# is NEL (next line), U+2028 the line separator, U+202E a right-to-left override.
+C1_HOSTILE = "evil\x9b2J\x85\u2028FORGED\u202e"
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["show", "{id}"], ["list", "--json"], ["show", "{id}", "--json"]],
+    ids=["show-payload", "list-json", "show-json"],
+)
+def test_dead_letters_json_and_payloads_print_no_raw_control_character(
+    database_url: str, args: list[str]
+) -> None:
+    """What ``jobfence.enqueue`` lets any producer write (ids, an error text, a payload string)
+    holding C1 controls and line separators: the JSON that ``--json`` and ``show``'s payload
+    print escapes each of them as ``\\uXXXX``, and reads back as it was stored."""
+    with psycopg.connect(database_url, autocommit=True) as c:
+        row = c.execute(
+            "INSERT INTO core.dead_letters (job_id, queue, consumer, tenant_id, payload,"
+            " payload_encoding, attempts, last_error, error_class, correlation_id)"
+            " VALUES (%s, 'loyalty', 'award_points', %s, %s, 'json', 1, %s, 'x.Failed', %s)"
+            " RETURNING id",
+            (C1_HOSTILE, C1_HOSTILE, json.dumps({"note": C1_HOSTILE}), C1_HOSTILE, C1_HOSTILE),
+        ).fetchone()
+    assert row is not None
+    done = subprocess.run(
+        [*JOBFENCE, "dead-letters", *(a.format(id=row[0]) for a in args)],
+        env={**os.environ, "JOBFENCE_DATABASE_URL": database_url},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    out = done.stdout + done.stderr
+    assert "evil" in out
+    assert [ch for ch in out if ch != "\n" and not ch.isprintable()] == [], out
+    if "--json" in args:
+        document = json.loads(done.stdout)
+        shown = document["items"][0] if "items" in document else document
+        assert shown["job_id"] == C1_HOSTILE
+
+
 async def test_json_logs_carry_the_forged_values_escaped_in_the_message_and_the_fields(
     database_url: str, conn: psycopg.AsyncConnection[Any]
 ) -> None:

@@ -343,8 +343,20 @@ def _json_default(value: object) -> Any:
     raise TypeError(f"{type(value).__name__} is not JSON serialisable")
 
 
+def terminal_json(document: object, **dump: Any) -> str:
+    """``document`` as JSON for a terminal: text readable as written (``ensure_ascii=False``),
+    except that every character that is not printable (C1 controls, line and paragraph
+    separators, bidi overrides...; json already escapes C0 controls) is a ``\\u`` escape,
+    never written raw: the JSON reads back the same, and no value can move the cursor or start
+    a line of its own."""
+    text = json.dumps(document, ensure_ascii=False, **dump)
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() or ch == "\n" else json.dumps(ch)[1:-1] for ch in text)
+
+
 def _print_json(document: object) -> None:
-    print(json.dumps(document, default=_json_default, ensure_ascii=False, indent=2))
+    print(terminal_json(document, default=_json_default, indent=2))
 
 
 def _when(value: datetime | None) -> str:
@@ -468,7 +480,7 @@ def _cut(text: str, full: bool) -> tuple[str, int]:
 def _payload_lines(payload: Any, encoding: str, *, full: bool) -> tuple[list[str], int]:
     """The payload as shown, and how many bytes of it were left out (``full``: none)."""
     if encoding != PAYLOAD_BASE64:
-        shown, left = _cut(json.dumps(payload, indent=2, ensure_ascii=False), full)
+        shown, left = _cut(terminal_json(payload, indent=2), full)
         return ["payload:", shown], left
     body = original_body(json.dumps(payload), encoding)
     data, left = _cut(str(payload.get("data", "")), full)
