@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import random
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -17,7 +18,7 @@ from hypothesis import strategies as st
 from psycopg_pool import AsyncConnectionPool
 
 import pointsapp
-from jobfence import DEFAULT_RETRY_POLICY, ConfigError, PgQueue, RetryPolicy, Worker
+from jobfence import DEFAULT_RETRY_POLICY, App, ConfigError, PgQueue, RetryPolicy, Worker
 
 RATIONALE = "property test: exploring the whole space of policies"
 
@@ -172,3 +173,39 @@ async def test_d2_the_rationale_is_logged_when_a_worker_starts(
         "award_points" in r.getMessage() and "the partner API rate-limits retries" in r.getMessage()
         for r in caplog.records
     ), caplog.text
+
+
+@pytest.mark.parametrize(
+    ("values", "says"),
+    [
+        ({"max_retries": 2.5}, "max_retries must be a whole number"),
+        ({"max_retries": 10_001}, "max_retries must be from 0 to 10,000"),
+        ({"base_seconds": float("inf"), "cap_seconds": float("inf")}, "base_seconds must be"),
+        ({"base_seconds": float("nan")}, "base_seconds must be"),
+        ({"cap_seconds": 1e15}, "cap_seconds must be more than 0 and at most 315,360,000"),
+    ],
+    ids=["not-whole", "too-many", "infinite", "nan", "cap-past-the-longest-delay"],
+)
+def test_a_retry_policy_that_cannot_work_is_refused_naming_the_bound(
+    values: dict[str, Any], says: str
+) -> None:
+    with pytest.raises(ConfigError, match=says):
+        RetryPolicy(rationale="a test of the bounds", **values)
+
+
+def test_a_policy_of_over_a_thousand_retries_has_a_finite_window_and_passes_the_d3_check() -> None:
+    """Hourly retries for about 46 days: the nominal delay of retry 1,025 and later is past
+    any float, and counts as capped (it raised OverflowError, and the worker died at start)."""
+    policy = RetryPolicy(max_retries=1100, rationale="the partner is down for weeks at a time")
+    assert policy.upper_bound(1100) == policy.cap_seconds
+    assert policy.delay(1100, random.Random(1)) <= policy.cap_seconds
+    assert policy.retry_window_seconds < 1100 * policy.cap_seconds
+    app = App()
+    app.consumer(
+        "partner_sync",
+        queue=pointsapp.QUEUE,
+        schema=pointsapp.Award,
+        retry=policy,
+        fence_ttl=timedelta(days=365),
+    )(pointsapp.apply_award)
+    app.check_fence_ttls()

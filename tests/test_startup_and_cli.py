@@ -94,6 +94,40 @@ def test_d3_the_minimum_fence_ttl_itself_is_accepted_and_one_second_less_is_not(
         short_ttl_app(minimum - timedelta(seconds=1)).check_fence_ttls()
 
 
+async def test_d3_a_worker_whose_lease_outlasts_the_fence_margin_refuses_to_start(
+    pool: AsyncConnectionPool[Any], conn: psycopg.AsyncConnection[Any]
+) -> None:
+    """A fence TTL of 2 h covers the default policy's window (minimum 5,925 s), not a worker
+    whose lease is 3 h: a job committed by a worker killed before its ack comes back when its
+    lease ends, after its fence expired, and would run again. The hour of D3's margin becomes
+    twice the lease when that is longer; the default lease (300 s) leaves D3's minimum as is."""
+    app = short_ttl_app(timedelta(hours=2))
+    await conn.execute(pointsapp.SCHEMA_SQL)
+    await app.enqueue(conn, "short_fence", {"account_id": 1, "points": 5}, job_id="waiting")
+    queue = PgQueue(pool)
+    try:
+        with pytest.raises(ConfigError) as refused:
+            await Worker(app, pool, queue, lease_seconds=3 * 3600).run(until="idle")
+    finally:
+        await queue.close()
+    message = str(refused.value)
+    assert "'short_fence'" in message and "fence TTL 7200s" in message
+    assert "twice the worker's lease of 10800s" in message
+    assert f"{MINIMUM_TTL_SECONDS - 3600 + 21600:g}s" in message  # 2 x window + 2 x lease
+    assert await scalar(conn, "SELECT attempts FROM jobfence_queue.messages") == 0
+    app.check_fence_ttls(lease_seconds=300)  # the default lease: D3's minimum
+    with pytest.raises(ConfigError, match="twice the worker's lease"):
+        app.check_fence_ttls(lease_seconds=3600)
+
+
+def test_a_fence_ttl_past_what_postgresql_can_date_is_refused_at_registration() -> None:
+    """``now() + fence_ttl`` must be a timestamp PostgreSQL can store, or every fence insert of
+    the consumer fails and none of its jobs runs: over 36,500 days is refused at once."""
+    with pytest.raises(ConfigError, match=r"fence_ttl must be positive and at most 36,500 days"):
+        short_ttl_app(timedelta.max)
+    short_ttl_app(timedelta(days=36_500))  # a century: accepted
+
+
 def test_d3_jobfence_worker_with_a_too_short_fence_ttl_prints_one_error_line() -> None:
     line = one_error_line(run_cli("worker", "cliapps.short_ttl:app", url=NOWHERE))
     assert "consumer 'short_fence'" in line

@@ -54,6 +54,8 @@ def is_async_handler(handler: object) -> bool:
 DEFAULT_FENCE_TTL = timedelta(days=7)
 # A group holds every one of its jobs' locks until its commit: keep groups short.
 MAX_JOBS_PER_TRANSACTION = 100
+# A fence kept longer is kept for good; PostgreSQL's timestamps end long after, at 294276 AD.
+MAX_FENCE_TTL = timedelta(days=36_500)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +85,14 @@ class Consumer(Generic[P]):
     @property
     def minimum_fence_ttl(self) -> timedelta:
         """D3: the fence must outlive twice the worst-case retry window plus an hour."""
-        return timedelta(seconds=2 * self.retry.retry_window_seconds + 3600)
+        return self.minimum_fence_ttl_under(0.0)
+
+    def minimum_fence_ttl_under(self, lease_seconds: float) -> timedelta:
+        """D3's minimum for a worker whose lease is ``lease_seconds``: the hour of margin, or
+        twice the lease when that is longer (a job whose ack was lost, its worker killed after
+        the commit, comes back when its lease ends, and the fence must still be there)."""
+        margin = max(3600.0, 2 * lease_seconds)
+        return timedelta(seconds=2 * self.retry.retry_window_seconds + margin)
 
 
 class App:
@@ -149,8 +158,11 @@ class App:
             raise ConfigError(f"consumer {consumer.name!r}: the handler must be a function")
         if not (isinstance(consumer.schema, type) and issubclass(consumer.schema, BaseModel)):
             raise ConfigError(f"consumer {consumer.name!r}: schema must be a pydantic model class")
-        if consumer.fence_ttl <= timedelta(0):
-            raise ConfigError(f"consumer {consumer.name!r}: fence_ttl must be positive")
+        if not timedelta(0) < consumer.fence_ttl <= MAX_FENCE_TTL:
+            raise ConfigError(
+                f"consumer {consumer.name!r}: fence_ttl must be positive and at most"
+                f" {MAX_FENCE_TTL.days:,} days, got {consumer.fence_ttl}"
+            )
         group = consumer.jobs_per_transaction
         if (
             isinstance(group, bool)
@@ -261,16 +273,23 @@ class App:
             delay_seconds=delay_seconds,
         )
 
-    def check_fence_ttls(self) -> None:
-        """D3: refuse consumers whose fence TTL does not cover their retry window."""
+    def check_fence_ttls(self, *, lease_seconds: float = 0.0) -> None:
+        """D3: refuse consumers whose fence TTL does not cover their retry window, and (for a
+        worker whose lease is ``lease_seconds``) twice the lease when that is over an hour."""
         for consumer in self._consumers.values():
-            minimum = consumer.minimum_fence_ttl
+            minimum = consumer.minimum_fence_ttl_under(lease_seconds)
             if consumer.fence_ttl < minimum:
+                margin = (
+                    "1h"
+                    if 2 * lease_seconds <= 3600
+                    else f"twice the worker's lease of {lease_seconds:g}s, as a job whose ack"
+                    " was lost comes back when its lease ends"
+                )
                 raise ConfigError(
                     f"consumer {consumer.name!r}: fence TTL {_fmt(consumer.fence_ttl)} is shorter "
                     f"than the minimum {_fmt(minimum)} (2 x retry window "
-                    f"{consumer.retry.retry_window_seconds:g}s + 1h); a late retry after expiry "
-                    "would apply the work twice"
+                    f"{consumer.retry.retry_window_seconds:g}s + {margin}); a late copy after"
+                    " expiry would apply the work twice"
                 )
 
 

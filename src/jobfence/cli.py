@@ -157,7 +157,7 @@ async def _cmd_worker(args: argparse.Namespace) -> int:
     from jobfence.worker import Worker
 
     app = _load_app(args.app)
-    app.check_fence_ttls()
+    app.check_fence_ttls(lease_seconds=args.lease_seconds)
     url = db.resolve_database_url()
     # One more connection for the outbox relay's own, on a broker.
     pool = await db.open_pool(url, max_size=args.concurrency + 2, name="jobfence-worker")

@@ -12,16 +12,20 @@ below the cap each retry waits strictly longer than the one before (d(n+1) = 2 d
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 
 from jobfence.errors import ConfigError
+from jobfence.limits import MAX_DELAY_DAYS, MAX_DELAY_SECONDS
 
 DEFAULT_MAX_RETRIES = 5
 DEFAULT_BASE_SECONDS = 30.0
 DEFAULT_CAP_SECONDS = 3600.0
 JITTER_HIGH = 1.25
 CAPPED_JITTER_LOW = 0.9
+# More retries than a policy can mean (hourly for over a year); keeps the D3 check's sum short.
+MAX_RETRIES = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,10 +45,20 @@ class RetryPolicy:
     rationale: str | None = None
 
     def __post_init__(self) -> None:
-        if self.max_retries < 0:
-            raise ConfigError(f"max_retries must be >= 0, got {self.max_retries}")
-        if not self.base_seconds > 0:
-            raise ConfigError(f"base_seconds must be > 0, got {self.base_seconds}")
+        retries = self.max_retries
+        if isinstance(retries, bool) or not isinstance(retries, int):
+            raise ConfigError(f"max_retries must be a whole number, got {retries!r}")
+        if not 0 <= retries <= MAX_RETRIES:
+            raise ConfigError(f"max_retries must be from 0 to {MAX_RETRIES:,}, got {retries}")
+        for name in ("base_seconds", "cap_seconds"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ConfigError(f"{name} must be a number of seconds, got {value!r}")
+            if not 0 < value <= MAX_DELAY_SECONDS:  # NaN and infinity fail here too
+                raise ConfigError(
+                    f"{name} must be more than 0 and at most {MAX_DELAY_SECONDS:,} seconds"
+                    f" ({MAX_DELAY_DAYS:,} days, the longest delay), got {value}"
+                )
         if self.cap_seconds < self.base_seconds:
             raise ConfigError(
                 f"cap_seconds ({self.cap_seconds}) must be >= base_seconds ({self.base_seconds})"
@@ -72,7 +86,10 @@ class RetryPolicy:
         """d(n): the delay before retry ``retry_number`` (1-based) without jitter or cap."""
         if retry_number < 1:
             raise ValueError("retry numbers start at 1")
-        return float(self.base_seconds * 2.0 ** (retry_number - 1))
+        try:
+            return float(self.base_seconds * 2.0 ** (retry_number - 1))
+        except OverflowError:  # far past any cap
+            return math.inf
 
     def delay(self, retry_number: int, rng: random.Random | None = None) -> float:
         """Seconds to wait before retry ``retry_number``, jitter included."""
