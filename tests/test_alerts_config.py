@@ -4,6 +4,7 @@ heartbeat, and no secret (token, heartbeat URL) shows in a repr, a message or a 
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -104,11 +105,36 @@ def test_alert_config_reads_every_variable() -> None:
         ("JOBFENCE_ALERT_STATE_MAX_AGE", "0"),
         ("JOBFENCE_ALERT_UPDATE_INTERVAL", "often"),
         ("JOBFENCE_ALERT_DELIVERY_BOUND", "-1m"),
+        # a digit int() cannot read (str.isdigit() says yes): a traceback before
+        ("JOBFENCE_BETTERSTACK_TEAM_WAIT", "\u00b2"),
+        # someone's "never": past what the database can date, the relay looped on errors
+        ("JOBFENCE_ALERT_ESCALATE_AFTER", "99999999d"),
+        ("JOBFENCE_ALERT_INCIDENT_PERIOD", "99999999d"),
+        ("JOBFENCE_ALERT_GROUP_WINDOW", "999999999d"),
     ],
 )
 def test_alert_config_refuses_a_bad_value_naming_the_variable(name: str, value: str) -> None:
     with pytest.raises(ConfigError, match=name):
         alert_config_from_env({name: value})
+
+
+def test_a_duration_flag_past_what_the_database_can_date_is_refused_as_a_bad_argument() -> None:
+    """``--incident-period 99999999d``: refused before anything runs (exit status 2, the usage
+    line), where the relay started and then failed every round in SQL, never paging."""
+    done = subprocess.run(
+        [sys.executable, "-m", "jobfence.cli", "alert-relay", "--incident-period", "99999999d"],
+        env={**os.environ, "JOBFENCE_DATABASE_URL": "postgresql://nobody@127.0.0.1:1/none"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2, done
+    assert done.stderr.strip().splitlines()[-1] == (
+        "jobfence alert-relay: error: argument --incident-period: the duration must be a"
+        " positive duration of at most 3,650 days, such as 90, 90s, 15m, 72h or 3d, got"
+        " '99999999d'"
+    )
 
 
 def test_secrets_stay_out_of_reprs() -> None:

@@ -261,7 +261,7 @@ async def test_an_escalate_refused_because_a_person_just_resolved_it_opens_a_new
     # What the relay knows of the state is never out of date here: only the escalate's 409
     # tells it that a person resolved the incident in between.
     relay = make_relay(
-        database_url, server, clock=clock, settings=fast_settings(state_max_age_seconds=1e9)
+        database_url, server, clock=clock, settings=fast_settings(state_max_age_seconds=3e8)
     )
     async with running(relay):
         clock.advance(seconds=1)

@@ -792,7 +792,7 @@ ERRORS = [
     pytest.param(
         ["replay-bulk", "--all", "--max-items", "0"],
         2,
-        "argument --max-items: not a whole number >= 1: '0'",
+        "argument --max-items: not a whole number from 1 to 1000000: '0'",
         id="bulk-max-zero",
     ),
     pytest.param(["replay-bulk"], 2, cli_dead_letters.BULK_ALL_NEEDED, id="bulk-no-filter-no-all"),
@@ -851,3 +851,14 @@ def test_an_error_a_person_can_cause_is_one_line_and_changes_nothing(
     assert "API" not in line  # the HTTP API's wording (its parameters) never shows here
     assert done.returncode == status
     assert everything(db_conn) == before
+
+
+def test_replay_bulk_max_items_past_what_a_run_may_be_given_is_a_bad_argument(
+    database_url: str,
+) -> None:
+    """``--max-items`` has the API's bound (1,000,000): refused with the usage line and exit
+    status 2, nothing taken; a value over PostgreSQL's integer came back as a database error."""
+    done = dl("replay-bulk", "--all", "--max-items", "99999999999", url=database_url)
+    assert done.returncode == 2, done
+    assert "argument --max-items: not a whole number from 1 to 1000000" in done.stderr
+    assert "database error" not in done.stderr

@@ -71,13 +71,15 @@ def _positive_id(what: str) -> Callable[[str], int]:
 
 
 def _count(text: str) -> int:
-    """An argparse type for a count of at least 1."""
+    """An argparse type for ``--max-items``: a count from 1 to what a bulk run may be given."""
     try:
         value = int(text)
     except ValueError:
         value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"not a whole number >= 1: {text!r}")
+    if not 1 <= value <= ops.MAX_BULK_ITEMS:
+        raise argparse.ArgumentTypeError(
+            f"not a whole number from 1 to {ops.MAX_BULK_ITEMS}: {text!r}"
+        )
     return value
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from jobfence.errors import ConfigError
+from jobfence.limits import MAX_DELAY_DAYS, MAX_DELAY_SECONDS
 from jobfence.redact import url_secrets
 
 ENV_DATABASE_URL = "JOBFENCE_DATABASE_URL"
@@ -258,13 +259,16 @@ def _count_or(env: Mapping[str, str], name: str, default: int) -> int:
 
 
 def parse_duration(text: str, *, name: str) -> float:
-    """Seconds from ``90``, ``90s``, ``15m``, ``72h`` or ``3d``; must be positive."""
+    """Seconds from ``90``, ``90s``, ``15m``, ``72h`` or ``3d``; positive, and at most 3,650
+    days (past that, the database cannot date what the duration counts to)."""
     match = _DURATION.match(text.strip().lower())
-    if not match or float(match.group(1)) <= 0:
+    seconds = float(match.group(1)) * _UNITS[match.group(2)] if match else 0.0
+    if not 0 < seconds <= MAX_DELAY_SECONDS:
         raise ConfigError(
-            f"{name} must be a positive duration such as 90, 90s, 15m, 72h or 3d, got {text!r}"
+            f"{name} must be a positive duration of at most {MAX_DELAY_DAYS:,} days, such as"
+            f" 90, 90s, 15m, 72h or 3d, got {text!r}"
         )
-    return float(match.group(1)) * _UNITS[match.group(2)]
+    return seconds
 
 
 def _duration_or(env: Mapping[str, str], name: str, default: float) -> float:
@@ -316,7 +320,7 @@ def alert_config_from_env(environ: Mapping[str, str] | None = None) -> AlertConf
     team_wait_text = _optional(env, ENV_BETTERSTACK_TEAM_WAIT)
     team_wait = None
     if team_wait_text is not None:
-        if not team_wait_text.isdigit():
+        if not (team_wait_text.isascii() and team_wait_text.isdigit()):
             raise ConfigError(
                 f"{ENV_BETTERSTACK_TEAM_WAIT} must be a whole number of seconds, "
                 f"got {team_wait_text!r}"

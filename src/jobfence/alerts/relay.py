@@ -65,6 +65,7 @@ from jobfence.alerts.model import (
 from jobfence.alerts.outbox import SQL, alert_counts
 from jobfence.config import secrets_from_env
 from jobfence.errors import ConfigError
+from jobfence.limits import MAX_DELAY_DAYS, MAX_DELAY_SECONDS
 from jobfence.ports import AlertMetricsSink, Clock
 from jobfence.redact import printable
 from jobfence.schema import ensure_migrated
@@ -162,13 +163,17 @@ class RelaySettings:
             "incident_period_seconds",
         ):
             value = getattr(self, name)
-            if not 0 < value < float("inf"):
-                raise ConfigError(f"{name} must be a positive number of seconds, got {value}")
+            if not 0 < value <= MAX_DELAY_SECONDS:
+                raise ConfigError(
+                    f"{name} must be a positive number of seconds, at most {MAX_DELAY_SECONDS:,}"
+                    f" ({MAX_DELAY_DAYS:,} days), got {value}"
+                )
         if self.escalate_after_seconds is not None and not (
-            0 < self.escalate_after_seconds < float("inf")
+            0 < self.escalate_after_seconds <= MAX_DELAY_SECONDS
         ):
             raise ConfigError(
-                "escalate_after_seconds must be a positive number of seconds or None (off), "
+                "escalate_after_seconds must be a positive number of seconds, at most"
+                f" {MAX_DELAY_SECONDS:,} ({MAX_DELAY_DAYS:,} days), or None (off), "
                 f"got {self.escalate_after_seconds}"
             )
         if not 0 <= self.heartbeat_interval_seconds < float("inf"):

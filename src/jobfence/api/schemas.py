@@ -31,7 +31,7 @@ from jobfence.dead_letters import (
 )
 
 MAX_BIGINT = 2**63 - 1
-MAX_BULK_ITEMS = 1_000_000
+MAX_BULK_ITEMS = ops.MAX_BULK_ITEMS
 MAX_FILTER_CHARS = 1000
 MAX_CURSOR_CHARS = 512
 

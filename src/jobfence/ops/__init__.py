@@ -23,6 +23,9 @@ from jobfence.ops.bulk import (
     DEFAULT_BULK_MAX as DEFAULT_BULK_MAX,
 )
 from jobfence.ops.bulk import (
+    MAX_BULK_ITEMS as MAX_BULK_ITEMS,
+)
+from jobfence.ops.bulk import (
     BulkItem as BulkItem,
 )
 from jobfence.ops.bulk import (

@@ -29,6 +29,7 @@ SQL = Queries("jobfence.sql", "ops.sql")
 log = logging.getLogger("jobfence.ops")
 
 DEFAULT_BULK_MAX = 10_000
+MAX_BULK_ITEMS = 1_000_000  # the largest max_items a run may be given (API and CLI)
 BULK_CHUNK = 500
 # How long a run waits at a time for dead letters another transaction holds (logged at INFO
 # each time it waits on).
