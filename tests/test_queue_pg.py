@@ -12,7 +12,7 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg_pool import AsyncConnectionPool
 
-from jobfence import PgQueue, QueueCapabilities
+from jobfence import ConfigError, PgQueue, QueueCapabilities
 from jobfence.adapters.pg_queue import NOTIFY_CHANNEL, publish_on
 from queue_conformance import QUEUE, FakeClock, QueueConformance, QueueEnv, message
 from support import scalar, wait_until
@@ -171,3 +171,13 @@ async def test_a_publish_committed_before_the_listener_listens_is_not_missed(
             await queue.close()
     assert [d.message.job_id for d in got] == ["early"]
     assert woke_after < 2.0
+
+
+@pytest.mark.parametrize("seconds", [0.0, -1.0, float("inf"), float("nan")])
+async def test_a_poll_interval_that_cannot_find_a_delayed_job_is_refused(
+    pool: AsyncConnectionPool[Any], seconds: float
+) -> None:
+    """A delayed job falls due with no NOTIFY: only the poll finds it. An infinite interval
+    would leave it waiting for ever, and one of 0 or less would poll without pause."""
+    with pytest.raises(ConfigError, match="poll_interval_seconds must be a positive, finite"):
+        PgQueue(pool, poll_interval_seconds=seconds)

@@ -25,6 +25,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from jobfence._sql import Queries
 from jobfence.adapters._shared import check_prior_attempts, publish_each
+from jobfence.errors import ConfigError
 from jobfence.limits import checked_delay
 from jobfence.model import Delivery, Message, Outgoing
 from jobfence.ports import Clock, QueueCapabilities, QueueSize
@@ -122,6 +123,12 @@ class PgQueue:
         poll_interval_seconds: float = 1.0,
         listen_conninfo: str | None = None,
     ) -> None:
+        if not 0 < poll_interval_seconds < float("inf"):  # NaN fails too
+            # A delayed job falls due with no NOTIFY: only the poll finds it.
+            raise ConfigError(
+                "poll_interval_seconds must be a positive, finite number of seconds, got"
+                f" {poll_interval_seconds}"
+            )
         if listen_conninfo is None:
             if not isinstance(pool.conninfo, str):
                 raise TypeError("pass listen_conninfo when the pool's conninfo is not a string")
