@@ -128,9 +128,9 @@ def message_payload(message: Message, note: str) -> tuple[str, str]:
     return json.dumps(wrapper), PAYLOAD_MESSAGE
 
 
-def unfenceable(message: Message) -> str | None:
-    """Why ``message`` can never be fenced or stored, its identifiers breaking a limit (the
-    reason of an ``UnfenceableMessage`` dead letter); None when it can."""
+def identifier_problem(message: Message) -> str | None:
+    """The first of ``message``'s identifiers that breaks a limit, and why
+    (:func:`jobfence.limits.identifiers_problem`); None when they all fit."""
     found = identifiers_problem(
         queue=message.queue,
         consumer=message.consumer,
@@ -138,7 +138,16 @@ def unfenceable(message: Message) -> str | None:
         tenant_id=message.tenant_id,
         correlation_id=message.correlation_id,
     )
-    return None if found is None else f"the message cannot be fenced or stored as it is: {found[1]}"
+    return None if found is None else found[1]
+
+
+def unfenceable(message: Message) -> str | None:
+    """Why ``message`` can never be fenced or stored, its identifiers breaking a limit (the
+    reason of an ``UnfenceableMessage`` dead letter); None when it can."""
+    problem = identifier_problem(message)
+    if problem is None:
+        return None
+    return f"the message cannot be fenced or stored as it is: {problem}"
 
 
 def kept_whole(message: Message, note: str) -> tuple[Message, str, str]:

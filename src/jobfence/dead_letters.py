@@ -12,10 +12,9 @@ from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
 from jobfence import outbox, tracing
-from jobfence.codec import PAYLOAD_MESSAGE, original_body, original_message
+from jobfence.codec import PAYLOAD_MESSAGE, identifier_problem, original_body, original_message
 from jobfence.errors import DeadLetterConflict, DeadLetterNotFound, DeadLetterNotReplayable
 from jobfence.harness import SQL
-from jobfence.limits import identifiers_problem
 from jobfence.model import Message
 from jobfence.pgtx import begin_with
 from jobfence.ports import QueuePort
@@ -101,15 +100,9 @@ def replay_message(row: Mapping[str, Any]) -> Message:
     never be fenced, and :class:`~jobfence.DeadLetterNotReplayable` is raised instead."""
     if row["payload_encoding"] == PAYLOAD_MESSAGE:
         message = original_message(row["payload_text"])
-        found = identifiers_problem(
-            queue=message.queue,
-            consumer=message.consumer,
-            job_id=message.job_id,
-            tenant_id=message.tenant_id,
-            correlation_id=message.correlation_id,
-        )
-        if found is not None:
-            raise DeadLetterNotReplayable(row.get("id", row.get("dead_letter_id", 0)), found[1])
+        problem = identifier_problem(message)
+        if problem is not None:
+            raise DeadLetterNotReplayable(row.get("id", row.get("dead_letter_id", 0)), problem)
         return message
     return Message(
         queue=row["queue"],
