@@ -24,7 +24,7 @@ from typing import Any, NoReturn
 from psycopg_pool import AsyncConnectionPool
 
 from jobfence import db, ops, schema
-from jobfence.codec import PAYLOAD_BASE64, original_body
+from jobfence.codec import PAYLOAD_BASE64, MalformedPayload, original_body
 from jobfence.config import secrets_from_env
 from jobfence.errors import DeadLetterConflict, DeadLetterNotFound
 from jobfence.ops import BulkReplay, BulkTooLarge, DeadLetterFilter, InvalidCursor, InvalidRequest
@@ -481,10 +481,15 @@ def _cut(text: str, full: bool) -> tuple[str, int]:
 
 def _payload_lines(payload: Any, encoding: str, *, full: bool) -> tuple[list[str], int]:
     """The payload as shown, and how many bytes of it were left out (``full``: none)."""
+    try:
+        body = original_body(json.dumps(payload), encoding) if encoding == PAYLOAD_BASE64 else b""
+    except MalformedPayload as exc:  # a row written by hand: shown as it is stored
+        encoding, note = "", f" (not what its payload_encoding {encoding!r} says: {exc})"
+    else:
+        note = ""
     if encoding != PAYLOAD_BASE64:
         shown, left = _cut(terminal_json(payload, indent=2), full)
-        return ["payload:", shown], left
-    body = original_body(json.dumps(payload), encoding)
+        return [f"payload:{note}", shown], left
     data, left = _cut(str(payload.get("data", "")), full)
     lines = [
         f"payload: {len(body)} bytes kept as base64 ({payload.get('note', 'not JSON')})",

@@ -167,23 +167,54 @@ def kept_whole(message: Message, note: str) -> tuple[Message, str, str]:
     return ids, payload, encoding
 
 
-def original_message(payload_text: str) -> Message:
-    """The message kept by :func:`message_payload`, identifiers and bytes as they were."""
+class MalformedPayload(ValueError):
+    """A stored payload is not the shape its ``payload_encoding`` says (a dead letter written
+    by hand): no message can be made of it."""
+
+
+def _decoded(value: object, what: str) -> bytes:
+    if not isinstance(value, str):
+        raise MalformedPayload(f"{what} is not a base64 string")
+    try:
+        return base64.b64decode(value, validate=True)
+    except ValueError:  # binascii.Error
+        raise MalformedPayload(f"{what} is not valid base64") from None
+
+
+def _wrapper(payload_text: str, encoding: str) -> dict[str, Any]:
     wrapper = json.loads(payload_text)
-    kept = wrapper["message"]
+    if not isinstance(wrapper, dict):
+        raise MalformedPayload(
+            f"a {encoding!r} payload is a JSON object, not {type(wrapper).__name__}"
+        )
+    return wrapper
+
+
+def original_message(payload_text: str) -> Message:
+    """The message kept by :func:`message_payload`, identifiers and bytes as they were;
+    :class:`MalformedPayload` when the payload is not that shape."""
+    wrapper = _wrapper(payload_text, PAYLOAD_MESSAGE)
+    kept = wrapper.get("message")
+    if not isinstance(kept, dict):
+        raise MalformedPayload("a 'message' payload has no \"message\" object")
 
     def field(name: str) -> str | None:
         value = kept.get(name)
-        return None if value is None else base64.b64decode(value).decode("utf-8", "surrogatepass")
+        if value is None:
+            return None
+        return _decoded(value, f"its {name}").decode("utf-8", "surrogatepass")
 
-    return Message(
-        queue=field("queue") or "",
-        consumer=field("consumer") or "",
-        job_id=field("job_id") or "",
-        body=base64.b64decode(wrapper["data"]),
-        tenant_id=field("tenant_id"),
-        correlation_id=field("correlation_id"),
-    )
+    try:
+        return Message(
+            queue=field("queue") or "",
+            consumer=field("consumer") or "",
+            job_id=field("job_id") or "",
+            body=_decoded(wrapper.get("data"), "its data"),
+            tenant_id=field("tenant_id"),
+            correlation_id=field("correlation_id"),
+        )
+    except UnicodeDecodeError:
+        raise MalformedPayload("an identifier is not UTF-8") from None
 
 
 def original_body(payload_text: str, encoding: str) -> bytes:
@@ -194,7 +225,7 @@ def original_body(payload_text: str, encoding: str) -> bytes:
     key order, so the bytes may differ while the document is equal).
     """
     if encoding in (PAYLOAD_BASE64, PAYLOAD_MESSAGE):
-        return base64.b64decode(json.loads(payload_text)["data"])
+        return _decoded(_wrapper(payload_text, encoding).get("data"), "its data")
     if encoding == PAYLOAD_JSON:
         return payload_text.encode("utf-8")
     raise ValueError(f"unknown payload encoding {encoding!r}")

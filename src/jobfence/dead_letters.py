@@ -12,7 +12,13 @@ from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
 from jobfence import outbox, tracing
-from jobfence.codec import PAYLOAD_MESSAGE, identifier_problem, original_body, original_message
+from jobfence.codec import (
+    PAYLOAD_MESSAGE,
+    MalformedPayload,
+    identifier_problem,
+    original_body,
+    original_message,
+)
 from jobfence.errors import DeadLetterConflict, DeadLetterNotFound, DeadLetterNotReplayable
 from jobfence.harness import SQL
 from jobfence.model import Message
@@ -98,17 +104,22 @@ def replay_message(row: Mapping[str, Any]) -> Message:
     A dead letter that kept its whole message (``payload_encoding`` ``message``) gives back
     that message, identifiers as they were; if one of them breaks a limit the message can
     never be fenced, and :class:`~jobfence.DeadLetterNotReplayable` is raised instead."""
-    if row["payload_encoding"] == PAYLOAD_MESSAGE:
-        message = original_message(row["payload_text"])
-        problem = identifier_problem(message)
-        if problem is not None:
-            raise DeadLetterNotReplayable(row.get("id", row.get("dead_letter_id", 0)), problem)
-        return message
+    dead_letter_id = row.get("id", row.get("dead_letter_id", 0))
+    try:
+        if row["payload_encoding"] == PAYLOAD_MESSAGE:
+            message = original_message(row["payload_text"])
+            problem = identifier_problem(message)
+            if problem is not None:
+                raise DeadLetterNotReplayable(dead_letter_id, problem)
+            return message
+        body = original_body(row["payload_text"], row["payload_encoding"])
+    except MalformedPayload as exc:  # a row written by hand
+        raise DeadLetterNotReplayable(dead_letter_id, str(exc), unreadable=True) from None
     return Message(
         queue=row["queue"],
         consumer=row["consumer"],
         job_id=row["job_id"],
-        body=original_body(row["payload_text"], row["payload_encoding"]),
+        body=body,
         tenant_id=row["tenant_id"],
         correlation_id=row["correlation_id"],
     )

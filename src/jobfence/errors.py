@@ -115,16 +115,24 @@ class DeadLetterConflict(JobfenceError):
 
 class DeadLetterNotReplayable(DeadLetterConflict):
     """The dead letter is pending, but its message can never be fenced (an identifier breaks a
-    limit: an ``UnfenceableMessage``): a replay would only dead-letter it again. Nothing was
-    changed; discard it with a reason once what it was is recorded."""
+    limit: an ``UnfenceableMessage``): a replay would only dead-letter it again. Or
+    (``unreadable``) its stored payload is not what its ``payload_encoding`` says (a row written
+    by hand), so there is no message to replay. Nothing was changed; discard it with a reason
+    once what it was is recorded."""
 
     __module__ = "jobfence"
 
-    def __init__(self, dead_letter_id: int, reason: str) -> None:
+    def __init__(self, dead_letter_id: int, reason: str, *, unreadable: bool = False) -> None:
+        why = (
+            f"its payload is not what its payload_encoding says ({reason}), so there is no"
+            " message to replay"
+            if unreadable
+            else f"its message can never be fenced ({reason}), so a replay would only"
+            " dead-letter it again"
+        )
         JobfenceError.__init__(
             self,
-            f"dead letter {dead_letter_id} cannot be replayed: its message can never be fenced"
-            f" ({reason}), so a replay would only dead-letter it again; nothing was changed."
+            f"dead letter {dead_letter_id} cannot be replayed: {why}; nothing was changed."
             f" Record what it was, then discard it with a reason",
         )
         self.dead_letter_id = dead_letter_id

@@ -243,6 +243,9 @@ async def _take_chunk(
         left = await cur.fetchone()
         if left is None or not next(iter(left.values())):
             return None
+        await cur.execute(SQL["bulk_fail_orphans"], {"id": bulk_id})
+        if cur.rowcount:
+            return []  # look again: what is left may be none
         await cur.execute(SQL["lock_timeout"])
         found = await cur.fetchone()
         assert found is not None

@@ -8,12 +8,12 @@ from typing import Any
 from psycopg import AsyncConnection
 
 from jobfence._sql import Queries
-from jobfence.codec import original_body
+from jobfence.codec import MalformedPayload, original_body
 from jobfence.dead_letters import (
     DeadLetter,
     get_dead_letter,
 )
-from jobfence.errors import DeadLetterNotFound
+from jobfence.errors import DeadLetterNotFound, DeadLetterNotReplayable
 
 SQL = Queries("jobfence.sql", "ops.sql")
 
@@ -41,7 +41,10 @@ async def payload_body(conn: AsyncConnection[Any], dead_letter_id: int) -> bytes
     row = await cur.fetchone()
     if row is None:
         raise DeadLetterNotFound(f"no dead letter with id {dead_letter_id}")
-    return original_body(row[0], row[1])
+    try:
+        return original_body(row[0], row[1])
+    except MalformedPayload as exc:  # a row written by hand: no bytes a replay could publish
+        raise DeadLetterNotReplayable(dead_letter_id, str(exc), unreadable=True) from None
 
 
 async def show_dead_letter_json(conn: AsyncConnection[Any], dead_letter_id: int) -> str:

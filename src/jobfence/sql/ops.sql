@@ -208,6 +208,15 @@ SELECT current_setting('lock_timeout') AS lock_timeout;
 -- For the rest of the transaction (or until set again).
 SELECT set_config('lock_timeout', %(value)s::text, true);
 
+-- name: bulk_fail_orphans
+-- A run's items that name no dead letter (written by hand: bulk_replay_items has no foreign
+-- key, and dead letters are never deleted) cannot be taken with their dead letter: each is
+-- failed, saying so, so that the run ends instead of looking for them for ever.
+UPDATE jobfence.bulk_replay_items i
+SET result = 'failed', detail = 'no dead letter has this id', processed_at = now()
+WHERE i.bulk_replay_id = %(id)s AND i.result IS NULL
+  AND NOT EXISTS (SELECT 1 FROM core.dead_letters d WHERE d.id = i.dead_letter_id);
+
 -- name: bulk_unprocessed
 -- Whether a run has items left, locked or not.
 SELECT EXISTS (SELECT 1 FROM jobfence.bulk_replay_items
