@@ -380,6 +380,7 @@ class OutboxRelay:
         self._in_flight: tuple[list[dict[str, Any]], asyncio.Future[list[Exception | None]]] | None
         self._in_flight = None
         self._recorded_limit: object = _UNRECORDED
+        self._adopted: QueueSetting | None = None
         self.stats = OutboxRelayStats()
         self.active = False
 
@@ -424,6 +425,8 @@ class OutboxRelay:
 
     async def _serve(self, conn: AsyncConnection[Any]) -> None:
         await ensure_migrated(conn)
+        if self._adopted is None:  # where the jobs went when this relay's queue was chosen
+            self._adopted = await queue_setting(conn)
         standby_logged = False
         while not await self._try_lock(conn):
             if not standby_logged:
@@ -432,6 +435,20 @@ class OutboxRelay:
             await self._sleep(self.settings.poll_seconds)
             if self._stopping.is_set():
                 return
+        # A move to another queue (jobfence migrate --queue-url) holds this lock while it
+        # changes the record: a relay that waited for it checks the record again, or it would
+        # publish the rows written for the new queue to the one left behind.
+        moved = await queue_setting(conn)
+        if moved != self._adopted:
+            await conn.execute(SQL["outbox_unlock"], {"key": RELAY_LOCK_KEY})
+            text = (
+                f"outbox relay: this database's jobs now go to {moved.kind} at"
+                f" {moved.location or 'this database'}, not to the {self._adopted.kind} queue"
+                " this relay publishes to (the database was moved while it waited): it stops;"
+                " start it again with the new queue URL"
+            )
+            log.error(text)
+            raise ConfigError(text)
         self.active = True
         # Nothing the relay writes needs to wait for the disk: a commit lost in a crash of the
         # server is a row published again (fenced where it is consumed), a claim that lapses,

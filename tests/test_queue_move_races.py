@@ -1,0 +1,107 @@
+"""A move of the database to another queue (``jobfence migrate --queue-url``) racing the
+processes that publish: nothing is published where no worker reads any more."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import AsyncConnection
+
+import pointsapp
+from jobfence.errors import ConfigError
+from jobfence.outbox import OutboxRelay, OutboxRelaySettings, queue_setting, record_queue
+from jobfence.queue_record import move_queue
+from jobfence.queues import open_broker, parse_queue_url
+from support import scalar, wait_until
+
+AWARD = "award_points"
+
+
+@pytest.fixture
+async def points(conn: AsyncConnection[Any]) -> AsyncConnection[Any]:
+    await conn.execute(pointsapp.SCHEMA_SQL)
+    return conn
+
+
+async def _waits_on_lock(watcher: AsyncConnection[Any], other: AsyncConnection[Any]) -> bool:
+    return bool(
+        await scalar(
+            watcher,
+            "SELECT count(*) FROM pg_stat_activity WHERE pid = %s AND wait_event_type = 'Lock'",
+            (other.info.backend_pid,),
+        )
+    )
+
+
+async def _relay_standing_by(watcher: AsyncConnection[Any]) -> bool:
+    """A relay's session is connected and polls the relay lock (which the move holds)."""
+    return bool(
+        await scalar(
+            watcher,
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+            " AND pid <> pg_backend_pid() AND state = 'idle'"
+            " AND query LIKE '%pg_try_advisory_lock%'",
+        )
+    )
+
+
+async def test_a_relay_standing_by_during_a_move_never_publishes_to_the_broker_left_behind(
+    points: AsyncConnection[Any], database_url: str, redis_url: str
+) -> None:
+    """A relay that starts while a move from one Redis prefix to another runs passes its
+    start-up comparison (the record still names the old one) and stands by on the relay lock,
+    which the move holds. Before, it took the lock when the move let go and published the rows
+    written for the new broker to the old one, where no worker reads. Now it checks the record
+    again once it holds the lock, and stops with one ERROR: the rows stay in the outbox."""
+    base = redis_url.split("?", maxsplit=1)[0]
+    old = parse_queue_url(f"{base}?prefix=jfmove-old-{uuid.uuid4().hex[:8]}")
+    new = parse_queue_url(f"{base}?prefix=jfmove-new-{uuid.uuid4().hex[:8]}")
+    await record_queue(points, old.kind, old.location)
+    old_queue = await open_broker(old)  # the relay's queue, adopted before the move
+    new_queue = await open_broker(new)
+    relay = OutboxRelay(database_url, old_queue, settings=OutboxRelaySettings(poll_seconds=0.05))
+    relay_task: asyncio.Task[Any] | None = None
+    try:
+        async with await psycopg.AsyncConnection.connect(database_url) as blocker:
+            # Keeps the move inside its critical section, holding the relay lock:
+            # jobfence.set_queue reads the settings row FOR UPDATE.
+            await blocker.execute("SELECT 1 FROM jobfence.settings FOR UPDATE")
+            async with await psycopg.AsyncConnection.connect(
+                database_url, autocommit=True
+            ) as mover:
+                move = asyncio.create_task(move_queue(mover, new, new_address=True))
+                await wait_until(
+                    lambda: _waits_on_lock(points, mover), message="the move to hold the lock"
+                )
+                relay_task = asyncio.create_task(relay.run())
+                await wait_until(
+                    lambda: _relay_standing_by(points), message="the relay to stand by"
+                )
+                assert not relay.active
+                await blocker.rollback()
+                try:
+                    assert await asyncio.wait_for(move, 20) is True
+                finally:
+                    move.cancel()
+        assert (await queue_setting(points)).location == new.location
+        app = pointsapp.build_app()
+        await app.enqueue(points, AWARD, {"account_id": 1, "points": 1}, job_id="after-move")
+
+        with pytest.raises(ConfigError) as stopped:
+            await asyncio.wait_for(relay_task, 20)
+        assert "the database was moved while it waited" in str(stopped.value)
+        assert await old_queue.backlog([pointsapp.QUEUE]) == 0
+        assert await scalar(points, "SELECT job_id FROM jobfence.outbox") == "after-move"
+    finally:
+        relay.stop()
+        if relay_task is not None and not relay_task.done():
+            relay_task.cancel()
+            with contextlib.suppress(BaseException):
+                await relay_task
+        await old_queue.close()
+        await new_queue.close()
