@@ -11,13 +11,18 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg import AsyncConnection
+from psycopg_pool import AsyncConnectionPool
 
 import pointsapp
+from jobfence import PrometheusMetrics
+from jobfence.adapters.pg_queue import PgQueue
+from jobfence.dead_letters import replay_dead_letter
 from jobfence.errors import ConfigError
 from jobfence.outbox import OutboxRelay, OutboxRelaySettings, queue_setting, record_queue
 from jobfence.queue_record import move_queue
 from jobfence.queues import open_broker, parse_queue_url
 from support import scalar, wait_until
+from test_acceptance_harness import dead_letter_ids, run_worker
 
 AWARD = "award_points"
 
@@ -105,3 +110,54 @@ async def test_a_relay_standing_by_during_a_move_never_publishes_to_the_broker_l
                 await relay_task
         await old_queue.close()
         await new_queue.close()
+
+
+async def _replay_waits_on_the_move(watcher: AsyncConnection[Any]) -> bool:
+    return bool(
+        await scalar(
+            watcher,
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+            " AND datname = current_database()",
+        )
+    )
+
+
+async def _one_dead_letter(pool: AsyncConnectionPool[Any], points: AsyncConnection[Any]) -> int:
+    app = pointsapp.build_app()
+    await app.enqueue(points, AWARD, {"account_id": 1, "points": 1, "mode": "hard"}, job_id="dl")
+    stats = await run_worker(app, pool, PrometheusMetrics())
+    assert stats.outcomes == {"dead_lettered": 1}
+    [dl_id] = await dead_letter_ids(points, "dl")
+    return int(dl_id)
+
+
+async def test_a_replay_racing_the_move_to_a_broker_writes_the_new_queues_outbox(
+    pool: AsyncConnectionPool[Any], points: AsyncConnection[Any], database_url: str
+) -> None:
+    """An operator replays a dead letter from a process whose queue is the PostgreSQL one
+    while another moves the database to a broker. Before, the replay's publish waited for the
+    move's lock and then inserted into jobfence_queue.messages all the same: the dead letter
+    said ``replayed`` and its job sat in a table no worker reads. Now it reads the record once
+    the move is over, as a producer does, and writes the outbox of the new queue."""
+    dl_id = await _one_dead_letter(pool, points)
+    queue = PgQueue(pool)  # the Ops process's queue, adopted while the database was on PostgreSQL
+    try:
+        async with await psycopg.AsyncConnection.connect(database_url) as mover:
+            await record_queue(mover, "rabbitmq", "amqp://broker/")  # the move, not committed
+            replay = asyncio.create_task(
+                replay_dead_letter(pool, queue, dl_id, resolved_by="operator-b")
+            )
+            await wait_until(
+                lambda: _replay_waits_on_the_move(points),
+                message="the replay to wait for the move",
+            )
+            await mover.commit()
+            result = await asyncio.wait_for(replay, 10)
+    finally:
+        await queue.close()
+    assert result.published
+    assert (await queue_setting(points)).kind == "rabbitmq"
+    status = await scalar(points, "SELECT status FROM core.dead_letters WHERE id = %s", (dl_id,))
+    assert status == "replayed"
+    assert await scalar(points, "SELECT count(*) FROM jobfence_queue.messages") == 0
+    assert await scalar(points, "SELECT job_id FROM jobfence.outbox") == "dl"

@@ -165,7 +165,7 @@ def test_printed_sql_applied_with_psql_gives_the_same_schema_as_jobfence_migrate
     by_migrate = _catalog(second_empty_database_url)
     for part in CATALOG_QUERIES:
         assert by_psql[part] == by_migrate[part], part
-    assert len(by_psql["triggers"]) == 4 and len(by_psql["functions"]) == 16
+    assert len(by_psql["triggers"]) == 4 and len(by_psql["functions"]) == 17
 
     # jobfence recognises the hand-applied schema: nothing to apply, and workers may start.
     again = _cli("migrate", url=empty_database_url)

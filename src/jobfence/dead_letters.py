@@ -173,17 +173,27 @@ async def publish_with(
     *,
     actor: str,
     failed: str | None,
+    external: bool | None = None,
 ) -> None:
     """A replay's publish inside the transaction on ``conn`` that marks its dead letter
     ``replayed``: on the queue itself when it is transactional, else as an outbox row.
+
+    On the PostgreSQL queue, where the database's jobs go is read first
+    (:func:`outbox.external_after_moves`), as a producer's statement reads it: a replay that
+    raced ``jobfence migrate --queue-url`` away from it writes the outbox of the new queue, not
+    the table no worker reads any more. ``external``: what an earlier call in the same
+    transaction read (a bulk replay's chunk reads it once).
 
     It runs under a ``replay`` span with the ``actor``, linked to the failed attempt's span
     (``failed``: the dead letter's traceparent); the message carries the replay's context."""
     with tracing.replay(message, failed=failed, actor=actor) as traced:
         if queue.capabilities.transactional:
-            await queue.publish(traced, tx=conn)
-        else:
-            await outbox.write(conn, traced)
+            if external is None:
+                external = await outbox.external_after_moves(conn)
+            if not external:
+                await queue.publish(traced, tx=conn)
+                return
+        await outbox.write(conn, traced)
 
 
 async def discard_dead_letter(

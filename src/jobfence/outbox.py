@@ -190,6 +190,18 @@ async def queue_setting(conn: AsyncConnection[Any]) -> QueueSetting:
     return QueueSetting(kind=row[0], location=row[1])
 
 
+async def external_after_moves(conn: AsyncConnection[Any]) -> bool:
+    """Whether this database's jobs go to an external queue, read in the transaction open on
+    ``conn`` once a move away from the PostgreSQL queue is over (``jobfence migrate
+    --queue-url`` locks its table while it changes the record): what a write to the queue
+    table must check first. The lock is held to the commit, so no such move starts before
+    then either."""
+    cur = await conn.execute(SQL["queue_kind_after_moves"])
+    row = await cur.fetchone()
+    assert row is not None
+    return bool(row[0] != POSTGRESQL)
+
+
 async def record_queue(conn: AsyncConnection[Any], kind: str, location: str | None) -> str:
     """Make ``kind`` where this database's producers send jobs; returns the kind before.
 

@@ -22,6 +22,7 @@ from jobfence.errors import DeadLetterNotReplayable
 from jobfence.ops.errors import BulkReplayNotFound, BulkTooLarge, InvalidRequest
 from jobfence.ops.filters import DeadLetterFilter
 from jobfence.ops.listing import count_dead_letters
+from jobfence.outbox import external_after_moves
 from jobfence.ports import QueuePort
 
 SQL = Queries("jobfence.sql", "ops.sql")
@@ -290,6 +291,7 @@ async def _run_chunks(
             results: list[str] = []
             details: list[str | None] = []
             to_mark: list[int] = []
+            external: bool | None = None  # where jobs go, read once per chunk (publish_with)
             for row in rows:
                 ids.append(row["dead_letter_id"])
                 if row["status"] != "pending_review":
@@ -307,7 +309,11 @@ async def _run_chunks(
                     results.append("failed")
                     details.append(str(exc)[:500])
                     continue
-                await publish_with(conn, queue, message, actor=actor, failed=row["traceparent"])
+                if external is None and queue.capabilities.transactional:
+                    external = await external_after_moves(conn)
+                await publish_with(
+                    conn, queue, message, actor=actor, failed=row["traceparent"], external=external
+                )
                 results.append("replayed")
                 details.append(None)
                 to_mark.append(row["dead_letter_id"])

@@ -163,6 +163,11 @@ SELECT pg_advisory_unlock(%(key)s::bigint);
 -- name: queue_setting
 SELECT queue_kind, queue_location FROM jobfence.settings;
 
+-- name: queue_kind_after_moves
+-- The record's queue kind once a move away from the PostgreSQL queue is over (migration 0024);
+-- the lock it takes is held to the commit of the transaction that asks.
+SELECT jobfence.queue_kind_after_moves();
+
 -- name: broker_queues
 -- The queues the outbox relay published to on this database's broker (migration 0017).
 SELECT queue FROM jobfence.broker_queues ORDER BY queue;

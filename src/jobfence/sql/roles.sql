@@ -91,6 +91,7 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON jobfence.outbox TO {worker};
 -- queue it reads only what /metrics counts, never a payload.
 GRANT USAGE ON SCHEMA jobfence, core, jobfence_queue TO {ops};
 GRANT SELECT ON jobfence.schema_migrations, jobfence.settings TO {ops};
+GRANT EXECUTE ON FUNCTION jobfence.queue_kind_after_moves() TO {ops};  -- a replay's publish
 GRANT SELECT, UPDATE (status, discard_reason, resolved_at, resolved_by)
     ON core.dead_letters TO {ops};
 GRANT SELECT (job_id, consumer) ON core.processed_jobs TO {ops};  -- "is it fenced?"
