@@ -12,10 +12,12 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg import errors
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
 from jobfence import PgQueue, ops
+from jobfence.alerts import record_dead_letter_alerts
 from jobfence.ops import DeadLetterFilter
 from support import run_jobfence, scalar
 from test_api_support import PREFIX, assert_problem, auth, running_api
@@ -128,4 +130,80 @@ async def test_a_bulk_replay_item_that_names_no_dead_letter_is_failed_and_the_ru
     assert await cur.fetchall() == [
         (good, "replayed", None),
         (999999, "failed", "no dead letter has this id"),
+    ]
+
+
+@pytest.mark.parametrize(
+    "created_at",
+    [
+        "294276-01-01 00:00:00+00",
+        "4713-01-01 00:00:00+00 BC",
+        "10000-01-01 00:00:00+00",
+        "2100-01-01",
+    ],
+    ids=["end-of-postgresql", "before-year-1", "past-year-9999", "in-2100"],
+)
+async def test_a_dead_letter_dated_where_no_reader_could_follow_is_refused_even_from_a_superuser(
+    conn: psycopg.AsyncConnection[Any], created_at: str
+) -> None:
+    """Before, one such row made every ``jobfence dead-letters list`` fail (Python's dates end
+    at 9999), made the API's pages loop (a BC date rendered without its era) or fail, made the
+    alert relay fail every round for every key (near the end of the range), or (2100) opened
+    an alert group whose window ended then, which every later dead letter of its key joined,
+    none paged. Now the table refuses it, as it refuses a status it does not know."""
+    assert await scalar(conn, "SELECT rolsuper FROM pg_roles WHERE rolname = current_user")
+    with pytest.raises(errors.CheckViolation, match="dead_letters_created_at_check"):
+        await conn.execute(
+            "INSERT INTO core.dead_letters (job_id, queue, consumer, payload, attempts,"
+            " last_error, error_class, created_at) VALUES ('odd', 'loyalty', 'award_points',"
+            " '{}', 1, 'Hard: x', 'Hard', %s::timestamptz)",
+            (created_at,),
+        )
+    # A dead letter written now, or dated back (an import of older ones), is taken, alert and all.
+    for when in ("now()", "'2001-01-01'"):
+        dl_id = await scalar(
+            conn,
+            "INSERT INTO core.dead_letters (job_id, queue, consumer, payload, attempts,"
+            f" last_error, error_class, created_at) VALUES ('fine-' || {when}::text, 'loyalty',"
+            f" 'award_points', '{{}}', 1, 'Hard: x', 'Hard', {when}) RETURNING id",
+        )
+        await record_dead_letter_alerts(conn, [int(dl_id)])
+    with pytest.raises(errors.CheckViolation, match="alert_outbox_created_at_check"):
+        await conn.execute(
+            "INSERT INTO jobfence.alert_outbox (dead_letter_id, queue, consumer, error_class,"
+            " created_at) VALUES (999, 'loyalty', 'award_points', 'Hard', %s::timestamptz)",
+            (created_at,),
+        )
+
+
+async def test_the_date_checks_stay_not_valid_with_a_warning_when_a_row_already_breaks_them(
+    database_url: str, conn: psycopg.AsyncConnection[Any]
+) -> None:
+    """``jobfence migrate`` on a database that already holds such a dead letter does not fail
+    the deploy: the check stays NOT VALID (new rows are still checked), with its WARNING."""
+    await conn.execute(
+        "ALTER TABLE core.dead_letters DROP CONSTRAINT dead_letters_created_at_check;"
+        " ALTER TABLE jobfence.alert_outbox DROP CONSTRAINT alert_outbox_created_at_check;"
+        " DELETE FROM jobfence.schema_migrations WHERE version = 25"
+    )
+    await conn.execute(
+        "INSERT INTO core.dead_letters (job_id, queue, consumer, payload, attempts, last_error,"
+        " error_class, created_at) VALUES ('old', 'loyalty', 'award_points', '{}', 1, 'x', 'X',"
+        " '2100-01-01')"
+    )
+    result = await asyncio.to_thread(run_jobfence, database_url, "migrate")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "applied 0025_dead_letter_dates\n"
+    assert (
+        "WARNING jobfence.schema: jobfence: core.dead_letters holds rows whose created_at is"
+        " before year 1 or more than a day ahead: check dead_letters_created_at_check stays NOT"
+        " VALID (new and updated rows are checked); validate it once they are gone"
+    ) in result.stderr
+    cur = await conn.execute(
+        "SELECT conname, convalidated FROM pg_constraint WHERE conname IN"
+        " ('dead_letters_created_at_check', 'alert_outbox_created_at_check') ORDER BY conname"
+    )
+    assert await cur.fetchall() == [
+        ("alert_outbox_created_at_check", True),
+        ("dead_letters_created_at_check", False),
     ]
