@@ -920,9 +920,9 @@ async def test_a_commit_that_fails_while_the_next_job_waits_fails_that_job_alone
     chained: list[str] = []  # how each chained COMMIT ended
     original = Tx.commit_then_begin
 
-    async def observed(self: Tx, query: Any, params: Any) -> Any:
+    async def observed(self: Tx, query: Any, params: Any, check: Any = None) -> Any:
         try:
-            result = await original(self, query, params)
+            result = await original(self, query, params, check)
         except Exception as exc:
             chained.append(type(exc).__name__)
             raise

@@ -451,6 +451,28 @@ def test_a_handler_that_ends_or_dooms_its_transaction_fails_and_the_worker_goes_
     assert points(django_db, "fine") == 1
 
 
+def test_a_handler_that_rolls_back_and_begins_again_with_sql_applies_nothing_twice(
+    django_db: str,
+) -> None:
+    """A handler that sends ROLLBACK and BEGIN and writes again: the transaction it returns in
+    does not hold the fence, so nothing of it commits; the job is dead-lettered, and its
+    redelivery is not applied either."""
+    job = {"account": "ann", "amount": 1, "misuse": "rollback_begin_sql"}
+    shell(django_db, enqueue_code(("again", job), ("again", job), ("fine", job | {"misuse": ""})))
+    done = manage(django_db, "jobfence_worker", "--until", "empty", "--concurrency", "1")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "worker stopped: dead_lettered 2, succeeded 1, released 0" in done.stdout, done.stdout
+    with psycopg.connect(django_db) as conn:
+        found = conn.execute(
+            "SELECT job_id, attempts, error_class, last_error FROM core.dead_letters"
+        )
+        [(job_id, attempts, error_class, last_error)] = found.fetchall()
+    assert (job_id, attempts, error_class) == ("again", 1, "jobfence.TransactionMisuse")
+    assert "ended the fence transaction itself" in last_error and "began another" in last_error
+    assert points(django_db, "again") == 0
+    assert points(django_db, "fine") == 1
+
+
 SWALLOWED = (
     ("swallow_tx_commit", "commit"),
     ("swallow_tx_rollback", "rollback"),

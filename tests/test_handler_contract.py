@@ -265,3 +265,91 @@ async def test_group_commit_a_job_swallowing_a_refused_call_is_dead_lettered_oth
         assert await fences(points, job_id) == 1
     await assert_dead_lettered_with_nothing_applied(points, "g-bad", "rollback")
     assert await balance(points, 1) == 8
+
+
+# -- a handler that ends the fence transaction and begins another with SQL --------------------
+#
+# A statement cannot be refused before it runs, and a new BEGIN leaves the connection "in
+# transaction" again: what jobfence checks at the commit is that the transaction it commits
+# holds the job's fence. The same job is delivered twice (a redelivery): before that check,
+# both deliveries ran the work after the BEGIN, committed and counted as succeeded.
+
+RESTARTS = {"rollback-begin": ("ROLLBACK", "BEGIN"), "commit-begin": ("COMMIT", "BEGIN")}
+
+
+def restarting_handler(flavour: str, statements: tuple[str, ...]) -> Any:
+    async def award(payload: pointsapp.Award, job: JobMeta, tx: AsyncConnection[Any]) -> None:
+        for statement in statements:
+            await tx.execute(statement)
+        await pointsapp.apply_award(payload, job, tx)
+
+    def award_sync(payload: pointsapp.Award, job: JobMeta, tx: psycopg.Connection[Any]) -> None:
+        for statement in statements:
+            tx.execute(statement)
+        pointsapp.apply_award_sync(payload, job, tx)
+
+    return award if flavour.startswith("async") else award_sync
+
+
+@pytest.mark.parametrize("restart", sorted(RESTARTS))
+@pytest.mark.parametrize("flavour", ["async", "sync", "async-group", "sync-group"])
+async def test_a_handler_that_ends_its_transaction_and_begins_another_applies_nothing_twice(
+    pool: AsyncConnectionPool[Any], points: AsyncConnection[Any], flavour: str, restart: str
+) -> None:
+    """Each delivery fails as TransactionMisuse: what ran after the BEGIN rolls back, the job is
+    dead-lettered once, and the balance moves by nothing, however many times it comes."""
+    group = {"jobs_per_transaction": 5} if flavour.endswith("group") else {}
+    app = app_with(restarting_handler(flavour, RESTARTS[restart]), **group)
+    job_id = f"restart-{flavour}-{restart}"
+    for _ in range(2):  # the job and its redelivery, fetched in one batch
+        await app.enqueue(points, CONSUMER, {"account_id": 1, "points": 2}, job_id=job_id)
+    stats = await run_worker(app, pool, PrometheusMetrics(), concurrency=1, batch_size=5)
+
+    assert "succeeded" not in stats.outcomes, dict(stats.outcomes)
+    assert await queued(points) == 0
+    assert await awards(points, job_id) == 0
+    assert await balance(points, 1) == 0
+    # After a ROLLBACK nothing committed; after a COMMIT the fence committed (with no work).
+    assert await fences(points, job_id) == int(restart == "commit-begin")
+    if flavour.endswith("group") and restart == "commit-begin":
+        # The group rolled back, and each job run alone found the fence its COMMIT committed:
+        # a duplicate, as after a bare COMMIT in a group.
+        assert dict(stats.outcomes) == {"duplicate": 2}
+        return
+    [dl_id] = await dead_letter_ids(points, job_id)
+    dl = await get_dead_letter(points, dl_id)
+    assert (dl.attempts, dl.error_class) == (1, MISUSE)
+    assert "the handler ended the fence transaction itself" in dl.last_error, dl.last_error
+
+
+@pytest.mark.parametrize("flavour", ["async", "sync"])
+async def test_a_job_after_one_that_began_another_transaction_runs_once(
+    pool: AsyncConnectionPool[Any], points: AsyncConnection[Any], flavour: str
+) -> None:
+    """The next job waiting in the batch (whose BEGIN and fence would go with the commit) is not
+    lost or applied twice when the commit before it is refused."""
+    bad = restarting_handler(flavour, RESTARTS["rollback-begin"])
+
+    async def award(payload: pointsapp.Award, job: JobMeta, tx: AsyncConnection[Any]) -> None:
+        if job.job_id == "chain-bad":
+            await bad(payload, job, tx)
+        else:
+            await pointsapp.apply_award(payload, job, tx)
+
+    def award_sync(payload: pointsapp.Award, job: JobMeta, tx: psycopg.Connection[Any]) -> None:
+        if job.job_id == "chain-bad":
+            bad(payload, job, tx)
+        else:
+            pointsapp.apply_award_sync(payload, job, tx)
+
+    app = app_with(award if flavour == "async" else award_sync)
+    for job_id in ("chain-bad", "chain-good", "chain-bad", "chain-good-2"):
+        await app.enqueue(points, CONSUMER, {"account_id": 1, "points": 2}, job_id=job_id)
+    stats = await run_worker(app, pool, PrometheusMetrics(), concurrency=1, batch_size=5)
+
+    assert stats.outcomes["succeeded"] == 2, dict(stats.outcomes)
+    assert await awards(points, "chain-bad") == 0
+    assert await awards(points, "chain-good") == 1
+    assert await awards(points, "chain-good-2") == 1
+    assert await balance(points, 1) == 4
+    assert len(await dead_letter_ids(points, "chain-bad")) == 1

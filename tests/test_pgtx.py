@@ -15,7 +15,8 @@ import pytest
 from psycopg import AsyncConnection
 from psycopg.pq import TransactionStatus
 
-from jobfence.pgtx import NextBeginFailed, Tx, begin_with
+from jobfence.pgtx import CommitRefused, NextBeginFailed, Tx, begin_with
+from jobfence.sync import FenceConnection, _commit_checked
 from support import scalar
 
 INSERT = "INSERT INTO t (id) VALUES (%(id)s) ON CONFLICT DO NOTHING RETURNING id"
@@ -171,3 +172,108 @@ async def test_when_the_commit_fails_its_error_is_raised_and_nothing_is_begun(
     async with begin_with(table, INSERT, {"id": 52}):
         pass
     assert await scalar(table, "SELECT count(*) FROM t WHERE id = 52") == 1
+
+
+# -- a check sent ahead of the COMMIT, in the same round trip ----------------------------------
+#
+# The check fails by reading a setting named "jobfence: <reason>" (as fence_held does): the
+# server skips the COMMIT, the transaction is rolled back, CommitRefused is raised. Each way the
+# pipeline can fail is told apart: the check, the COMMIT itself, the next transaction's first
+# statement.
+
+REFUSE = "SELECT CASE WHEN %(ok)s THEN 'held' ELSE current_setting('jobfence: not this one') END"
+
+
+async def test_a_failing_check_refuses_the_commit_and_nothing_commits(
+    table: AsyncConnection[Any], database_url: str
+) -> None:
+    tx, _ = await Tx.begin(table, INSERT, {"id": 60})
+    await table.execute("UPDATE t SET v = 6 WHERE id = 1")
+    with pytest.raises(CommitRefused, match="not this one") as caught:
+        await tx.commit((REFUSE, {"ok": False}))
+    assert isinstance(caught.value.__cause__, psycopg.errors.UndefinedObject)
+    assert table.info.transaction_status == TransactionStatus.IDLE
+    assert table._pipeline is None and table._num_transactions == 0
+    assert await other_sees(database_url, "SELECT count(*) FROM t WHERE id = 60") == 0
+    assert await other_sees(database_url, "SELECT v FROM t WHERE id = 1") == 0
+    async with begin_with(table, INSERT, {"id": 61}):  # the connection goes on as usual
+        pass
+    assert await scalar(table, "SELECT count(*) FROM t WHERE id = 61") == 1
+
+
+async def test_a_passing_check_commits_as_a_plain_commit(table: AsyncConnection[Any]) -> None:
+    tx, _ = await Tx.begin(table, INSERT, {"id": 62})
+    await tx.commit((REFUSE, {"ok": True}))
+    assert table.info.transaction_status == TransactionStatus.IDLE
+    assert await scalar(table, "SELECT count(*) FROM t WHERE id = 62") == 1
+
+
+async def test_a_failing_check_before_a_chained_begin_commits_neither_and_is_not_next_begin_failed(
+    table: AsyncConnection[Any], database_url: str
+) -> None:
+    first, _ = await Tx.begin(table, INSERT, {"id": 70})
+    with pytest.raises(CommitRefused):
+        await first.commit_then_begin(INSERT, {"id": 71}, (REFUSE, {"ok": False}))
+    assert table.info.transaction_status == TransactionStatus.IDLE
+    assert table._pipeline is None and table._num_transactions == 0
+    assert await other_sees(database_url, "SELECT count(*) FROM t WHERE id IN (70, 71)") == 0
+    async with begin_with(table, INSERT, {"id": 72}):
+        pass
+    assert await scalar(table, "SELECT count(*) FROM t WHERE id = 72") == 1
+
+
+async def test_with_a_passing_check_a_failed_commit_and_a_failed_next_begin_stay_apart(
+    table: AsyncConnection[Any],
+) -> None:
+    passing = (REFUSE, {"ok": True})
+    # The next transaction's first statement fails: this one committed.
+    first, _ = await Tx.begin(table, INSERT, {"id": 80})
+    with pytest.raises(NextBeginFailed):
+        await first.commit_then_begin("INSERT INTO missing VALUES (%(id)s)", {"id": 1}, passing)
+    assert table.info.transaction_status == TransactionStatus.IDLE
+    assert await scalar(table, "SELECT count(*) FROM t WHERE id = 80") == 1
+    # The COMMIT itself fails (a deferred constraint): its error, nothing committed or begun.
+    await table.execute(
+        "CREATE TABLE child (parent int REFERENCES t (id) DEFERRABLE INITIALLY DEFERRED)"
+    )
+    second, _ = await Tx.begin(table, INSERT, {"id": 81})
+    await table.execute("INSERT INTO child VALUES (999)")
+    with pytest.raises(psycopg.errors.ForeignKeyViolation):
+        await second.commit_then_begin(INSERT, {"id": 82}, passing)
+    assert table.info.transaction_status == TransactionStatus.IDLE
+    assert await scalar(table, "SELECT count(*) FROM t WHERE id IN (81, 82)") == 0
+    third, _ = await Tx.begin(table, INSERT, {"id": 83})
+    await table.execute("INSERT INTO child VALUES (999)")
+    with pytest.raises(psycopg.errors.ForeignKeyViolation):
+        await third.commit(passing)
+    assert table.info.transaction_status == TransactionStatus.IDLE
+    assert await scalar(table, "SELECT count(*) FROM t WHERE id = 83") == 0
+
+
+@pytest.mark.parametrize("failure", ["check", "commit", "none"])
+async def test_the_sync_runner_sends_the_check_with_its_commit_and_tells_its_failures_apart(
+    table: AsyncConnection[Any], database_url: str, failure: str
+) -> None:
+    await table.execute(
+        "CREATE TABLE child (parent int REFERENCES t (id) DEFERRABLE INITIALLY DEFERRED)"
+    )
+    with FenceConnection.connect(database_url, autocommit=True) as conn:
+        tx = psycopg.Transaction(conn)
+        tx.__enter__()
+        conn.execute("INSERT INTO t (id) VALUES (90)")
+        if failure == "commit":
+            conn.execute("INSERT INTO child VALUES (999)")
+        check = (REFUSE, {"ok": failure != "check"})
+        if failure == "check":
+            with pytest.raises(CommitRefused):
+                _commit_checked(conn, tx, check)
+        elif failure == "commit":
+            with pytest.raises(psycopg.errors.ForeignKeyViolation):
+                _commit_checked(conn, tx, check)
+        else:
+            _commit_checked(conn, tx, check)
+        assert conn.info.transaction_status == TransactionStatus.IDLE
+        assert conn._pipeline is None and conn._num_transactions == 0
+        assert conn.execute("SELECT 1").fetchone() == (1,)  # usable
+    committed = await other_sees(database_url, "SELECT count(*) FROM t WHERE id = 90")
+    assert committed == int(failure == "none")

@@ -23,11 +23,15 @@ import psycopg
 from psycopg.pq import TransactionStatus
 
 from jobfence.errors import TransactionAborted, TransactionMisuse
+from jobfence.pgtx import refused_by_check
 
 ENDED_BY_HANDLER = (
     "the fence transaction is committed by jobfence, with the handler's work and its fence"
     " together; do not call {what}() on the connection (or session) a handler is given"
 )
+
+_ENDED_WITH_SQL = "the handler ended the fence transaction itself (a COMMIT or ROLLBACK statement)"
+_NEVER_BY_A_HANDLER = "the fence transaction is committed by jobfence, never by a handler"
 
 # The attribute of a psycopg connection that holds the guard of the job it is lent to (None
 # between jobs); its presence says the refusing shadows below are installed on it.
@@ -187,7 +191,31 @@ def check_still_open(status: TransactionStatus, closed: bool) -> None:
         )
     if status != TransactionStatus.INTRANS:
         raise TransactionMisuse(
-            "the handler ended the fence transaction itself (a COMMIT or ROLLBACK statement):"
-            " what it did up to there committed or rolled back with the fence, and anything after"
-            " ran outside it; the fence transaction is committed by jobfence, never by a handler"
+            f"{_ENDED_WITH_SQL}: what it did up to there committed or rolled back with the fence,"
+            f" and anything after ran outside it; {_NEVER_BY_A_HANDLER}"
         )
+
+
+def not_held() -> TransactionMisuse:
+    """What a job fails with when the transaction its handler returned in is not the one that
+    holds its fence (the ``fence_held`` check sent with the COMMIT refused it)."""
+    return TransactionMisuse(
+        f"{_ENDED_WITH_SQL} and began another: what it did up to there committed or rolled back"
+        " with the fence, and what it did after, in a transaction without the fence, was rolled"
+        f" back; {_NEVER_BY_A_HANDLER}"
+    )
+
+
+def check_held_now(tx: object, check: tuple[Any, Any]) -> None:
+    """For a runner that commits on its own (not through :mod:`jobfence.pgtx` or
+    :class:`~jobfence.sync.PsycopgRunner`, which send the check with the COMMIT): run the
+    ``fence_held`` check on ``tx`` when it is a psycopg connection, before the runner commits.
+    One round trip more; its failure aborts the transaction, so nothing of it can commit."""
+    if not isinstance(tx, psycopg.Connection):
+        return
+    try:
+        tx.execute(*check)
+    except psycopg.Error as exc:
+        if refused_by_check(exc):
+            raise not_held() from None
+        raise

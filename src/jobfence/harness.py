@@ -53,7 +53,7 @@ from jobfence.codec import (
     unfenceable,
 )
 from jobfence.errors import HardFailure, PoisonMessage, QueueUnavailable
-from jobfence.guard import after_handler, guarded
+from jobfence.guard import after_handler, check_held_now, guarded, not_held
 from jobfence.limits import (
     MAX_ATTEMPT,
     UNFENCEABLE,
@@ -62,10 +62,10 @@ from jobfence.limits import (
     storable_text,
 )
 from jobfence.model import Delivery, JobMeta
-from jobfence.pgtx import NextBeginFailed, Tx
+from jobfence.pgtx import Check, CommitRefused, NextBeginFailed, Tx
 from jobfence.ports import MetricsSink, QueuePort
 from jobfence.retry import RetryPolicy
-from jobfence.sync import SyncExecutor
+from jobfence.sync import FenceConnection, PsycopgRunner, SyncExecutor
 
 log = logging.getLogger("jobfence.harness")
 
@@ -323,6 +323,20 @@ def _group_params(jobs: Sequence[Job]) -> dict[str, Any]:
     }
 
 
+def _held_check(jobs: Sequence[Job], fresh: Sequence[bool], query: Any = None) -> Check | None:
+    """The ``fence_held`` check to send with the COMMIT once a handler ran (None when none
+    did: a transaction of duplicates only). One fence suffices: a handler that ended the fence
+    transaction took all of them with it."""
+    for job, ran in zip(jobs, fresh, strict=True):
+        if ran:
+            meta = job.meta
+            return (
+                SQL["fence_held"] if query is None else query,
+                {"job_id": meta.job_id, "consumer": meta.consumer},
+            )
+    return None
+
+
 def _group_fresh(jobs: Sequence[Job], rows: Sequence[Sequence[object]]) -> list[bool]:
     """Which jobs of a group ``fence_insert_group`` inserted (its rows); the others, and the
     same key listed again in the group, are duplicates."""
@@ -501,7 +515,10 @@ class Harness:
         except BaseException as exc:
             await tx.rollback(exc)
             raise
-        await tx.commit()
+        try:
+            await tx.commit(_held_check(jobs, fresh))
+        except CommitRefused:
+            raise not_held() from None
         return fresh
 
     async def _sync_transaction(self, jobs: list[Job]) -> list[bool]:
@@ -517,6 +534,9 @@ class Harness:
         else:
             fence_sql, params = SQL.text("fence_insert_group"), _group_params(jobs)
         timings: list[tuple[JobMeta, float]] = []
+        # PsycopgRunner sends the fence_held check with its COMMIT; another runner commits on
+        # its own, so the check runs at the end of the work, a round trip more.
+        with_commit = isinstance(self.sync.runner, PsycopgRunner)
 
         def work(rows: Sequence[Sequence[object]], tx: object) -> list[bool]:
             """In the worker thread, inside the transaction, the fences inserted."""
@@ -537,10 +557,19 @@ class Harness:
                             " awaitable: declare it `async def` to get an AsyncConnection"
                         )
                     after_handler(tx, guard)
+            check = _held_check(jobs, fresh, SQL.text("fence_held"))
+            if check is None:
+                pass
+            elif with_commit and isinstance(tx, FenceConnection):
+                tx._jobfence_commit_check = check
+            else:
+                check_held_now(tx, check)
             return fresh
 
         try:
             return await self.sync.run(fence_sql, params, work)
+        except CommitRefused:
+            raise not_held() from None
         finally:
             for meta, seconds in list(timings):
                 self._metrics.handler_duration(meta.queue, meta.consumer, seconds)
@@ -670,17 +699,26 @@ class Harness:
             # the job committed; it fails the job like any other exception (docs/concepts.md).
             await tx.rollback(exc)
             raise
+        check = _held_check([job], [fresh])
         following = self._next_job(ahead)
         if following is None:
-            await tx.commit()
+            try:
+                await tx.commit(check)
+            except CommitRefused:
+                raise not_held() from None
             return fresh
         assert ahead is not None
         try:
-            next_tx, cur = await tx.commit_then_begin(SQL["fence_insert"], _fence_params(following))
+            next_tx, cur = await tx.commit_then_begin(
+                SQL["fence_insert"], _fence_params(following), check
+            )
             next_fresh = await cur.fetchone() is not None
         except NextBeginFailed:
             ahead.hold(following.delivery)  # committed; the next job starts on its own
             return fresh
+        except CommitRefused:
+            ahead.hold(following.delivery)  # nothing committed; the next job starts on its own
+            raise not_held() from None
         except BaseException:
             ahead.hold(following.delivery)
             raise  # this job's COMMIT failed, or its outcome went with the connection

@@ -10,6 +10,11 @@ and sends COMMIT alone at the end. On the job path both are round trips for noth
   first statement in one pipeline: a worker with another job waiting finishes one job and starts
   the next in a single round trip. Each job still has its own transaction.
 
+Both can send a *check* ahead of the COMMIT, in the same pipeline: a statement that fails when
+the transaction must not commit (``fence_held`` in ``core.sql``: the transaction still holds
+the job's fence). Its failure aborts the transaction, the server skips the COMMIT, the
+transaction is rolled back and :class:`CommitRefused` raised: the check costs no round trip.
+
 In between, a :class:`Tx` behaves like ``conn.transaction()``: statements run one at a time as
 usual (their ``rowcount`` and results as usual), ``conn.commit()`` inside it is refused, a nested
 ``conn.transaction()`` is a savepoint. :func:`begin_with` wraps it as a context manager that
@@ -25,7 +30,7 @@ savepoint (``tests/test_pgtx.py`` holds this to psycopg's behaviour).
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from typing import Any
 
 import psycopg
@@ -34,11 +39,35 @@ from psycopg.pq import TransactionStatus
 from psycopg.sql import SQL, Composed
 
 Query = str | bytes | SQL | Composed
+# A statement sent ahead of a COMMIT that fails when the transaction must not commit.
+Check = tuple[Query, Mapping[str, Any]]
+
+# A check fails by reading a setting named after its reason, "jobfence: <reason>": no setting
+# can have such a name, so the error is the check's own (tests/test_pgtx.py).
+_REFUSAL = 'unrecognized configuration parameter "jobfence: '
 
 
 class NextBeginFailed(Exception):
     """:meth:`Tx.commit_then_begin` committed, but the next transaction's first statement
     failed (it was rolled back); ``__cause__`` is that statement's error."""
+
+
+class CommitRefused(Exception):
+    """The check sent ahead of a COMMIT failed: the COMMIT was skipped and the transaction
+    rolled back, so nothing of it committed. ``__cause__`` is the check's error."""
+
+
+def refused_by_check(exc: BaseException) -> bool:
+    """``exc`` is the error of a check refusing a COMMIT (see :data:`Check`)."""
+    return isinstance(exc, psycopg.errors.UndefinedObject) and (
+        exc.diag.message_primary or ""
+    ).startswith(_REFUSAL)
+
+
+def refusal_reason(exc: BaseException) -> str:
+    """The reason a check gave, from its error."""
+    text = (getattr(getattr(exc, "diag", None), "message_primary", None) or "")[len(_REFUSAL) :]
+    return text.rstrip('"')
 
 
 class _Chained(psycopg.AsyncTransaction):
@@ -73,8 +102,24 @@ class Tx:
         trip; if the statement fails, the transaction is rolled back and the error raised."""
         return await cls._start(conn, psycopg.AsyncTransaction(conn), None, query, params)
 
-    async def commit(self) -> None:
-        await self._tx.__aexit__(None, None, None)
+    async def commit(self, check: Check | None = None) -> None:
+        """Commit; with ``check``, send it ahead of the COMMIT in one round trip and raise
+        :class:`CommitRefused` (the transaction rolled back) when it fails."""
+        if check is None:
+            await self._tx.__aexit__(None, None, None)
+            return
+        conn = self._conn
+        try:
+            async with conn.pipeline():
+                await conn.execute(*check)
+                await self._tx.__aexit__(None, None, None)  # queues COMMIT
+        except BaseException as exc:
+            if self._tx.status == self._tx.Status.ACTIVE:
+                await self._tx.__aexit__(type(exc), exc, exc.__traceback__)
+            await _end_aborted(conn)
+            if refused_by_check(exc):
+                raise CommitRefused(refusal_reason(exc)) from exc
+            raise
 
     async def rollback(self, exc: BaseException | None = None) -> bool:
         """Roll back; True when psycopg swallows ``exc`` (a :class:`psycopg.Rollback`)."""
@@ -83,15 +128,18 @@ class Tx:
         return await self._tx.__aexit__(type(exc), exc, exc.__traceback__)
 
     async def commit_then_begin(
-        self, query: Query, params: Mapping[str, Any]
+        self, query: Query, params: Mapping[str, Any], check: Check | None = None
     ) -> tuple[Tx, AsyncCursor[Any]]:
-        """Commit this transaction and open the next one with ``query`` as its first
-        statement, all in one round trip.
+        """Commit this transaction (``check`` first, as :meth:`commit` sends it) and open the
+        next one with ``query`` as its first statement, all in one round trip.
 
         If it raises :class:`NextBeginFailed`, this transaction committed and the next one
-        was rolled back. Any other exception leaves this transaction's outcome to the error:
-        the COMMIT failed (or the connection was lost, and with it the knowledge)."""
-        return await self._start(self._conn, _Chained(self._conn), self._tx, query, params)
+        was rolled back; :class:`CommitRefused`, neither committed. Any other exception
+        leaves this transaction's outcome to the error: the COMMIT failed (or the connection
+        was lost, and with it the knowledge)."""
+        return await self._start(
+            self._conn, _Chained(self._conn), self._tx, query, params, check=check
+        )
 
     @classmethod
     async def _start(
@@ -101,11 +149,15 @@ class Tx:
         previous: psycopg.AsyncTransaction | None,
         query: Query,
         params: Mapping[str, Any],
+        *,
+        check: Check | None = None,
     ) -> tuple[Tx, AsyncCursor[Any]]:
         entered = False
         try:
             async with conn.pipeline():
                 if previous is not None:
+                    if check is not None:
+                        await conn.execute(*check)
                     await previous.__aexit__(None, None, None)  # queues COMMIT
                 await tx.__aenter__()  # queues BEGIN
                 entered = True
@@ -113,15 +165,35 @@ class Tx:
         except BaseException as exc:
             # COMMIT done and BEGIN done: only the first statement failed. A failed COMMIT
             # ends the transaction and the pipeline skips what follows: the connection is idle.
+            # A failed check aborted this transaction: the server skipped all that followed, and
+            # the next one's ROLLBACK below ends the aborted one.
+            refused = check is not None and refused_by_check(exc)
             committed = (
-                previous is not None and conn.info.transaction_status == TransactionStatus.INERROR
+                previous is not None
+                and not refused
+                and conn.info.transaction_status == TransactionStatus.INERROR
             )
             if entered:
                 await tx.__aexit__(type(exc), exc, exc.__traceback__)
+            if refused:
+                await _end_aborted(conn)
+                raise CommitRefused(refusal_reason(exc)) from exc
             if committed and isinstance(exc, Exception):
                 raise NextBeginFailed(str(exc)) from exc
             raise
         return cls(conn, tx), cur
+
+
+async def _end_aborted(conn: AsyncConnection[Any]) -> None:
+    """Roll back what a skipped COMMIT left open on the server (psycopg already counts the
+    transaction as ended); a lost connection has nothing left to end."""
+    if conn.closed or conn.info.transaction_status not in (
+        TransactionStatus.INTRANS,
+        TransactionStatus.INERROR,
+    ):
+        return
+    with suppress(psycopg.Error):  # the connection went with it: the server rolls back
+        await psycopg.AsyncConnection.rollback(conn)
 
 
 @asynccontextmanager

@@ -22,15 +22,18 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 from typing import Any, Protocol, TypeVar
 
 import psycopg
+from psycopg.pq import TransactionStatus
 from psycopg.rows import TupleRow
 from psycopg_pool import ConnectionPool
 
 from jobfence import tracing
 from jobfence.db import looks_broken
 from jobfence.guard import check_still_open, refuse_on
+from jobfence.pgtx import Check, CommitRefused, refusal_reason, refused_by_check
 
 log = logging.getLogger("jobfence.sync")
 
@@ -58,6 +61,9 @@ class SyncTransactionRunner(Protocol):
        :class:`~jobfence.TransactionMisuse` when the handler ended it (committed, rolled back,
        closed the connection) and :class:`~jobfence.TransactionAborted` when a database error
        the handler caught aborted it;
+       (``work`` itself ends by checking, when ``tx`` is a psycopg connection, that the
+       transaction still holds the job's fence: a round trip, which :class:`PsycopgRunner`
+       saves by sending the check with its COMMIT);
     5. commit, and return ``work``'s result.
 
     On any exception in steps 2 to 5 it rolls back (when the connection still can) and
@@ -77,6 +83,9 @@ class FenceConnection(psycopg.Connection[TupleRow]):
     before anything is sent, so no part of the job can commit on its own."""
 
     _jobfence_lent = False
+    # What the harness asks to send ahead of this transaction's COMMIT (jobfence.pgtx.Check):
+    # set by the work of a job whose handler ran, read and cleared by PsycopgRunner.
+    _jobfence_commit_check: Check | None = None
 
     def commit(self) -> None:
         if self._jobfence_lent:
@@ -177,13 +186,38 @@ def _run_on(conn: FenceConnection, fence_sql: str, params: Mapping[str, Any], wo
             conn._jobfence_lent = False
         check_still_open(conn.info.transaction_status, conn.closed)
     except BaseException as exc:
+        conn._jobfence_commit_check = None
         if entered and not conn.closed:
             # Rolls back; a psycopg.Rollback is not swallowed: nothing of the job committed,
             # the fence included, so it fails the job like any other exception.
             tx.__exit__(type(exc), exc, exc.__traceback__)
         raise
-    tx.__exit__(None, None, None)
+    check, conn._jobfence_commit_check = conn._jobfence_commit_check, None
+    if check is None:
+        tx.__exit__(None, None, None)
+    else:
+        _commit_checked(conn, tx, check)
     return result
+
+
+def _commit_checked(conn: FenceConnection, tx: psycopg.Transaction, check: Check) -> None:
+    """``check``, then COMMIT, in one round trip (as :meth:`jobfence.pgtx.Tx.commit`): when
+    the check fails, the server skips the COMMIT; roll back and raise :class:`CommitRefused`."""
+    try:
+        with conn.pipeline():
+            conn.execute(*check)
+            tx.__exit__(None, None, None)  # queues COMMIT
+    except BaseException as exc:
+        if conn.closed:
+            raise
+        if tx.status == tx.Status.ACTIVE:
+            tx.__exit__(type(exc), exc, exc.__traceback__)
+        if conn.info.transaction_status in (TransactionStatus.INTRANS, TransactionStatus.INERROR):
+            with suppress(psycopg.Error):  # the connection went: the server rolls back
+                psycopg.Connection.rollback(conn)
+        if refused_by_check(exc):
+            raise CommitRefused(refusal_reason(exc)) from exc
+        raise
 
 
 class SyncExecutor:

@@ -22,6 +22,20 @@ ORDER BY f.job_id, f.consumer
 ON CONFLICT (job_id, consumer) DO NOTHING
 RETURNING job_id, consumer;
 
+-- name: fence_held
+-- Sent in one pipeline with the COMMIT of a transaction in which a handler ran: it fails unless
+-- this very transaction inserted the job's fence row, and its failure aborts the transaction,
+-- so that the COMMIT after it is skipped. A handler that ended the fence transaction with SQL
+-- (a ROLLBACK or COMMIT statement) and began another leaves a transaction without that row.
+-- It fails by reading a setting named after the reason: no setting can have such a name.
+SELECT CASE WHEN EXISTS (
+           SELECT 1 FROM core.processed_jobs
+           WHERE job_id = %(job_id)s AND consumer = %(consumer)s
+             AND xmin = pg_current_xact_id()::xid)
+       THEN 'held'
+       ELSE current_setting('jobfence: this transaction does not hold the fence of its job')
+       END;
+
 -- name: fence_exists
 SELECT EXISTS (
     SELECT 1 FROM core.processed_jobs WHERE job_id = %(job_id)s AND consumer = %(consumer)s

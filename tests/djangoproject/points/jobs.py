@@ -24,7 +24,8 @@ class Award(BaseModel):
     pause_seconds: float = 0.0  # after the ORM write, before the commit
     hold: bool = False  # after the ORM write: write the marker, then wait for SIGKILL
     until_blocked: bool = False  # before the ORM write: wait for a duplicate blocked on the fence
-    # after the ORM write: commit | close | commit_sql | caught | set_rollback, or one of
+    # after the ORM write: commit | close | commit_sql | caught | set_rollback |
+    # rollback_begin_sql (then the write again), or one of
     # SWALLOWED (the refused call made, its error caught)
     misuse: str = ""
 
@@ -37,7 +38,12 @@ def award_points(payload: Award, job: JobMeta, tx: psycopg.Connection[Any]) -> N
     if payload.until_blocked:
         note_overlap(job)
     Point.objects.create(job_id=job.job_id, account=payload.account, amount=payload.amount)
-    if payload.misuse:
+    if payload.misuse == "rollback_begin_sql":  # "retries" its work by hand, in a new transaction
+        with connection.cursor() as cur:
+            cur.execute("ROLLBACK")
+            cur.execute("BEGIN")
+        Point.objects.create(job_id=job.job_id, account=payload.account, amount=payload.amount)
+    elif payload.misuse:
         misuse(payload.misuse, tx)
     if payload.pause_seconds:
         time.sleep(payload.pause_seconds)
