@@ -19,7 +19,7 @@ class TestMemoryQueueConformance(QueueConformance):
     """On a fake clock: leases and delays pass without waiting."""
 
     expected_capabilities = QueueCapabilities(
-        transactional=False, delayed_publish=True, delayed_retry=True
+        transactional=False, recorded=False, delayed_publish=True, delayed_retry=True
     )
 
     @pytest.fixture
@@ -35,7 +35,7 @@ class TestMemoryQueueRealClockConformance(QueueConformance):
     """On its default real clock, with short leases: a waiting receiver wakes when one falls due."""
 
     expected_capabilities = QueueCapabilities(
-        transactional=False, delayed_publish=True, delayed_retry=True
+        transactional=False, recorded=False, delayed_publish=True, delayed_retry=True
     )
 
     @pytest.fixture

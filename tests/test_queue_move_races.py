@@ -17,12 +17,13 @@ import pointsapp
 from jobfence import PrometheusMetrics
 from jobfence.adapters.pg_queue import PgQueue
 from jobfence.dead_letters import replay_dead_letter
-from jobfence.errors import ConfigError
+from jobfence.errors import ConfigError, QueueMoved
 from jobfence.outbox import OutboxRelay, OutboxRelaySettings, queue_setting, record_queue
 from jobfence.queue_record import move_queue
 from jobfence.queues import open_broker, parse_queue_url
 from support import scalar, wait_until
 from test_acceptance_harness import dead_letter_ids, run_worker
+from test_api_support import PREFIX, auth, running_api
 
 AWARD = "award_points"
 
@@ -161,3 +162,74 @@ async def test_a_replay_racing_the_move_to_a_broker_writes_the_new_queues_outbox
     assert status == "replayed"
     assert await scalar(points, "SELECT count(*) FROM jobfence_queue.messages") == 0
     assert await scalar(points, "SELECT job_id FROM jobfence.outbox") == "dl"
+
+
+async def test_a_replay_racing_a_move_back_to_postgresql_is_refused_and_nothing_is_stranded(
+    pool: AsyncConnectionPool[Any], points: AsyncConnection[Any], database_url: str, redis_url: str
+) -> None:
+    """An operator replays a dead letter from a process on a broker while another moves the
+    database back to the PostgreSQL queue (the outbox is empty, so the move goes ahead). Before,
+    the replay's outbox row waited for the move's lock and was then written all the same: the
+    dead letter said ``replayed`` and its job sat in an outbox no relay publishes any more. Now
+    the replay reads the record once the move is over and is refused, naming the queue the
+    database moved to; the dead letter stays pending, to replay from the PostgreSQL queue."""
+    dl_id = await _one_dead_letter(pool, points)
+    target = parse_queue_url(
+        f"{redis_url.split('?', maxsplit=1)[0]}?prefix=jfback-{uuid.uuid4().hex[:8]}"
+    )
+    await record_queue(points, target.kind, target.location)
+    queue = await open_broker(target)  # the Ops process's queue, adopted before the move
+    try:
+        async with await psycopg.AsyncConnection.connect(database_url) as mover:
+            await record_queue(mover, "postgresql", None)  # the move back, not committed
+            replay = asyncio.create_task(
+                replay_dead_letter(pool, queue, dl_id, resolved_by="operator-b")
+            )
+            await wait_until(
+                lambda: _replay_waits_on_the_move(points),
+                message="the replay to wait for the move",
+            )
+            await mover.commit()
+            with pytest.raises(QueueMoved) as refused:
+                await asyncio.wait_for(replay, 10)
+    finally:
+        await queue.close()
+    assert "now go to the postgresql queue" in str(refused.value), str(refused.value)
+    assert (await queue_setting(points)).kind == "postgresql"
+    status = await scalar(points, "SELECT status FROM core.dead_letters WHERE id = %s", (dl_id,))
+    assert status == "pending_review"
+    assert await scalar(points, "SELECT count(*) FROM jobfence.outbox") == 0
+    # Replayed from the PostgreSQL queue, it runs.
+    pg_queue = PgQueue(pool)
+    try:
+        assert (await replay_dead_letter(pool, pg_queue, dl_id, resolved_by="operator-b")).published
+    finally:
+        await pg_queue.close()
+    assert await scalar(points, "SELECT count(*) FROM jobfence_queue.messages") == 1
+
+
+async def test_the_api_refuses_a_replay_once_the_database_moved_back_to_postgresql(
+    pool: AsyncConnectionPool[Any], points: AsyncConnection[Any], redis_url: str
+) -> None:
+    """The Ops API started on a broker; the database then moved back to the PostgreSQL queue.
+    A replay through it is a 409 naming the move, and nothing is written: the dead letter
+    stays pending and the outbox empty (a bulk replay's run stops at its first chunk the same
+    way, and resumes from a process on the PostgreSQL queue)."""
+    dl_id = await _one_dead_letter(pool, points)
+    base = redis_url.split("?", maxsplit=1)[0]
+    target = parse_queue_url(f"{base}?prefix=jfapi-{uuid.uuid4().hex[:8]}")
+    await record_queue(points, target.kind, target.location)
+    queue = await open_broker(target)
+    try:
+        async with running_api(pool, queue=queue) as api:
+            await record_queue(points, "postgresql", None)  # the move back, committed
+            answer = await api.client.post(f"{PREFIX}/{dl_id}/replay", headers=auth())
+    finally:
+        await queue.close()
+    assert answer.status_code == 409, answer.text
+    body = answer.json()
+    assert body["type"] == "urn:jobfence:problem:queue-moved"
+    assert "now go to the postgresql queue" in body["detail"]
+    status = await scalar(points, "SELECT status FROM core.dead_letters WHERE id = %s", (dl_id,))
+    assert status == "pending_review"
+    assert await scalar(points, "SELECT count(*) FROM jobfence.outbox") == 0

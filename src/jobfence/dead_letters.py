@@ -19,7 +19,12 @@ from jobfence.codec import (
     original_body,
     original_message,
 )
-from jobfence.errors import DeadLetterConflict, DeadLetterNotFound, DeadLetterNotReplayable
+from jobfence.errors import (
+    DeadLetterConflict,
+    DeadLetterNotFound,
+    DeadLetterNotReplayable,
+    QueueMoved,
+)
 from jobfence.harness import SQL
 from jobfence.model import Message
 from jobfence.pgtx import begin_with
@@ -174,26 +179,36 @@ async def publish_with(
     actor: str,
     failed: str | None,
     external: bool | None = None,
-) -> None:
+) -> bool | None:
     """A replay's publish inside the transaction on ``conn`` that marks its dead letter
     ``replayed``: on the queue itself when it is transactional, else as an outbox row.
 
-    On the PostgreSQL queue, where the database's jobs go is read first
-    (:func:`outbox.external_after_moves`), as a producer's statement reads it: a replay that
-    raced ``jobfence migrate --queue-url`` away from it writes the outbox of the new queue, not
-    the table no worker reads any more. ``external``: what an earlier call in the same
-    transaction read (a bulk replay's chunk reads it once).
+    Where the database's jobs go is read first (:func:`outbox.external_after_moves`), as a
+    producer's statement reads it, once any move in progress is over: a replay from the
+    PostgreSQL queue that raced ``jobfence migrate --queue-url`` to a broker writes the outbox
+    of the new queue, not the table no worker reads any more; one from a broker that raced a
+    move back to the PostgreSQL queue is refused (:class:`~jobfence.errors.QueueMoved`), not
+    written to an outbox no relay publishes any more. ``external``: what an earlier call in
+    the same transaction read and returned (a bulk replay's chunk reads it once); the return
+    value is what this call read (None for a queue no database records: memory://).
 
     It runs under a ``replay`` span with the ``actor``, linked to the failed attempt's span
     (``failed``: the dead letter's traceparent); the message carries the replay's context."""
+    capabilities = queue.capabilities
+    if external is None and capabilities.recorded:
+        external = await outbox.external_after_moves(conn)
     with tracing.replay(message, failed=failed, actor=actor) as traced:
-        if queue.capabilities.transactional:
-            if external is None:
-                external = await outbox.external_after_moves(conn)
-            if not external:
-                await queue.publish(traced, tx=conn)
-                return
+        if capabilities.transactional and not external:
+            await queue.publish(traced, tx=conn)
+            return external
+        if not capabilities.transactional and capabilities.recorded and not external:
+            raise QueueMoved(
+                "this database's jobs now go to the postgresql queue (it was moved after this"
+                " process started), and this process publishes to a broker: nothing was"
+                " replayed; replay it again from a process on the PostgreSQL queue"
+            )
         await outbox.write(conn, traced)
+    return external
 
 
 async def discard_dead_letter(

@@ -102,6 +102,14 @@ class DeadLetterNotFound(JobfenceError):
     __module__ = "jobfence"
 
 
+class QueueMoved(ConfigError):
+    """The database's jobs moved to another queue (``jobfence migrate --queue-url``) while this
+    process publishes to the one it had adopted: what it was about to publish is refused, and
+    nothing of it was written. Restart the process with the queue the database records."""
+
+    __module__ = "jobfence"
+
+
 class DeadLetterConflict(JobfenceError):
     """The dead letter is no longer pending_review; ``status`` is its current status."""
 

@@ -26,6 +26,10 @@ class QueueCapabilities:
     """
 
     transactional: bool
+    # True: a database records this queue as where its jobs go (jobfence.settings), and a
+    # process on it must publish nowhere else once the database moved. False for memory://,
+    # which lives inside one process and is never recorded.
+    recorded: bool = True
     # True: ``publish(..., delay_seconds>0)`` holds the message back in the queue itself.
     # False: refused (``ConfigError``); a producer's delayed enqueue waits in the PostgreSQL
     # outbox instead (jobfence.outbox).

@@ -74,7 +74,9 @@ class MemoryQueue:
     message falls due by ``clock``, whichever comes first.
     """
 
-    capabilities = QueueCapabilities(transactional=False, delayed_publish=True, delayed_retry=True)
+    capabilities = QueueCapabilities(
+        transactional=False, recorded=False, delayed_publish=True, delayed_retry=True
+    )
 
     def __init__(self, *, clock: Clock | None = None, poll_interval_seconds: float = 1.0) -> None:
         if not poll_interval_seconds > 0:

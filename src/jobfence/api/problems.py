@@ -21,7 +21,12 @@ from psycopg_pool import PoolTimeout
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from jobfence.errors import DeadLetterConflict, DeadLetterNotFound, DeadLetterNotReplayable
+from jobfence.errors import (
+    DeadLetterConflict,
+    DeadLetterNotFound,
+    DeadLetterNotReplayable,
+    QueueMoved,
+)
 from jobfence.ops import BulkReplayNotFound, BulkTooLarge, InvalidCursor, InvalidRequest
 
 log = logging.getLogger("jobfence.api")
@@ -38,6 +43,7 @@ TYPE_UNAUTHORIZED = _TYPE + "unauthorized"
 TYPE_FORBIDDEN = _TYPE + "forbidden"
 TYPE_UNAVAILABLE = _TYPE + "database-unavailable"
 TYPE_INTERNAL = _TYPE + "internal"
+TYPE_QUEUE_MOVED = _TYPE + "queue-moved"
 AUTH_REALM = 'Bearer realm="jobfence"'
 
 
@@ -213,6 +219,18 @@ def install(app: FastAPI) -> None:
                 status=409,
                 detail=str(exc),
                 current_status=exc.status,
+            ),
+        )
+
+    @app.exception_handler(QueueMoved)
+    async def _queue_moved(request: Request, exc: QueueMoved) -> ProblemResponse:
+        # The database moved to another queue after this service started: nothing was written;
+        # the service must be restarted on the queue the database records.
+        log.error("%s refused: %s", request.url.path, exc)
+        return respond(
+            request,
+            problem(
+                409, str(exc), type_=TYPE_QUEUE_MOVED, title="The database's jobs go elsewhere"
             ),
         )
 

@@ -22,7 +22,6 @@ from jobfence.errors import DeadLetterNotReplayable
 from jobfence.ops.errors import BulkReplayNotFound, BulkTooLarge, InvalidRequest
 from jobfence.ops.filters import DeadLetterFilter
 from jobfence.ops.listing import count_dead_letters
-from jobfence.outbox import external_after_moves
 from jobfence.ports import QueuePort
 
 SQL = Queries("jobfence.sql", "ops.sql")
@@ -309,9 +308,7 @@ async def _run_chunks(
                     results.append("failed")
                     details.append(str(exc)[:500])
                     continue
-                if external is None and queue.capabilities.transactional:
-                    external = await external_after_moves(conn)
-                await publish_with(
+                external = await publish_with(
                     conn, queue, message, actor=actor, failed=row["traceparent"], external=external
                 )
                 results.append("replayed")
