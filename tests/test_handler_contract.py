@@ -306,19 +306,20 @@ async def test_a_handler_that_ends_its_transaction_and_begins_another_applies_no
     stats = await run_worker(app, pool, PrometheusMetrics(), concurrency=1, batch_size=5)
 
     assert "succeeded" not in stats.outcomes, dict(stats.outcomes)
-    assert await queued(points) == 0
+    assert await queued(points) == 0, stats
     assert await awards(points, job_id) == 0
     assert await balance(points, 1) == 0
     # After a ROLLBACK nothing committed; after a COMMIT the fence committed (with no work).
     assert await fences(points, job_id) == int(restart == "commit-begin")
-    if flavour.endswith("group") and restart == "commit-begin":
-        # The group rolled back, and each job run alone found the fence its COMMIT committed:
-        # a duplicate, as after a bare COMMIT in a group.
-        assert dict(stats.outcomes) == {"duplicate": 2}
-        return
     [dl_id] = await dead_letter_ids(points, job_id)
     dl = await get_dead_letter(points, dl_id)
     assert (dl.attempts, dl.error_class) == (1, MISUSE)
+    if flavour.endswith("group") and restart == "commit-begin":
+        # The group's fence committed with the COMMIT: run alone, the job is found fenced and
+        # dead-lettered for review (the redelivery in the same group is a duplicate).
+        assert dict(stats.outcomes) == {"dead_lettered": 1, "duplicate": 1}
+        assert "committed the group's transaction" in dl.last_error, dl.last_error
+        return
     assert "the handler ended the fence transaction itself" in dl.last_error, dl.last_error
 
 
@@ -353,3 +354,51 @@ async def test_a_job_after_one_that_began_another_transaction_runs_once(
     assert await awards(points, "chain-good-2") == 1
     assert await balance(points, 1) == 4
     assert len(await dead_letter_ids(points, "chain-bad")) == 1
+
+
+@pytest.mark.parametrize(
+    "statements", [("COMMIT",), ("COMMIT", "BEGIN")], ids=["commit", "commit-begin"]
+)
+@pytest.mark.parametrize("flavour", ["async", "sync"])
+async def test_group_commit_a_handler_committing_the_group_leaves_no_job_unseen(
+    pool: AsyncConnectionPool[Any],
+    points: AsyncConnection[Any],
+    flavour: str,
+    statements: tuple[str, ...],
+) -> None:
+    """A handler in a group sends COMMIT: every fence of the group commits with the work done so
+    far, and the jobs after it in the group do not run in it. Before, the group rolled back what was
+    left, each job then ran alone, found its fence and was skipped as a duplicate: the misuse
+    and the work never done vanished. Now each job of the group whose fence that COMMIT
+    committed is dead-lettered as TransactionMisuse, for review; nothing is applied twice."""
+    bad = restarting_handler(flavour, statements)
+
+    async def award(payload: pointsapp.Award, job: JobMeta, tx: AsyncConnection[Any]) -> None:
+        if job.job_id == "gc-bad":
+            await bad(payload, job, tx)
+        else:
+            await pointsapp.apply_award(payload, job, tx)
+
+    def award_sync(payload: pointsapp.Award, job: JobMeta, tx: psycopg.Connection[Any]) -> None:
+        if job.job_id == "gc-bad":
+            bad(payload, job, tx)
+        else:
+            pointsapp.apply_award_sync(payload, job, tx)
+
+    app = app_with(award if flavour == "async" else award_sync, jobs_per_transaction=5)
+    ids = ["gc-0", "gc-1", "gc-bad", "gc-2", "gc-3"]
+    for job_id in ids:
+        await app.enqueue(points, CONSUMER, {"account_id": 1, "points": 2}, job_id=job_id)
+    stats = await run_worker(app, pool, PrometheusMetrics(), concurrency=1, batch_size=5)
+
+    assert dict(stats.outcomes) == {"dead_lettered": 5}, dict(stats.outcomes)
+    for job_id in ids:
+        assert await fences(points, job_id) == 1, job_id
+        [dl_id] = await dead_letter_ids(points, job_id)
+        dl = await get_dead_letter(points, dl_id)
+        assert (dl.attempts, dl.error_class) == (1, MISUSE), job_id
+        assert "committed the group's transaction" in dl.last_error, dl.last_error
+    # Applied at most once: the two jobs before the COMMIT, and the misusing one's own write
+    # when it came after the BEGIN was rolled back.
+    assert await awards(points) == 2 + int(statements == ("COMMIT",))
+    assert await balance(points, 1) == 2 * (2 + int(statements == ("COMMIT",)))

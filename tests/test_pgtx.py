@@ -277,3 +277,34 @@ async def test_the_sync_runner_sends_the_check_with_its_commit_and_tells_its_fai
         assert conn.execute("SELECT 1").fetchone() == (1,)  # usable
     committed = await other_sees(database_url, "SELECT count(*) FROM t WHERE id = 90")
     assert committed == int(failure == "none")
+
+
+async def test_the_first_error_of_a_chained_pipeline_is_raised_however_its_results_arrive(
+    table: AsyncConnection[Any],
+) -> None:
+    """psycopg reads a pipeline's results as they arrive: the failing check's (or COMMIT's)
+    error may be read while the next statement is queued, and the pipeline's exit then raises
+    ``PipelineAborted`` for the statements the server skipped, which reads as a lost
+    connection. Whenever it arrives, the error raised is the first one. Repeated, since which
+    happens depends on timing (before, about half the tries of a group's refused COMMIT
+    raised PipelineAborted)."""
+    await table.execute(
+        "CREATE TABLE child (parent int REFERENCES t (id) DEFERRABLE INITIALLY DEFERRED)"
+    )
+    for n in range(25):
+        first, _ = await Tx.begin(table, INSERT, {"id": 1000 + n})
+        with pytest.raises(CommitRefused):
+            await first.commit_then_begin(INSERT, {"id": 2000 + n}, (REFUSE, {"ok": False}))
+        assert table.info.transaction_status == TransactionStatus.IDLE
+        first, _ = await Tx.begin(table, INSERT, {"id": 3000 + n})
+        await table.execute("INSERT INTO child VALUES (999)")
+        with pytest.raises(psycopg.errors.ForeignKeyViolation):
+            await first.commit_then_begin(INSERT, {"id": 4000 + n}, (REFUSE, {"ok": True}))
+        assert table.info.transaction_status == TransactionStatus.IDLE
+        first, _ = await Tx.begin(table, INSERT, {"id": 5000 + n})
+        await table.execute("UPDATE t SET v = v + 1 WHERE id = 1")
+        with pytest.raises(CommitRefused):
+            await first.commit((REFUSE, {"ok": False}))
+        assert table.info.transaction_status == TransactionStatus.IDLE
+    assert await scalar(table, "SELECT count(*) FROM t WHERE id >= 1000") == 0
+    assert await scalar(table, "SELECT v FROM t WHERE id = 1") == 0

@@ -33,6 +33,14 @@ ENDED_BY_HANDLER = (
 _ENDED_WITH_SQL = "the handler ended the fence transaction itself (a COMMIT or ROLLBACK statement)"
 _NEVER_BY_A_HANDLER = "the fence transaction is committed by jobfence, never by a handler"
 
+# Why a job of a group fails when a handler in the group committed the group's transaction.
+COMMITTED_IN_GROUP = (
+    "a handler in this job's group committed the group's transaction itself (a COMMIT"
+    " statement): this job's fence committed with it, and its work may not have (the handlers"
+    " after that COMMIT did not run, or ran outside the transaction); review it: a replay is a"
+    f" duplicate that applies nothing; {_NEVER_BY_A_HANDLER}"
+)
+
 # The attribute of a psycopg connection that holds the guard of the job it is lent to (None
 # between jobs); its presence says the refusing shadows below are installed on it.
 _GUARD = "_jobfence_guard"

@@ -52,8 +52,14 @@ from jobfence.codec import (
     stored_payload,
     unfenceable,
 )
-from jobfence.errors import HardFailure, PoisonMessage, QueueUnavailable
-from jobfence.guard import after_handler, check_held_now, guarded, not_held
+from jobfence.errors import HardFailure, PoisonMessage, QueueUnavailable, TransactionMisuse
+from jobfence.guard import (
+    COMMITTED_IN_GROUP,
+    after_handler,
+    check_held_now,
+    guarded,
+    not_held,
+)
 from jobfence.limits import (
     MAX_ATTEMPT,
     UNFENCEABLE,
@@ -379,6 +385,10 @@ class Harness:
         self._internal_log = _Throttle(INTERNAL_LOG_PER_MINUTE)
         # True: a job's process span is the child of its producer's context, not linked to it.
         self.trace_child = trace_child
+        # The deliveries of a group that failed as TransactionMisuse and whose fences its
+        # statement inserted (by id, the delivery kept so the id is not reused): each runs
+        # alone next, and is dead-lettered there if its fence committed after all.
+        self._committed_in_group: dict[int, Delivery] = {}
 
     async def handle(
         self,
@@ -486,13 +496,20 @@ class Harness:
     async def _group_run(self, jobs: list[Job], conn: AsyncConnection[Any]) -> list[bool] | None:
         """The group's transaction; which jobs ran, or None when it rolled back."""
         first = jobs[0].meta
+        fenced: list[bool] = []  # which fences the group's statement inserted, once it ran
         try:
             if jobs[0].consumer.sync:  # a group holds one consumer's jobs
-                return await self._sync_transaction(jobs)
-            return await self._group_transaction(jobs, conn)
+                return await self._sync_transaction(jobs, fenced)
+            return await self._group_transaction(jobs, conn, fenced)
         except Exception as exc:
             if is_connection_loss(exc, conn):
                 raise InfrastructureError(str(exc)) from exc
+            if isinstance(exc, TransactionMisuse):
+                # A handler may have committed the group's transaction itself, fences included:
+                # each fresh job found fenced when it runs alone was not a duplicate (_run).
+                for job, ran in zip(jobs, fenced, strict=False):
+                    if ran:
+                        self._committed_in_group[id(job.delivery)] = job.delivery
             self._metrics.job_group(first.queue, first.consumer, "rolled_back")
             text = str(exc).strip()
             log.info(
@@ -504,11 +521,15 @@ class Harness:
             )
             return None
 
-    async def _group_transaction(self, jobs: list[Job], conn: AsyncConnection[Any]) -> list[bool]:
-        """Fences, handlers, commit, for a group; which jobs ran (the others are duplicates)."""
+    async def _group_transaction(
+        self, jobs: list[Job], conn: AsyncConnection[Any], fenced: list[bool]
+    ) -> list[bool]:
+        """Fences, handlers, commit, for a group; which jobs ran (the others are duplicates),
+        also put in ``fenced`` as soon as the fences are inserted."""
         tx, cur = await Tx.begin(conn, SQL["fence_insert_group"], _group_params(jobs))
         try:
             fresh = _group_fresh(jobs, await cur.fetchall())
+            fenced[:] = fresh
             for job, ran in zip(jobs, fresh, strict=True):
                 if ran:
                     await self._run_handler(job, conn)
@@ -521,9 +542,12 @@ class Harness:
             raise not_held() from None
         return fresh
 
-    async def _sync_transaction(self, jobs: list[Job]) -> list[bool]:
+    async def _sync_transaction(
+        self, jobs: list[Job], fenced: list[bool] | None = None
+    ) -> list[bool]:
         """Fence(s), sync handler(s), commit, in a worker thread through ``self.sync`` (one job,
-        or a group of one consumer's jobs); which jobs ran (the others are duplicates)."""
+        or a group of one consumer's jobs); which jobs ran (the others are duplicates), also
+        put in ``fenced`` as soon as the fences are inserted."""
         if self.sync is None:
             raise RuntimeError(
                 f"consumer {jobs[0].consumer.name!r} has a sync handler, and this harness has no"
@@ -541,6 +565,8 @@ class Harness:
         def work(rows: Sequence[Sequence[object]], tx: object) -> list[bool]:
             """In the worker thread, inside the transaction, the fences inserted."""
             fresh = [bool(rows)] if len(jobs) == 1 else _group_fresh(jobs, rows)
+            if fenced is not None:
+                fenced[:] = fresh
             for job, ran in zip(jobs, fresh, strict=True):
                 if ran:
                     begun = time.perf_counter()
@@ -643,6 +669,7 @@ class Harness:
         started: Started | None,
     ) -> Outcome:
         conn = held
+        in_group = self._committed_in_group.pop(id(job.delivery), None) is job.delivery
         try:
             if job.consumer.sync:
                 fresh = (await self._sync_transaction([job]))[0]
@@ -655,6 +682,8 @@ class Harness:
             if is_connection_loss(exc, conn):
                 raise InfrastructureError(str(exc)) from exc
             raise
+        if in_group and not fresh:
+            raise TransactionMisuse(COMMITTED_IN_GROUP)
         # Committed: now the message can go ("commit; ack"). A crash before the ack lands
         # redelivers it after its lease, and the fence turns that delivery into a duplicate.
         await self._ack(job.delivery)

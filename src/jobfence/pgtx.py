@@ -57,16 +57,34 @@ class CommitRefused(Exception):
     rolled back, so nothing of it committed. ``__cause__`` is the check's error."""
 
 
+def first_error(exc: BaseException) -> BaseException:
+    """The error a pipeline failed with first: psycopg raises ``PipelineAborted`` for a
+    statement the server skipped, and when the first error was raised earlier in the block,
+    the pipeline's exit raises that instead, the first error as its ``__context__``."""
+    seen = 0
+    while (
+        isinstance(exc, psycopg.errors.PipelineAborted)
+        and exc.__context__ is not None
+        and seen < 10
+    ):
+        exc = exc.__context__
+        seen += 1
+    return exc
+
+
 def refused_by_check(exc: BaseException) -> bool:
-    """``exc`` is the error of a check refusing a COMMIT (see :data:`Check`)."""
-    return isinstance(exc, psycopg.errors.UndefinedObject) and (
-        exc.diag.message_primary or ""
+    """``exc`` is (or is raised after, in the same pipeline) the error of a check refusing a
+    COMMIT (see :data:`Check`)."""
+    first = first_error(exc)
+    return isinstance(first, psycopg.errors.UndefinedObject) and (
+        first.diag.message_primary or ""
     ).startswith(_REFUSAL)
 
 
 def refusal_reason(exc: BaseException) -> str:
     """The reason a check gave, from its error."""
-    text = (getattr(getattr(exc, "diag", None), "message_primary", None) or "")[len(_REFUSAL) :]
+    first = first_error(exc)
+    text = (getattr(getattr(first, "diag", None), "message_primary", None) or "")[len(_REFUSAL) :]
     return text.rstrip('"')
 
 
@@ -117,8 +135,11 @@ class Tx:
             if self._tx.status == self._tx.Status.ACTIVE:
                 await self._tx.__aexit__(type(exc), exc, exc.__traceback__)
             await _end_aborted(conn)
-            if refused_by_check(exc):
-                raise CommitRefused(refusal_reason(exc)) from exc
+            first = first_error(exc)
+            if refused_by_check(first):
+                raise CommitRefused(refusal_reason(first)) from first
+            if first is not exc:
+                raise first from None
             raise
 
     async def rollback(self, exc: BaseException | None = None) -> bool:
@@ -175,11 +196,14 @@ class Tx:
             )
             if entered:
                 await tx.__aexit__(type(exc), exc, exc.__traceback__)
+            first = first_error(exc)
             if refused:
                 await _end_aborted(conn)
-                raise CommitRefused(refusal_reason(exc)) from exc
+                raise CommitRefused(refusal_reason(first)) from first
             if committed and isinstance(exc, Exception):
-                raise NextBeginFailed(str(exc)) from exc
+                raise NextBeginFailed(str(first)) from first
+            if first is not exc:
+                raise first from None  # the COMMIT's own error, not the skipped BEGIN's
             raise
         return cls(conn, tx), cur
 
