@@ -402,3 +402,17 @@ async def test_group_commit_a_handler_committing_the_group_leaves_no_job_unseen(
     # when it came after the BEGIN was rolled back.
     assert await awards(points) == 2 + int(statements == ("COMMIT",))
     assert await balance(points, 1) == 2 * (2 + int(statements == ("COMMIT",)))
+
+
+async def test_a_handler_that_resets_every_setting_fails_as_misuse_with_nothing_applied(
+    pool: AsyncConnectionPool[Any], points: AsyncConnection[Any]
+) -> None:
+    """RESET ALL also clears the transaction's mark that it holds the fence (fence_held): the
+    check cannot tell it from a new transaction, so the job fails safe, nothing applied."""
+    app = app_with(restarting_handler("async", ("RESET ALL",)))
+    assert await run_one(app, pool, points, "reset-all") == {"dead_lettered": 1}
+    assert await awards(points, "reset-all") == 0
+    assert await fences(points, "reset-all") == 0
+    [dl_id] = await dead_letter_ids(points, "reset-all")
+    dl = await get_dead_letter(points, dl_id)
+    assert (dl.attempts, dl.error_class) == (1, MISUSE)

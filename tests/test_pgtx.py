@@ -181,7 +181,8 @@ async def test_when_the_commit_fails_its_error_is_raised_and_nothing_is_begun(
 # pipeline can fail is told apart: the check, the COMMIT itself, the next transaction's first
 # statement.
 
-REFUSE = "SELECT CASE WHEN %(ok)s THEN 'held' ELSE current_setting('jobfence: not this one') END"
+REFUSE = b"SELECT CASE WHEN false THEN 'held' ELSE current_setting('jobfence: not this one') END"
+PASS = b"SELECT CASE WHEN true THEN 'held' ELSE current_setting('jobfence: not this one') END"
 
 
 async def test_a_failing_check_refuses_the_commit_and_nothing_commits(
@@ -190,7 +191,7 @@ async def test_a_failing_check_refuses_the_commit_and_nothing_commits(
     tx, _ = await Tx.begin(table, INSERT, {"id": 60})
     await table.execute("UPDATE t SET v = 6 WHERE id = 1")
     with pytest.raises(CommitRefused, match="not this one") as caught:
-        await tx.commit((REFUSE, {"ok": False}))
+        await tx.commit(REFUSE)
     assert isinstance(caught.value.__cause__, psycopg.errors.UndefinedObject)
     assert table.info.transaction_status == TransactionStatus.IDLE
     assert table._pipeline is None and table._num_transactions == 0
@@ -203,7 +204,7 @@ async def test_a_failing_check_refuses_the_commit_and_nothing_commits(
 
 async def test_a_passing_check_commits_as_a_plain_commit(table: AsyncConnection[Any]) -> None:
     tx, _ = await Tx.begin(table, INSERT, {"id": 62})
-    await tx.commit((REFUSE, {"ok": True}))
+    await tx.commit(PASS)
     assert table.info.transaction_status == TransactionStatus.IDLE
     assert await scalar(table, "SELECT count(*) FROM t WHERE id = 62") == 1
 
@@ -213,7 +214,7 @@ async def test_a_failing_check_before_a_chained_begin_commits_neither_and_is_not
 ) -> None:
     first, _ = await Tx.begin(table, INSERT, {"id": 70})
     with pytest.raises(CommitRefused):
-        await first.commit_then_begin(INSERT, {"id": 71}, (REFUSE, {"ok": False}))
+        await first.commit_then_begin(INSERT, {"id": 71}, REFUSE)
     assert table.info.transaction_status == TransactionStatus.IDLE
     assert table._pipeline is None and table._num_transactions == 0
     assert await other_sees(database_url, "SELECT count(*) FROM t WHERE id IN (70, 71)") == 0
@@ -225,7 +226,7 @@ async def test_a_failing_check_before_a_chained_begin_commits_neither_and_is_not
 async def test_with_a_passing_check_a_failed_commit_and_a_failed_next_begin_stay_apart(
     table: AsyncConnection[Any],
 ) -> None:
-    passing = (REFUSE, {"ok": True})
+    passing = PASS
     # The next transaction's first statement fails: this one committed.
     first, _ = await Tx.begin(table, INSERT, {"id": 80})
     with pytest.raises(NextBeginFailed):
@@ -263,7 +264,7 @@ async def test_the_sync_runner_sends_the_check_with_its_commit_and_tells_its_fai
         conn.execute("INSERT INTO t (id) VALUES (90)")
         if failure == "commit":
             conn.execute("INSERT INTO child VALUES (999)")
-        check = (REFUSE, {"ok": failure != "check"})
+        check = REFUSE if failure == "check" else PASS
         if failure == "check":
             with pytest.raises(CommitRefused):
                 _commit_checked(conn, tx, check)
@@ -294,17 +295,17 @@ async def test_the_first_error_of_a_chained_pipeline_is_raised_however_its_resul
     for n in range(25):
         first, _ = await Tx.begin(table, INSERT, {"id": 1000 + n})
         with pytest.raises(CommitRefused):
-            await first.commit_then_begin(INSERT, {"id": 2000 + n}, (REFUSE, {"ok": False}))
+            await first.commit_then_begin(INSERT, {"id": 2000 + n}, REFUSE)
         assert table.info.transaction_status == TransactionStatus.IDLE
         first, _ = await Tx.begin(table, INSERT, {"id": 3000 + n})
         await table.execute("INSERT INTO child VALUES (999)")
         with pytest.raises(psycopg.errors.ForeignKeyViolation):
-            await first.commit_then_begin(INSERT, {"id": 4000 + n}, (REFUSE, {"ok": True}))
+            await first.commit_then_begin(INSERT, {"id": 4000 + n}, PASS)
         assert table.info.transaction_status == TransactionStatus.IDLE
         first, _ = await Tx.begin(table, INSERT, {"id": 5000 + n})
         await table.execute("UPDATE t SET v = v + 1 WHERE id = 1")
         with pytest.raises(CommitRefused):
-            await first.commit((REFUSE, {"ok": False}))
+            await first.commit(REFUSE)
         assert table.info.transaction_status == TransactionStatus.IDLE
     assert await scalar(table, "SELECT count(*) FROM t WHERE id >= 1000") == 0
     assert await scalar(table, "SELECT v FROM t WHERE id = 1") == 0

@@ -208,13 +208,14 @@ def not_held() -> TransactionMisuse:
     """What a job fails with when the transaction its handler returned in is not the one that
     holds its fence (the ``fence_held`` check sent with the COMMIT refused it)."""
     return TransactionMisuse(
-        f"{_ENDED_WITH_SQL} and began another: what it did up to there committed or rolled back"
-        " with the fence, and what it did after, in a transaction without the fence, was rolled"
-        f" back; {_NEVER_BY_A_HANDLER}"
+        "the transaction the handler returned in does not hold the job's fence:"
+        f" {_ENDED_WITH_SQL} and began another (or ran RESET ALL, which clears the mark the"
+        " check reads): what it did before committed or rolled back with the fence, and what it"
+        f" did after, in a transaction without the fence, was rolled back; {_NEVER_BY_A_HANDLER}"
     )
 
 
-def check_held_now(tx: object, check: tuple[Any, Any]) -> None:
+def check_held_now(tx: object, check: bytes) -> None:
     """For a runner that commits on its own (not through :mod:`jobfence.pgtx` or
     :class:`~jobfence.sync.PsycopgRunner`, which send the check with the COMMIT): run the
     ``fence_held`` check on ``tx`` when it is a psycopg connection, before the runner commits.
@@ -222,7 +223,7 @@ def check_held_now(tx: object, check: tuple[Any, Any]) -> None:
     if not isinstance(tx, psycopg.Connection):
         return
     try:
-        tx.execute(*check)
+        tx.execute(check)
     except psycopg.Error as exc:
         if refused_by_check(exc):
             raise not_held() from None

@@ -76,6 +76,7 @@ from jobfence.sync import FenceConnection, PsycopgRunner, SyncExecutor
 log = logging.getLogger("jobfence.harness")
 
 SQL = Queries("jobfence.sql", "core.sql")
+FENCE_HELD: Check = SQL.text("fence_held").encode()
 
 MAX_ERROR_CHARS = 4000
 MAX_TRACEBACK_FRAMES = 15
@@ -329,24 +330,17 @@ def _group_params(jobs: Sequence[Job]) -> dict[str, Any]:
     }
 
 
-def _held_check(jobs: Sequence[Job], fresh: Sequence[bool], query: Any = None) -> Check | None:
+def _held_check(fresh: Sequence[bool]) -> Check | None:
     """The ``fence_held`` check to send with the COMMIT once a handler ran (None when none
-    did: a transaction of duplicates only). One fence suffices: a handler that ended the fence
-    transaction took all of them with it."""
-    for job, ran in zip(jobs, fresh, strict=True):
-        if ran:
-            meta = job.meta
-            return (
-                SQL["fence_held"] if query is None else query,
-                {"job_id": meta.job_id, "consumer": meta.consumer},
-            )
-    return None
+    did: a transaction of duplicates only). The fence statement marked the transaction when it
+    inserted a row; a handler that ended the transaction took the mark with it."""
+    return FENCE_HELD if any(fresh) else None
 
 
 def _group_fresh(jobs: Sequence[Job], rows: Sequence[Sequence[object]]) -> list[bool]:
     """Which jobs of a group ``fence_insert_group`` inserted (its rows); the others, and the
     same key listed again in the group, are duplicates."""
-    inserted = {(job_id, consumer) for job_id, consumer in rows}
+    inserted = {(job_id, consumer) for job_id, consumer, _held in rows}
     fresh: list[bool] = []
     for job in jobs:
         key = (job.meta.job_id, job.meta.consumer)
@@ -537,7 +531,7 @@ class Harness:
             await tx.rollback(exc)
             raise
         try:
-            await tx.commit(_held_check(jobs, fresh))
+            await tx.commit(_held_check(fresh))
         except CommitRefused:
             raise not_held() from None
         return fresh
@@ -583,7 +577,7 @@ class Harness:
                             " awaitable: declare it `async def` to get an AsyncConnection"
                         )
                     after_handler(tx, guard)
-            check = _held_check(jobs, fresh, SQL.text("fence_held"))
+            check = _held_check(fresh)
             if check is None:
                 pass
             elif with_commit and isinstance(tx, FenceConnection):
@@ -728,7 +722,7 @@ class Harness:
             # the job committed; it fails the job like any other exception (docs/concepts.md).
             await tx.rollback(exc)
             raise
-        check = _held_check([job], [fresh])
+        check = _held_check([fresh])
         following = self._next_job(ahead)
         if following is None:
             try:

@@ -205,7 +205,8 @@ def _commit_checked(conn: FenceConnection, tx: psycopg.Transaction, check: Check
     the check fails, the server skips the COMMIT; roll back and raise :class:`CommitRefused`."""
     try:
         with conn.pipeline():
-            conn.execute(*check)
+            with conn.lock:  # queued as psycopg queues its COMMIT (jobfence.pgtx)
+                conn.wait(conn._exec_command(check))
             tx.__exit__(None, None, None)  # queues COMMIT
     except BaseException as exc:
         if conn.closed:

@@ -4,36 +4,38 @@
 -- name: fence_insert
 -- The dedupe fence: one row means "this job's work committed for this consumer".
 -- Returns a row only when this transaction inserted it; a duplicate returns nothing (after
--- waiting for a concurrent holder of the same key to commit or roll back).
+-- waiting for a concurrent holder of the same key to commit or roll back). The row returned
+-- marks the transaction as the one holding a fence (fence_held).
 INSERT INTO core.processed_jobs (job_id, consumer, tenant_id, expires_at)
 VALUES (%(job_id)s, %(consumer)s, %(tenant_id)s, now() + %(ttl)s::interval)
 ON CONFLICT (job_id, consumer) DO NOTHING
-RETURNING 1;
+RETURNING pg_catalog.set_config('jobfence.fence', 'held', true);
 
 -- name: fence_insert_group
 -- The fences of a group of jobs committed together (a consumer's jobs_per_transaction): one
 -- statement, rows in key order so two groups wait on each other's keys in one order. Returns
--- the keys it inserted; a key already there, or listed twice, is a duplicate.
+-- the keys it inserted (and marks the transaction, as fence_insert does); a key already there,
+-- or listed twice, is a duplicate.
 INSERT INTO core.processed_jobs (job_id, consumer, tenant_id, expires_at)
 SELECT f.job_id, f.consumer, f.tenant_id, now() + f.ttl
 FROM unnest(%(job_ids)s::text[], %(consumers)s::text[], %(tenant_ids)s::text[],
             %(ttls)s::interval[]) AS f (job_id, consumer, tenant_id, ttl)
 ORDER BY f.job_id, f.consumer
 ON CONFLICT (job_id, consumer) DO NOTHING
-RETURNING job_id, consumer;
+RETURNING job_id, consumer, pg_catalog.set_config('jobfence.fence', 'held', true);
 
 -- name: fence_held
 -- Sent in one pipeline with the COMMIT of a transaction in which a handler ran: it fails unless
--- this very transaction inserted the job's fence row, and its failure aborts the transaction,
--- so that the COMMIT after it is skipped. A handler that ended the fence transaction with SQL
--- (a ROLLBACK or COMMIT statement) and began another leaves a transaction without that row.
--- It fails by reading a setting named after the reason: no setting can have such a name.
-SELECT CASE WHEN EXISTS (
-           SELECT 1 FROM core.processed_jobs
-           WHERE job_id = %(job_id)s AND consumer = %(consumer)s
-             AND xmin = pg_current_xact_id()::xid)
-       THEN 'held'
-       ELSE current_setting('jobfence: this transaction does not hold the fence of its job')
+-- the fence statement marked this very transaction (a setting local to it, set when it
+-- inserted a fence row), and its failure aborts the transaction, so that the COMMIT after it
+-- is skipped. A handler that ended the fence transaction with SQL (a ROLLBACK or COMMIT
+-- statement) and began another leaves a transaction without the mark. It fails by reading a
+-- setting named after the reason: no setting can have such a name. Constant: it is sent with
+-- no parameters, as psycopg sends its COMMIT.
+SELECT CASE WHEN pg_catalog.current_setting('jobfence.fence', true) = 'held'
+            THEN 'held'
+            ELSE pg_catalog.current_setting(
+                'jobfence: this transaction does not hold the fence of its job')
        END;
 
 -- name: fence_exists
