@@ -132,6 +132,30 @@ async def _one_dead_letter(pool: AsyncConnectionPool[Any], points: AsyncConnecti
     return int(dl_id)
 
 
+async def _replay_during_move(
+    pool: AsyncConnectionPool[Any],
+    points: AsyncConnection[Any],
+    database_url: str,
+    queue: Any,
+    dl_id: int,
+    *,
+    kind: str,
+    location: str | None,
+) -> asyncio.Task[Any]:
+    """A replay of ``dl_id`` on ``queue`` started while a move to ``kind`` holds its lock; the
+    move commits once the replay waits on it. The replay's task, to await."""
+    async with await psycopg.AsyncConnection.connect(database_url) as mover:
+        await record_queue(mover, kind, location)  # the move, not committed
+        replay = asyncio.create_task(
+            replay_dead_letter(pool, queue, dl_id, resolved_by="operator-b")
+        )
+        await wait_until(
+            lambda: _replay_waits_on_the_move(points), message="the replay to wait for the move"
+        )
+        await mover.commit()
+    return replay
+
+
 async def test_a_replay_racing_the_move_to_a_broker_writes_the_new_queues_outbox(
     pool: AsyncConnectionPool[Any], points: AsyncConnection[Any], database_url: str
 ) -> None:
@@ -143,17 +167,10 @@ async def test_a_replay_racing_the_move_to_a_broker_writes_the_new_queues_outbox
     dl_id = await _one_dead_letter(pool, points)
     queue = PgQueue(pool)  # the Ops process's queue, adopted while the database was on PostgreSQL
     try:
-        async with await psycopg.AsyncConnection.connect(database_url) as mover:
-            await record_queue(mover, "rabbitmq", "amqp://broker/")  # the move, not committed
-            replay = asyncio.create_task(
-                replay_dead_letter(pool, queue, dl_id, resolved_by="operator-b")
-            )
-            await wait_until(
-                lambda: _replay_waits_on_the_move(points),
-                message="the replay to wait for the move",
-            )
-            await mover.commit()
-            result = await asyncio.wait_for(replay, 10)
+        replay = await _replay_during_move(
+            pool, points, database_url, queue, dl_id, kind="rabbitmq", location="amqp://broker/"
+        )
+        result = await asyncio.wait_for(replay, 10)
     finally:
         await queue.close()
     assert result.published
@@ -180,18 +197,11 @@ async def test_a_replay_racing_a_move_back_to_postgresql_is_refused_and_nothing_
     await record_queue(points, target.kind, target.location)
     queue = await open_broker(target)  # the Ops process's queue, adopted before the move
     try:
-        async with await psycopg.AsyncConnection.connect(database_url) as mover:
-            await record_queue(mover, "postgresql", None)  # the move back, not committed
-            replay = asyncio.create_task(
-                replay_dead_letter(pool, queue, dl_id, resolved_by="operator-b")
-            )
-            await wait_until(
-                lambda: _replay_waits_on_the_move(points),
-                message="the replay to wait for the move",
-            )
-            await mover.commit()
-            with pytest.raises(QueueMoved) as refused:
-                await asyncio.wait_for(replay, 10)
+        replay = await _replay_during_move(
+            pool, points, database_url, queue, dl_id, kind="postgresql", location=None
+        )
+        with pytest.raises(QueueMoved) as refused:
+            await asyncio.wait_for(replay, 10)
     finally:
         await queue.close()
     assert "now go to the postgresql queue" in str(refused.value), str(refused.value)

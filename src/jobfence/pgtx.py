@@ -74,6 +74,17 @@ def first_error(exc: BaseException) -> BaseException:
     return exc
 
 
+def raise_first(exc: BaseException) -> None:
+    """After a checked COMMIT's pipeline failed with ``exc``: raise :class:`CommitRefused`
+    when the check refused it, else the pipeline's first error when ``exc`` is not that one;
+    return when ``exc`` is the error to raise."""
+    first = first_error(exc)
+    if refused_by_check(first):
+        raise CommitRefused(refusal_reason(first)) from first
+    if first is not exc:
+        raise first from None
+
+
 def refused_by_check(exc: BaseException) -> bool:
     """``exc`` is (or is raised after, in the same pipeline) the error of a check refusing a
     COMMIT (see :data:`Check`)."""
@@ -137,11 +148,7 @@ class Tx:
             if self._tx.status == self._tx.Status.ACTIVE:
                 await self._tx.__aexit__(type(exc), exc, exc.__traceback__)
             await _end_aborted(conn)
-            first = first_error(exc)
-            if refused_by_check(first):
-                raise CommitRefused(refusal_reason(first)) from first
-            if first is not exc:
-                raise first from None
+            raise_first(exc)
             raise
 
     async def rollback(self, exc: BaseException | None = None) -> bool:

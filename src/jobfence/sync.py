@@ -33,7 +33,7 @@ from psycopg_pool import ConnectionPool
 from jobfence import tracing
 from jobfence.db import looks_broken
 from jobfence.guard import check_still_open, refuse_on
-from jobfence.pgtx import Check, CommitRefused, first_error, refusal_reason, refused_by_check
+from jobfence.pgtx import Check, raise_first
 
 log = logging.getLogger("jobfence.sync")
 
@@ -216,11 +216,7 @@ def _commit_checked(conn: FenceConnection, tx: psycopg.Transaction, check: Check
         if conn.info.transaction_status in (TransactionStatus.INTRANS, TransactionStatus.INERROR):
             with suppress(psycopg.Error):  # the connection went: the server rolls back
                 psycopg.Connection.rollback(conn)
-        first = first_error(exc)
-        if refused_by_check(first):
-            raise CommitRefused(refusal_reason(first)) from first
-        if first is not exc:
-            raise first from None
+        raise_first(exc)
         raise
 
 
