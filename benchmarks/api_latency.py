@@ -1,4 +1,4 @@
-"""Ops API latency at 1,000,000 dead letters (issue 3, "Benchmark").
+"""Ops API latency at 1,000,000 dead letters.
 
 Seeds ``core.dead_letters`` with 1,000,000 rows (20 queues, 50 consumers, 200 tenants, 30 error
 classes, created over 30 days, ~200-byte payloads with a few large ones; mostly
@@ -64,7 +64,7 @@ from jobfence.schema import migrate
 
 DEFAULT_DB = "jobfence_apibench"
 PREFIX = "/v1/core/dead-letters"
-TARGET_P95 = 0.050  # issue 3: every single-item call and list page at 1,000,000 rows
+TARGET_P95 = 0.050  # every single-item call and list page at 1,000,000 rows
 BUDGET_P95 = 1.0  # the spec's budget
 SUBJECT = "apibench"  # the token's sub: resolved_by of what this script replays or discards
 INPROC_ACTOR = "apibench-inprocess"
@@ -614,7 +614,7 @@ class RawHttp:
 
 async def item_cache_counts(base_urls: list[str]) -> tuple[float, float] | None:
     """The list item cache's hits and misses so far, summed over the API processes reached
-    at ``base_urls`` (``/metrics``); None from an API without one (before session 13)."""
+    at ``base_urls`` (``/metrics``); None from an API without one (an older jobfence)."""
     hits = misses = 0.0
     async with httpx.AsyncClient(timeout=10) as client:
         for base_url in base_urls:

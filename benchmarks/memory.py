@@ -1,4 +1,4 @@
-"""A jobfence worker's resident memory over many jobs (issue 2: "it must stay flat").
+"""A jobfence worker's resident memory over many jobs (it must stay flat).
 
 One worker process (spawn), set up like ``jobfence worker`` (pool of concurrency + 2
 connections, PgQueue, default metrics), runs the bench consumer until stopped. This process

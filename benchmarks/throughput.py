@@ -1,4 +1,4 @@
-"""Jobs per second, side by side in one run on one database (issue 2, "Benchmark").
+"""Jobs per second, side by side in one run on one database.
 
 The systems do the same work per job, ``UPDATE bench_accounts SET points = points + %s WHERE
 id = %s``:
