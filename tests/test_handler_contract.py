@@ -7,7 +7,7 @@ runs under ``manage.py jobfence_worker`` in tests/test_django.py."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import psycopg
@@ -17,9 +17,12 @@ from psycopg_pool import AsyncConnectionPool
 
 import points_orm
 import pointsapp
-from jobfence import App, JobMeta, PrometheusMetrics, TransactionMisuse, get_dead_letter
+from jobfence import App, JobMeta, PrometheusMetrics, TransactionMisuse, db, get_dead_letter
 from jobfence.contrib.sqlalchemy import async_session_for, session_for
+from jobfence.schema import migrate
+from support import with_dbname
 from test_acceptance_harness import awards, balance, dead_letter_ids, fences, queued, run_worker
+from translated_server import german_server
 
 CONSUMER = "award_points"
 MISUSE = "jobfence.TransactionMisuse"
@@ -329,6 +332,49 @@ async def test_a_job_after_one_that_began_another_transaction_runs_once(
 ) -> None:
     """The next job waiting in the batch (whose BEGIN and fence would go with the commit) is not
     lost or applied twice when the commit before it is refused."""
+    await chain_after_a_restarting_handler(pool, points, flavour)
+
+
+@pytest.fixture(scope="module")
+def german_server_url() -> Iterator[str]:
+    with german_server() as url:
+        yield url
+
+
+@pytest.fixture
+def german_url(german_server_url: str, request: pytest.FixtureRequest) -> str:
+    """A fresh database on the German-speaking server, for this test alone."""
+    name = f"jobfence_de_{request.node.callspec.id}"
+    with psycopg.connect(german_server_url, autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+    return with_dbname(german_server_url, name)
+
+
+@pytest.mark.parametrize("flavour", ["async", "sync"])
+async def test_on_a_server_speaking_german_a_handler_that_began_another_transaction_is_caught(
+    german_url: str, flavour: str
+) -> None:
+    """A server whose lc_messages is German words the check's error in German. Before, jobfence
+    looked for its English wording: on the chained path the refused COMMIT read as "committed,
+    the next BEGIN failed", so the job whose handler ran ROLLBACK and BEGIN was acked as
+    succeeded with nothing applied and no dead letter, on every such server."""
+    async with await AsyncConnection.connect(german_url, autocommit=True) as conn:
+        with pytest.raises(psycopg.errors.UndefinedObject, match="unbekannter"):
+            await conn.execute("SELECT pg_catalog.current_setting('jobfence: spoken')")
+        await migrate(conn)
+        await conn.execute(pointsapp.SCHEMA_SQL)
+        pool = await db.open_pool(german_url, min_size=1, max_size=6)
+        try:
+            await chain_after_a_restarting_handler(pool, conn, flavour)
+        finally:
+            await pool.close()
+
+
+async def chain_after_a_restarting_handler(
+    pool: AsyncConnectionPool[Any], points: AsyncConnection[Any], flavour: str
+) -> None:
+    """A job whose handler sends ROLLBACK and BEGIN, delivered twice, between good jobs in one
+    batch: it is dead-lettered once with nothing applied; the good jobs apply once each."""
     bad = restarting_handler(flavour, RESTARTS["rollback-begin"])
 
     async def award(payload: pointsapp.Award, job: JobMeta, tx: AsyncConnection[Any]) -> None:
@@ -353,7 +399,8 @@ async def test_a_job_after_one_that_began_another_transaction_runs_once(
     assert await awards(points, "chain-good") == 1
     assert await awards(points, "chain-good-2") == 1
     assert await balance(points, 1) == 4
-    assert len(await dead_letter_ids(points, "chain-bad")) == 1
+    [dl_id] = await dead_letter_ids(points, "chain-bad")
+    assert (await get_dead_letter(points, dl_id)).error_class == MISUSE
 
 
 @pytest.mark.parametrize(

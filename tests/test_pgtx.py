@@ -8,16 +8,28 @@ rollback, and which transaction an error belongs to when a COMMIT and a BEGIN tr
 
 from __future__ import annotations
 
+import gettext
+import re
+from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
 from psycopg import AsyncConnection
-from psycopg.pq import TransactionStatus
+from psycopg.pq import DiagnosticField, TransactionStatus
 
-from jobfence.pgtx import CommitRefused, NextBeginFailed, Tx, begin_with
+from jobfence.harness import FENCE_HELD
+from jobfence.pgtx import (
+    CommitRefused,
+    NextBeginFailed,
+    Tx,
+    begin_with,
+    refusal_reason,
+    refused_by_check,
+)
 from jobfence.sync import FenceConnection, _commit_checked
 from support import scalar
+from translated_server import unavailable
 
 INSERT = "INSERT INTO t (id) VALUES (%(id)s) ON CONFLICT DO NOTHING RETURNING id"
 
@@ -309,3 +321,49 @@ async def test_the_first_error_of_a_chained_pipeline_is_raised_however_its_resul
         assert table.info.transaction_status == TransactionStatus.IDLE
     assert await scalar(table, "SELECT count(*) FROM t WHERE id >= 1000") == 0
     assert await scalar(table, "SELECT v FROM t WHERE id = 1") == 0
+
+
+# The server words the check's error in its own language (lc_messages): a refusal is told apart
+# by the setting's name, which no translation touches. tests/test_handler_contract.py runs a
+# worker against a server speaking German; this covers every language the server ships.
+
+UNRECOGNIZED = 'unrecognized configuration parameter "%s"'  # guc.c's message
+
+
+def server_wordings() -> dict[str, str]:
+    """``UNRECOGNIZED`` in English and as each of the machine's PostgreSQL message catalogues
+    words it (one per language)."""
+    wordings = {"en": UNRECOGNIZED}
+    for catalogue in sorted(Path("/usr/share/locale").glob("*/LC_MESSAGES/postgres-*.mo")):
+        with catalogue.open("rb") as f:
+            wording = gettext.GNUTranslations(f).gettext(UNRECOGNIZED)
+        wordings.setdefault(catalogue.parts[-3], wording)
+    return wordings
+
+
+def server_error(cls: type[psycopg.Error], message: str, sqlstate: str) -> psycopg.Error:
+    """An error as psycopg builds it from the server's answer."""
+    fields = {DiagnosticField.MESSAGE_PRIMARY: message.encode(), DiagnosticField.SQLSTATE: sqlstate}
+    return cls(
+        message, info={k: v if isinstance(v, bytes) else v.encode() for k, v in fields.items()}
+    )
+
+
+def test_a_refused_commit_is_recognised_in_every_language_the_server_speaks() -> None:
+    found = re.search(r"'jobfence: ([^']+)'", FENCE_HELD.decode())
+    assert found is not None, "fence_held names its reason"
+    reason = found.group(1)
+    wordings = server_wordings()
+    if len(wordings) < 10:  # Debian's postgresql-15 ships a dozen
+        unavailable(f"only {sorted(wordings)} of PostgreSQL's message catalogues are here")
+    for language, wording in wordings.items():
+        refused = server_error(
+            psycopg.errors.UndefinedObject, wording % f"jobfence: {reason}", "42704"
+        )
+        assert refused_by_check(refused), (language, str(refused))
+        assert refusal_reason(refused) == reason, language
+        other = server_error(psycopg.errors.UndefinedObject, wording % "app.tenant", "42704")
+        assert not refused_by_check(other), (language, str(other))
+    # The words alone are not a refusal: an error of another kind quoting them is not.
+    quoted = server_error(psycopg.errors.RaiseException, f"jobfence: {reason}", "P0001")
+    assert not refused_by_check(quoted)

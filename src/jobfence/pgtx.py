@@ -31,6 +31,7 @@ savepoint (``tests/test_pgtx.py`` holds this to psycopg's behaviour).
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager, suppress
 from typing import Any
@@ -45,8 +46,10 @@ Query = str | bytes | SQL | Composed
 Check = bytes
 
 # A check fails by reading a setting named after its reason, "jobfence: <reason>": no setting
-# can have such a name, so the error is the check's own (tests/test_pgtx.py).
-_REFUSAL = 'unrecognized configuration parameter "jobfence: '
+# can have such a name, so the error (SQLSTATE 42704) is the check's own (tests/test_pgtx.py).
+# The server words its message in its own language (lc_messages) and quotes the name its own
+# way, but never translates the name: the refusal is found by it, whatever the language.
+_REFUSAL = re.compile(r"jobfence: ([a-z][a-z ,]*)")
 
 
 class NextBeginFailed(Exception):
@@ -88,17 +91,20 @@ def raise_first(exc: BaseException) -> None:
 def refused_by_check(exc: BaseException) -> bool:
     """``exc`` is (or is raised after, in the same pipeline) the error of a check refusing a
     COMMIT (see :data:`Check`)."""
-    first = first_error(exc)
-    return isinstance(first, psycopg.errors.UndefinedObject) and (
-        first.diag.message_primary or ""
-    ).startswith(_REFUSAL)
+    return _refusal(exc) is not None
 
 
 def refusal_reason(exc: BaseException) -> str:
     """The reason a check gave, from its error."""
+    return _refusal(exc) or ""
+
+
+def _refusal(exc: BaseException) -> str | None:
     first = first_error(exc)
-    text = (getattr(getattr(first, "diag", None), "message_primary", None) or "")[len(_REFUSAL) :]
-    return text.rstrip('"')
+    if not isinstance(first, psycopg.errors.UndefinedObject):
+        return None
+    found = _REFUSAL.search(first.diag.message_primary or "")
+    return None if found is None else found.group(1).rstrip(" ,")
 
 
 class _Chained(psycopg.AsyncTransaction):
