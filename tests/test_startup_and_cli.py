@@ -189,6 +189,10 @@ def test_cli_errors_a_person_can_cause_print_one_clear_line(
         f"postgresql://postgres:{PASSWORD}%zz@127.0.0.1/postgres",  # libpq quotes the token
         f"postgresql://postgres:{PASSWORD}@127.0.0.1/postgres?bogus=1",
         f"postgresql://postgres@[::1/postgres?password={PASSWORD}",
+        # A percent-escape that decodes to a byte that is not UTF-8 (a password with % in it,
+        # written unescaped): psycopg's parser raised UnicodeDecodeError, a traceback.
+        f"postgresql://postgres:{PASSWORD}%82@127.0.0.1:1/postgres",
+        f"postgresql://postgres@127.0.0.1:1/postgres?password={PASSWORD}%C3%28",
     ],
     ids=[
         "uri-unreachable",
@@ -197,6 +201,8 @@ def test_cli_errors_a_person_can_cause_print_one_clear_line(
         "bad-percent",
         "bad-param",
         "query-password",
+        "percent-not-utf8",
+        "query-percent-not-utf8",
     ],
 )
 def test_the_password_in_a_database_url_never_appears_in_error_output(url: str) -> None:

@@ -38,11 +38,20 @@ def validate_url(url: str) -> str:
     except psycopg.ProgrammingError as exc:
         first_line = str(exc).splitlines()[0] if str(exc) else "invalid"
         first_line = redact_url(url, first_line)  # libpq quotes the URL, or a piece of it
-        raise ConfigError(
-            f"{ENV_DATABASE_URL} is not a valid libpq connection string or URL ({first_line}); "
-            f"expected e.g. {EXAMPLE_DATABASE_URL}"
-        ) from None
+        raise _invalid_url(first_line) from None
+    except UnicodeDecodeError:
+        # libpq decoded a percent-escape (%82, say: a password holding "%", unescaped) into
+        # bytes that are not UTF-8, which psycopg cannot read back. Neither the value nor
+        # the byte is named: it is most likely part of a password.
+        raise _invalid_url("a percent-escape in it decodes to bytes that are not UTF-8") from None
     return url
+
+
+def _invalid_url(why: str) -> ConfigError:
+    return ConfigError(
+        f"{ENV_DATABASE_URL} is not a valid libpq connection string or URL ({why}); "
+        f"expected e.g. {EXAMPLE_DATABASE_URL}"
+    )
 
 
 EMBEDDED_EXTRA = "pip install 'jobfence[embedded]'"
