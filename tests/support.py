@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import psycopg
+import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 
@@ -76,3 +77,19 @@ def job_groups(
         "jobfence_job_groups_total", {"queue": queue, "consumer": consumer, "result": result}
     )
     return float(value or 0.0)
+
+
+def counting_chains(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the sync runner's chained round trips (a job's COMMIT with the next one's BEGIN
+    and fence insert): one item per chain sent."""
+    import jobfence.sync
+
+    chained: list[int] = []
+    original = jobfence.sync.commit_then_begin_sync
+
+    def counted(*args: Any) -> Any:
+        chained.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(jobfence.sync, "commit_then_begin_sync", counted)
+    return chained

@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import sys
+import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -38,7 +39,7 @@ from jobfence import (
 )
 from jobfence.cli import build_parser
 from jobfence.leases import LeaseKeeper
-from support import scalar, wait_until
+from support import counting_chains, scalar, wait_until
 
 TESTS = Path(__file__).parent
 ROOT = TESTS.parent
@@ -430,3 +431,54 @@ async def test_extension_is_off_unless_max_handler_seconds_is_set(
     args = build_parser().parse_args(["worker", "m:app", "--max-handler-seconds", "1800"])
     assert args.max_handler_seconds == 1800.0
     assert build_parser().parse_args(["worker", "m:app"]).max_handler_seconds is None
+
+
+async def test_a_sync_job_taken_early_behind_a_long_handler_gets_its_own_handler_time(
+    pool: AsyncConnectionPool[Any],
+    effects: psycopg.AsyncConnection[Any],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A sync handler's job takes the next one before it runs (to begin it with its COMMIT).
+    That job's handler time starts when its handler does, not when it was taken: a 1.4 s job
+    then a 1.0 s job, with a cap of 2 s, are both within it (taken, the second had "run" 2.4 s
+    and was reported past the cap), and each is delivered once."""
+    chained = counting_chains(monkeypatch)
+    caplog.set_level(logging.WARNING, logger="jobfence.leases")
+    starts: list[tuple[str, int]] = []
+    app = App()
+
+    @app.consumer(CONSUMER, queue=QUEUE, schema=Work)
+    def long_job(payload: Work, job: JobMeta, tx: psycopg.Connection[Any]) -> None:
+        starts.append((job.job_id, job.attempt))
+        tx.execute(
+            "INSERT INTO public.long_effects (job_id, attempt) VALUES (%s, 1)", (job.job_id,)
+        )
+        time.sleep(payload.seconds)  # the handler's long work
+
+    queue = PgQueue(pool, poll_interval_seconds=0.05)
+    try:
+        await queue.publish(app.message(CONSUMER, {"seconds": 1.4}, job_id="early-1"))
+        await queue.publish(app.message(CONSUMER, {"seconds": 1.0}, job_id="early-2"))
+        metrics = PrometheusMetrics()
+        stats = await Worker(
+            app,
+            pool,
+            queue,
+            concurrency=1,
+            poll_seconds=0.05,
+            lease_seconds=LEASE,
+            max_handler_seconds=2.0,
+            outbox_relay=False,
+            metrics=metrics,
+        ).run(until="empty")
+    finally:
+        await queue.close()
+
+    assert chained, "the first job's COMMIT began the second"
+    assert stats.outcomes == {"succeeded": 2}
+    assert starts == [("early-1", 1), ("early-2", 1)]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "jobfence.leases"]
+    assert warnings == []
+    labels = {"queue": QUEUE, "consumer": CONSUMER}
+    assert sample(metrics, "jobfence_handlers_over_limit_total", **labels) == 0

@@ -24,6 +24,7 @@ from jobfence.pgtx import (
     NextBeginFailed,
     Tx,
     begin_with,
+    commit_then_begin_sync,
     refusal_reason,
     refused_by_check,
 )
@@ -321,6 +322,70 @@ async def test_the_first_error_of_a_chained_pipeline_is_raised_however_its_resul
         assert table.info.transaction_status == TransactionStatus.IDLE
     assert await scalar(table, "SELECT count(*) FROM t WHERE id >= 1000") == 0
     assert await scalar(table, "SELECT v FROM t WHERE id = 1") == 0
+
+
+# -- the same chain on a sync connection (the sync runner's COMMIT with the next job's BEGIN) -
+
+
+def sync_chain(
+    database_url: str, failure: str, n: int = 0
+) -> tuple[type[BaseException] | None, FenceConnection]:
+    """One chained COMMIT + BEGIN on a sync connection, failing as ``failure`` says: "check"
+    (refused), "commit" (a deferred constraint), "next" (the next first statement), "none".
+    The exception class raised (None if none) and the connection, still open."""
+    conn = FenceConnection.connect(database_url, autocommit=True)
+    tx = psycopg.Transaction(conn)
+    tx.__enter__()
+    conn.execute("INSERT INTO t (id) VALUES (%s)", (100 + n,))
+    if failure == "commit":
+        conn.execute("INSERT INTO child VALUES (999)")
+    check = REFUSE if failure == "check" else PASS
+    query = "INSERT INTO missing VALUES (%(id)s)" if failure == "next" else INSERT
+    try:
+        nxt, rows = commit_then_begin_sync(conn, tx, check, query, {"id": 200 + n})
+    except (CommitRefused, NextBeginFailed, psycopg.errors.ForeignKeyViolation) as exc:
+        assert conn.info.transaction_status == TransactionStatus.IDLE
+        assert conn._pipeline is None and conn._num_transactions == 0
+        return type(exc), conn
+    assert rows == [(200 + n,)]
+    assert conn.info.transaction_status == TransactionStatus.INTRANS
+    conn.execute("UPDATE t SET v = v + 1 WHERE id = 1")
+    nxt.__exit__(None, None, None)
+    return None, conn
+
+
+@pytest.mark.parametrize(
+    ("failure", "raised", "committed"),
+    [
+        ("none", None, [1, 1]),
+        ("next", NextBeginFailed, [1, 0]),
+        ("commit", psycopg.errors.ForeignKeyViolation, [0, 0]),
+        ("check", CommitRefused, [0, 0]),
+    ],
+)
+async def test_the_sync_chain_commits_then_begins_and_tells_each_failure_apart(
+    table: AsyncConnection[Any],
+    database_url: str,
+    failure: str,
+    raised: type[BaseException] | None,
+    committed: list[int],
+) -> None:
+    """A failed next statement after a COMMIT that stands is NextBeginFailed; a failed COMMIT
+    raises its own error; a refused check is CommitRefused; in every case the connection is
+    idle and usable. Repeated, since when psycopg reads each result depends on timing."""
+    await table.execute(
+        "CREATE TABLE child (parent int REFERENCES t (id) DEFERRABLE INITIALLY DEFERRED)"
+    )
+    for n in range(25):
+        got, conn = sync_chain(database_url, failure, n)
+        with conn:
+            assert got is raised, n
+            assert conn.execute("SELECT 1").fetchone() == (1,)  # usable
+        first = await other_sees(database_url, f"SELECT count(*) FROM t WHERE id = {100 + n}")
+        second = await other_sees(database_url, f"SELECT count(*) FROM t WHERE id = {200 + n}")
+        assert [first, second] == committed, n
+    bumped = await scalar(table, "SELECT v FROM t WHERE id = 1")
+    assert bumped == (25 if failure == "none" else 0)
 
 
 # The server words the check's error in its own language (lc_messages): a refusal is told apart

@@ -15,6 +15,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 from collections import Counter
 from collections.abc import Iterator
 from datetime import timedelta
@@ -29,10 +30,17 @@ from sqlalchemy import text
 
 import points_orm
 import pointsapp
-from jobfence import App, JobMeta, PrometheusMetrics, TransactionAborted, get_dead_letter
+from jobfence import (
+    App,
+    JobMeta,
+    PgQueue,
+    PrometheusMetrics,
+    TransactionAborted,
+    get_dead_letter,
+)
 from jobfence.contrib.sqlalchemy import async_session_for, session_for
 from jobfence.sync import PsycopgRunner
-from support import wait_until
+from support import counting_chains, wait_until
 from test_acceptance_harness import (
     awards,
     balance,
@@ -41,6 +49,7 @@ from test_acceptance_harness import (
     fences,
     queued,
     run_worker,
+    worker,
 )
 
 RACE_WORKER = Path(__file__).with_name("race_worker.py")
@@ -561,3 +570,146 @@ async def test_an_async_session_ending_the_fence_transaction_gets_a_clear_error(
         "jobfence.TransactionMisuse: the fence transaction is committed by jobfence, with the"
         f" handler's work and its fence together; do not call {what}()"
     ), dl.last_error
+
+
+# -- a sync job's COMMIT travels with the next job's BEGIN and fence insert ----------------------
+
+
+async def in_transaction_elsewhere(conn: AsyncConnection[Any]) -> int:
+    """Sessions of the test database, other than ``conn``'s, idle inside a transaction."""
+    return await count(
+        conn,
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+        " AND pid <> pg_backend_pid() AND state LIKE 'idle in transaction%%'",
+    )
+
+
+async def test_a_backlog_of_sync_jobs_commits_each_with_the_next_begin_and_applies_each_once(
+    pool: AsyncConnectionPool[Any], points: AsyncConnection[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One processor with a backlog: each sync job's COMMIT carries the next job's BEGIN and
+    fence insert. A duplicate, a job whose handler fails, and a job of an async consumer
+    between them each end as they would alone; every award applies once, and no transaction
+    is left open."""
+    chained = counting_chains(monkeypatch)
+
+    async def award_async(payload: pointsapp.Award, job: JobMeta, tx: Any) -> None:
+        await pointsapp.apply_award(payload, job, tx)
+
+    app = app_with(pointsapp.apply_award_sync)
+    app.consumer("award_async", queue=pointsapp.QUEUE, schema=pointsapp.Award)(award_async)
+    job_ids = [f"chain-{n}" for n in range(12)]
+    for n, job_id in enumerate(job_ids):
+        await enqueue(points, app, job_id)
+        if n == 3:
+            await enqueue(points, app, job_ids[0])  # a duplicate
+        if n == 5:
+            await enqueue(points, app, "chain-fails", mode="transient")
+        if n == 8:
+            payload = {"account_id": 1, "points": 2}
+            await app.enqueue(points, "award_async", payload, job_id="chain-async")
+    stats = await run_worker(app, pool, PrometheusMetrics(), concurrency=1, batch_size=20)
+
+    assert stats.outcomes == {"succeeded": 13, "duplicate": 1, "retried": 1}
+    assert len(chained) >= 8, "the backlog's commits travelled alone"
+    for job_id in [*job_ids, "chain-async"]:
+        assert await awards(points, job_id) == 1, job_id
+    assert await awards(points, "chain-fails") == 0
+    assert await fences(points, "chain-fails") == 0
+    assert await balance(points, 1) == 2 * 13
+    assert await queued(points) == 1  # the failed job, waiting for its retry
+    await wait_until(lambda: zero(in_transaction_elsewhere(points)), message="no open transaction")
+
+
+async def zero(value: Any) -> bool:
+    return await value == 0
+
+
+@pytest.mark.timeout(60)
+async def test_a_worker_cut_off_while_a_sync_job_begins_the_next_leaves_no_transaction_open(
+    pool: AsyncConnectionPool[Any], points: AsyncConnection[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stopped past its grace period while a sync handler runs, the worker gives the next job
+    back at once. When the handler's thread finishes and commits, the next job's transaction
+    it began is rolled back and its connection closed: nothing holds the next job's fence, and
+    a later worker runs every job once (the one that committed as a duplicate)."""
+    chained = counting_chains(monkeypatch)
+    release = threading.Event()
+    running = threading.Event()
+
+    def award(payload: pointsapp.Award, job: JobMeta, tx: psycopg.Connection[Any]) -> None:
+        if job.job_id == "cut-0":
+            running.set()
+            release.wait(timeout=30)
+        pointsapp.apply_award_sync(payload, job, tx)
+
+    app = app_with(award)
+    for n in range(3):
+        await enqueue(points, app, f"cut-{n}")
+    queue = PgQueue(pool, poll_interval_seconds=0.05)
+    try:
+        first = worker(
+            app, pool, queue, PrometheusMetrics(), concurrency=1, shutdown_grace_seconds=0.2
+        )
+        task = asyncio.create_task(first.run(until="stopped"))
+        await wait_until(lambda: asyncio.to_thread(running.is_set), message="handler running")
+        first.stop()
+        stats = await asyncio.wait_for(task, timeout=20)
+        assert stats.cut_off == 2  # cut-0, and cut-1 it took to begin with its COMMIT
+        release.set()  # the thread commits cut-0 and begins cut-1 with it
+        await wait_until(lambda: asyncio.to_thread(lambda: bool(chained)), message="chained")
+        await wait_until(
+            lambda: zero(in_transaction_elsewhere(points)), message="the begun one rolled back"
+        )
+        assert await awards(points, "cut-0") == 1
+        assert await fences(points, "cut-1") == 0
+        stats = await run_worker(app, pool, PrometheusMetrics(), queue=queue, concurrency=1)
+    finally:
+        release.set()
+        await queue.close()
+    assert stats.outcomes == {"succeeded": 2, "duplicate": 1}
+    for n in range(3):
+        assert await awards(points, f"cut-{n}") == 1
+    assert await balance(points, 1) == 6
+
+
+def test_the_sync_runner_holds_a_begun_transaction_out_of_its_pool_until_it_runs_or_is_abandoned(
+    database_url: str,
+) -> None:
+    """run_ahead() with the next job's fence statement returns its transaction begun, on a
+    connection kept out of the pool; the next run_ahead() runs in it, or abandon() rolls it
+    back and gives the connection back (once: a second abandon, or a claim after it, does
+    nothing)."""
+    with psycopg.connect(database_url, autocommit=True) as setup:
+        setup.execute("CREATE TABLE seen (id int PRIMARY KEY)")
+    fence = "INSERT INTO seen (id) VALUES (%(id)s) ON CONFLICT DO NOTHING RETURNING id"
+    runner = PsycopgRunner(database_url, size=1)
+    runner.open()
+    try:
+
+        def work(rows: Any, tx: Any) -> list[Any]:
+            return list(rows)
+
+        rows, begun = runner.run_ahead(fence, {"id": 1}, work, then=(fence, {"id": 2}))
+        assert rows == [(1,)]
+        assert begun is not None and begun.fresh
+        rows, begun = runner.run_ahead(
+            fence, {"id": 2}, work, opened=begun, then=(fence, {"id": 1})
+        )
+        assert rows == [(2,)], "ran in the transaction begun for it"
+        assert begun is not None and not begun.fresh, "id 1 is a duplicate"
+        rows, begun = runner.run_ahead(
+            fence, {"id": 1}, work, opened=begun, then=(fence, {"id": 3})
+        )
+        assert rows == [] and begun is not None
+        begun.abandon()
+        begun.abandon()
+        assert begun.claim() is None
+        # The one connection is back in the pool: a plain run gets it.
+        assert runner.run(fence, {"id": 4}, work) == [(4,)]
+    finally:
+        runner.close()
+    with psycopg.connect(database_url, autocommit=True) as check:
+        assert check.execute("SELECT array_agg(id ORDER BY id) FROM seen").fetchone() == (
+            [1, 2, 4],
+        )

@@ -22,6 +22,7 @@ A consumer with a plain ``def`` handler (``Consumer.sync``) differs in one step 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import enum
 import inspect
@@ -71,7 +72,7 @@ from jobfence.model import Delivery, JobMeta
 from jobfence.pgtx import Check, CommitRefused, NextBeginFailed, Tx
 from jobfence.ports import MetricsSink, QueuePort
 from jobfence.retry import RetryPolicy
-from jobfence.sync import FenceConnection, PsycopgRunner, SyncExecutor
+from jobfence.sync import FenceConnection, PsycopgRunner, SyncExecutor, SyncOpen
 
 log = logging.getLogger("jobfence.harness")
 
@@ -254,10 +255,11 @@ def _over_limit(job: Job) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class Started:
-    """A job whose transaction is open with its fence insert done (``fresh``: inserted)."""
+    """A job whose transaction is open with its fence insert done (``fresh``: inserted): on the
+    processor's connection (``Tx``), or, for a sync handler, on a connection of the sync pool."""
 
     job: Job
-    tx: Tx
+    tx: Tx | SyncOpen
     fresh: bool
 
 
@@ -268,12 +270,21 @@ class Lookahead:
     When a job commits and another is waiting, the harness sends the COMMIT together with the
     next job's BEGIN and fence insert (one round trip instead of two) and holds the next job
     here, started or not; the processor handles :meth:`next` right after, on the same
-    connection, and gives it back if it cannot."""
+    connection, and gives it back if it cannot.
 
-    __slots__ = ("_held", "_started", "_take")
+    A sync handler's job must know the next one before its thread runs the handler:
+    ``take_spare`` gives a waiting delivery only when taking it early cannot keep it from
+    another processor that would be idle (the worker: when the buffer holds one for each)."""
 
-    def __init__(self, take: Callable[[], Delivery | None]) -> None:
+    __slots__ = ("_held", "_spare", "_started", "_take")
+
+    def __init__(
+        self,
+        take: Callable[[], Delivery | None],
+        take_spare: Callable[[], Delivery | None] | None = None,
+    ) -> None:
         self._take = take
+        self._spare = take_spare
         self._held: Delivery | None = None
         self._started: Started | None = None
 
@@ -281,6 +292,12 @@ class Lookahead:
         if self._held is not None:
             return None  # one job ahead at most
         return self._take()
+
+    def take_spare(self) -> Delivery | None:
+        """:meth:`take`, before the current job's handler runs: only a spare delivery."""
+        if self._held is not None or self._spare is None:
+            return None
+        return self._spare()
 
     def hold(self, delivery: Delivery, started: Started | None = None) -> None:
         self._held = delivery
@@ -305,7 +322,10 @@ class Lookahead:
         if started is not None:
             # Cancelled here, it stays held: the caller's cleanup abandons it again.
             with contextlib.suppress(Exception):
-                await started.tx.rollback()
+                if isinstance(started.tx, SyncOpen):
+                    await asyncio.to_thread(started.tx.abandon)  # at most once
+                else:
+                    await started.tx.rollback()
         self._held = self._started = None
         return held
 
@@ -347,6 +367,49 @@ def _group_fresh(jobs: Sequence[Job], rows: Sequence[Sequence[object]]) -> list[
         fresh.append(key in inserted)
         inserted.discard(key)
     return fresh
+
+
+def _sync_work(
+    jobs: list[Job],
+    fenced: list[bool] | None,
+    timings: list[tuple[JobMeta, float]],
+    with_commit: bool,
+) -> Callable[[Sequence[Sequence[object]], object], list[bool]]:
+    """The work of a sync transaction (:data:`jobfence.sync.Work`): the handlers of ``jobs``
+    whose fences were inserted, timed into ``timings``, then the ``fence_held`` check, left
+    for the COMMIT when ``with_commit`` (a :class:`PsycopgRunner`), else sent now."""
+
+    def work(rows: Sequence[Sequence[object]], tx: object) -> list[bool]:
+        """In the worker thread, inside the transaction, the fences inserted."""
+        fresh = [bool(rows)] if len(jobs) == 1 else _group_fresh(jobs, rows)
+        if fenced is not None:
+            fenced[:] = fresh
+        for job, ran in zip(jobs, fresh, strict=True):
+            if ran:
+                begun = time.perf_counter()
+                try:
+                    with guarded(tx) as guard:
+                        returned = job.consumer.handler(job.payload, job.meta, tx)  # type: ignore[arg-type]
+                finally:
+                    timings.append((job.meta, time.perf_counter() - begun))
+                if inspect.isawaitable(returned):
+                    if inspect.iscoroutine(returned):
+                        returned.close()
+                    raise TypeError(
+                        f"the sync handler of consumer {job.consumer.name!r} returned an"
+                        " awaitable: declare it `async def` to get an AsyncConnection"
+                    )
+                after_handler(tx, guard)
+        check = _held_check(fresh)
+        if check is None:
+            pass
+        elif with_commit and isinstance(tx, FenceConnection):
+            tx._jobfence_commit_check = check
+        else:
+            check_held_now(tx, check)
+        return fresh
+
+    return work
 
 
 class Harness:
@@ -537,11 +600,21 @@ class Harness:
         return fresh
 
     async def _sync_transaction(
-        self, jobs: list[Job], fenced: list[bool] | None = None
+        self,
+        jobs: list[Job],
+        fenced: list[bool] | None = None,
+        *,
+        ahead: Lookahead | None = None,
+        started: Started | None = None,
     ) -> list[bool]:
         """Fence(s), sync handler(s), commit, in a worker thread through ``self.sync`` (one job,
         or a group of one consumer's jobs); which jobs ran (the others are duplicates), also
-        put in ``fenced`` as soon as the fences are inserted."""
+        put in ``fenced`` as soon as the fences are inserted.
+
+        One job with ``ahead``, on a runner that chains (:attr:`SyncExecutor.chains`): its
+        COMMIT travels with the next spare sync job's BEGIN and fence insert, as
+        :meth:`_transaction` does; ``started``: the transaction a previous job's commit
+        opened for this one."""
         if self.sync is None:
             raise RuntimeError(
                 f"consumer {jobs[0].consumer.name!r} has a sync handler, and this harness has no"
@@ -554,45 +627,34 @@ class Harness:
         timings: list[tuple[JobMeta, float]] = []
         # PsycopgRunner sends the fence_held check with its COMMIT; another runner commits on
         # its own, so the check runs at the end of the work, a round trip more.
-        with_commit = isinstance(self.sync.runner, PsycopgRunner)
-
-        def work(rows: Sequence[Sequence[object]], tx: object) -> list[bool]:
-            """In the worker thread, inside the transaction, the fences inserted."""
-            fresh = [bool(rows)] if len(jobs) == 1 else _group_fresh(jobs, rows)
-            if fenced is not None:
-                fenced[:] = fresh
-            for job, ran in zip(jobs, fresh, strict=True):
-                if ran:
-                    begun = time.perf_counter()
-                    try:
-                        with guarded(tx) as guard:
-                            returned = job.consumer.handler(job.payload, job.meta, tx)  # type: ignore[arg-type]
-                    finally:
-                        timings.append((job.meta, time.perf_counter() - begun))
-                    if inspect.isawaitable(returned):
-                        if inspect.iscoroutine(returned):
-                            returned.close()
-                        raise TypeError(
-                            f"the sync handler of consumer {job.consumer.name!r} returned an"
-                            " awaitable: declare it `async def` to get an AsyncConnection"
-                        )
-                    after_handler(tx, guard)
-            check = _held_check(fresh)
-            if check is None:
-                pass
-            elif with_commit and isinstance(tx, FenceConnection):
-                tx._jobfence_commit_check = check
-            else:
-                check_held_now(tx, check)
-            return fresh
-
+        work = _sync_work(jobs, fenced, timings, isinstance(self.sync.runner, PsycopgRunner))
+        opened = started.tx if started is not None and isinstance(started.tx, SyncOpen) else None
+        following = None
+        if len(jobs) == 1 and self.sync.chains:
+            following = self._next_job(ahead, sync=True)
         try:
-            return await self.sync.run(fence_sql, params, work)
+            if opened is None and following is None:
+                return await self.sync.run(fence_sql, params, work)
+            then = None if following is None else (fence_sql, _fence_params(following))
+            fresh, begun = await self.sync.run_ahead(fence_sql, params, work, opened, then)
         except CommitRefused:
+            if following is not None:
+                assert ahead is not None
+                ahead.hold(following.delivery)  # nothing committed; it starts on its own
             raise not_held() from None
+        except BaseException:
+            if following is not None:
+                assert ahead is not None
+                ahead.hold(following.delivery)
+            raise
         finally:
             for meta, seconds in list(timings):
                 self._metrics.handler_duration(meta.queue, meta.consumer, seconds)
+        if following is not None:
+            assert ahead is not None
+            started_next = None if begun is None else Started(following, begun, begun.fresh)
+            ahead.hold(following.delivery, started_next)
+        return fresh
 
     async def _run_handler(self, job: Job, conn: AsyncConnection[Any]) -> None:
         """The handler, timed, on ``conn`` lent (jobfence.guard): a call it was refused, or a
@@ -666,7 +728,7 @@ class Harness:
         in_group = self._committed_in_group.pop(id(job.delivery), None) is job.delivery
         try:
             if job.consumer.sync:
-                fresh = (await self._sync_transaction([job]))[0]
+                fresh = (await self._sync_transaction([job], ahead=ahead, started=started))[0]
             elif conn is not None:
                 fresh = await self._transaction(job, conn, ahead, started)
             else:
@@ -709,7 +771,7 @@ class Harness:
     ) -> bool:
         """Fence, handler, commit; True if the handler ran (False: a duplicate). ``started``:
         the transaction and fence result a previous job's commit opened for this one."""
-        if started is not None:
+        if started is not None and isinstance(started.tx, Tx):
             tx, fresh = started.tx, started.fresh
         else:
             tx, cur = await Tx.begin(conn, SQL["fence_insert"], _fence_params(job))
@@ -748,23 +810,24 @@ class Harness:
         ahead.hold(following.delivery, Started(following, next_tx, next_fresh))
         return fresh
 
-    def _next_job(self, ahead: Lookahead | None) -> Job | None:
-        """The next waiting job, valid, to start with this one's commit; a poison one, or one
-        of a consumer that commits jobs in groups or has a sync handler, is held for the caller
-        to handle."""
+    def _next_job(self, ahead: Lookahead | None, *, sync: bool = False) -> Job | None:
+        """The next waiting job, valid, to start with this one's commit (``sync``: this one's
+        handler is sync, and the next is taken before it runs, only a spare one); a poison one,
+        one of a consumer that commits jobs in groups or whose handler is not of this one's
+        kind, is held for the caller to handle."""
         if ahead is None:
             return None
-        delivery = ahead.take()
+        delivery = ahead.take_spare() if sync else ahead.take()
         if delivery is None:
             return None
         prepared = self._prepare(delivery)
         if (
             isinstance(prepared, PoisonMessage)
             or prepared.consumer.jobs_per_transaction > 1
-            or prepared.consumer.sync
+            or prepared.consumer.sync != sync
             or _over_limit(prepared)
         ):
-            # Poison, the first of a group, sync, or over the delivery limit: the caller's.
+            # Poison, the first of a group, another kind, over the delivery limit: the caller's.
             ahead.hold(delivery)
             return None
         return prepared

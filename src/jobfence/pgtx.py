@@ -107,17 +107,28 @@ def _refusal(exc: BaseException) -> str | None:
     return None if found is None else found.group(1).rstrip(" ,")
 
 
+def _push_chained(tx: psycopg.AsyncTransaction | psycopg.Transaction) -> None:
+    if tx._conn._num_transactions:
+        raise psycopg.ProgrammingError("a chained transaction needs the previous one ended")
+    tx._outer_transaction = True
+    tx._stack_index = 0
+    tx._conn._num_transactions = 1
+
+
 class _Chained(psycopg.AsyncTransaction):
     """A main transaction whose BEGIN is queued right after the previous one's COMMIT, in the
     same pipeline: the connection still reports "in transaction", which psycopg would otherwise
     read as "open a savepoint"."""
 
     def _push_savepoint(self) -> None:
-        if self._conn._num_transactions:
-            raise psycopg.ProgrammingError("a chained transaction needs the previous one ended")
-        self._outer_transaction = True
-        self._stack_index = 0
-        self._conn._num_transactions = 1
+        _push_chained(self)
+
+
+class _ChainedSync(psycopg.Transaction):
+    """:class:`_Chained` on a sync connection."""
+
+    def _push_savepoint(self) -> None:
+        _push_chained(self)
 
 
 class Tx:
@@ -240,6 +251,60 @@ async def _end_aborted(conn: AsyncConnection[Any]) -> None:
         return
     with suppress(psycopg.Error):  # the connection went with it: the server rolls back
         await psycopg.AsyncConnection.rollback(conn)
+
+
+def commit_then_begin_sync(
+    conn: psycopg.Connection[Any],
+    previous: psycopg.Transaction,
+    check: Check | None,
+    query: Query,
+    params: Mapping[str, Any],
+) -> tuple[psycopg.Transaction, list[Any]]:
+    """:meth:`Tx.commit_then_begin` on a sync connection: commit ``previous`` (a transaction
+    entered on ``conn``, ``check`` first), begin the next with ``query`` and fetch its rows,
+    in one round trip. It raises as :meth:`Tx.commit_then_begin` does: :class:`NextBeginFailed`
+    (``previous`` committed, the next rolled back), :class:`CommitRefused` (neither committed),
+    or the COMMIT's own error."""
+    tx = _ChainedSync(conn)
+    entered = False
+    try:
+        with conn.pipeline():
+            if check is not None:
+                with conn.lock:  # queued as psycopg queues its COMMIT
+                    conn.wait(conn._exec_command(check))
+            previous.__exit__(None, None, None)  # queues COMMIT
+            tx.__enter__()  # queues BEGIN
+            entered = True
+            cur = conn.execute(query, params)
+        rows = cur.fetchall()
+    except BaseException as exc:
+        # As in Tx._start: a refused check skipped all that followed; a failed COMMIT ended
+        # its transaction and skipped the rest; else only the next first statement failed.
+        refused = check is not None and refused_by_check(exc)
+        committed = not refused and conn.info.transaction_status == TransactionStatus.INERROR
+        if entered:
+            tx.__exit__(type(exc), exc, exc.__traceback__)
+        first = first_error(exc)
+        if refused:
+            end_aborted_sync(conn)
+            raise CommitRefused(refusal_reason(first)) from first
+        if committed and isinstance(exc, Exception):
+            raise NextBeginFailed(str(first)) from first
+        if first is not exc:
+            raise first from None
+        raise
+    return tx, rows
+
+
+def end_aborted_sync(conn: psycopg.Connection[Any]) -> None:
+    """:func:`_end_aborted` on a sync connection."""
+    if conn.closed or conn.info.transaction_status not in (
+        TransactionStatus.INTRANS,
+        TransactionStatus.INERROR,
+    ):
+        return
+    with suppress(psycopg.Error):  # the connection went with it: the server rolls back
+        psycopg.Connection.rollback(conn)
 
 
 @asynccontextmanager

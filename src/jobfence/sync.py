@@ -18,22 +18,29 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
 from typing import Any, Protocol, TypeVar
 
 import psycopg
-from psycopg.pq import TransactionStatus
 from psycopg.rows import TupleRow
 from psycopg_pool import ConnectionPool
 
 from jobfence import tracing
 from jobfence.db import looks_broken
 from jobfence.guard import check_still_open, refuse_on
-from jobfence.pgtx import Check, raise_first
+from jobfence.pgtx import (
+    Check,
+    NextBeginFailed,
+    commit_then_begin_sync,
+    end_aborted_sync,
+    raise_first,
+)
 
 log = logging.getLogger("jobfence.sync")
 
@@ -161,14 +168,111 @@ class PsycopgRunner:
             pool.close(timeout=timeout)
 
     def run(self, fence_sql: str, params: Mapping[str, Any], work: Work[T]) -> T:
+        return self.run_ahead(fence_sql, params, work)[0]
+
+    def run_ahead(
+        self,
+        fence_sql: str,
+        params: Mapping[str, Any],
+        work: Work[T],
+        *,
+        opened: SyncOpen | None = None,
+        then: tuple[str, Mapping[str, Any]] | None = None,
+    ) -> tuple[T, SyncOpen | None]:
+        """:meth:`run`, chained to the jobs around it on one connection. With ``opened``, the
+        transaction was begun already, its fence statement done (by the previous job's
+        commit). With ``then`` (the next job's fence statement and parameters), the COMMIT
+        travels with the next transaction's BEGIN and fence statement in one round trip
+        (:func:`jobfence.pgtx.commit_then_begin_sync`), and that transaction is returned with
+        ``work``'s result, its connection held out of the pool until it runs or is abandoned.
+        None in its place: the next job begins on its own (nothing was chained, or its fence
+        statement failed after this COMMIT)."""
         pool = self._pool
         if pool is None:
             raise RuntimeError("PsycopgRunner.run() before open()")
-        with pool.connection() as conn:
-            return _run_on(conn, fence_sql, params, work)
+        claimed = opened.claim() if opened is not None else None
+        if claimed is not None:
+            conn, tx, rows = claimed
+        else:
+            conn = pool.getconn()
+            try:
+                tx, rows = _begin(conn, fence_sql, params)
+            except BaseException:
+                pool.putconn(conn)
+                raise
+        following: SyncOpen | None = None
+        try:
+            result = _work_in(conn, tx, rows, work)
+            check, conn._jobfence_commit_check = conn._jobfence_commit_check, None
+            if then is not None:
+                with suppress(NextBeginFailed):  # committed; the next job begins on its own
+                    next_tx, next_rows = commit_then_begin_sync(conn, tx, check, *then)
+                    following = SyncOpen(pool, conn, next_tx, next_rows)
+            elif check is None:
+                tx.__exit__(None, None, None)
+            else:
+                _commit_checked(conn, tx, check)
+        finally:
+            if following is None:
+                pool.putconn(conn)
+        return result, following
 
 
-def _run_on(conn: FenceConnection, fence_sql: str, params: Mapping[str, Any], work: Work[T]) -> T:
+class SyncOpen:
+    """A sync work transaction begun ahead of its job (BEGIN and its fence statement done) on a
+    connection held out of its pool: :meth:`PsycopgRunner.run_ahead` runs the job in it, or
+    :meth:`abandon` rolls it back and gives the connection back, whichever comes first."""
+
+    __slots__ = ("_conn", "_lock", "_pool", "_rows", "_taken", "_tx")
+
+    def __init__(
+        self,
+        pool: ConnectionPool[FenceConnection],
+        conn: FenceConnection,
+        tx: psycopg.Transaction,
+        rows: list[Any],
+    ) -> None:
+        self._pool = pool
+        self._conn = conn
+        self._tx = tx
+        self._rows = rows
+        self._lock = threading.Lock()
+        self._taken = False
+
+    @property
+    def fresh(self) -> bool:
+        """The fence statement returned a row: a single job's fence was inserted."""
+        return bool(self._rows)
+
+    def claim(self) -> tuple[FenceConnection, psycopg.Transaction, list[Any]] | None:
+        """The connection, transaction and fence rows, for the one caller that runs the job;
+        None when it was claimed or abandoned before."""
+        with self._lock:
+            if self._taken:
+                return None
+            self._taken = True
+        return self._conn, self._tx, self._rows
+
+    def abandon(self) -> None:
+        """Roll back (quietly: the connection may be gone) and give the connection back to
+        its pool; a no-op once claimed or abandoned. Blocks for a round trip."""
+        claimed = self.claim()
+        if claimed is None:
+            return
+        conn, tx, _rows = claimed
+        try:
+            if not conn.closed:
+                with suppress(psycopg.Error):
+                    tx.__exit__(psycopg.Rollback, psycopg.Rollback(), None)
+        finally:
+            self._pool.putconn(conn)
+
+
+def _begin(
+    conn: FenceConnection, fence_sql: str, params: Mapping[str, Any]
+) -> tuple[psycopg.Transaction, list[Any]]:
+    """BEGIN and the fence statement in one round trip (pipeline mode): the transaction and
+    the statement's rows; rolled back if the statement fails."""
     tx = psycopg.Transaction(conn)
     entered = False
     try:
@@ -178,7 +282,17 @@ def _run_on(conn: FenceConnection, fence_sql: str, params: Mapping[str, Any], wo
             tx.__enter__()  # queues BEGIN
             entered = True
             cur = conn.execute(fence_sql, params)
-        rows = cur.fetchall()
+        return tx, cur.fetchall()
+    except BaseException as exc:
+        if entered and not conn.closed:
+            tx.__exit__(type(exc), exc, exc.__traceback__)
+        raise
+
+
+def _work_in(conn: FenceConnection, tx: psycopg.Transaction, rows: list[Any], work: Work[T]) -> T:
+    """``work`` on ``conn`` lent, in ``tx``, then the check that the transaction is still
+    open and usable; on any exception ``tx`` is rolled back."""
+    try:
         conn._jobfence_lent = True
         try:
             result = work(rows, conn)
@@ -187,16 +301,11 @@ def _run_on(conn: FenceConnection, fence_sql: str, params: Mapping[str, Any], wo
         check_still_open(conn.info.transaction_status, conn.closed)
     except BaseException as exc:
         conn._jobfence_commit_check = None
-        if entered and not conn.closed:
+        if not conn.closed:
             # Rolls back; a psycopg.Rollback is not swallowed: nothing of the job committed,
             # the fence included, so it fails the job like any other exception.
             tx.__exit__(type(exc), exc, exc.__traceback__)
         raise
-    check, conn._jobfence_commit_check = conn._jobfence_commit_check, None
-    if check is None:
-        tx.__exit__(None, None, None)
-    else:
-        _commit_checked(conn, tx, check)
     return result
 
 
@@ -213,9 +322,7 @@ def _commit_checked(conn: FenceConnection, tx: psycopg.Transaction, check: Check
             raise
         if tx.status == tx.Status.ACTIVE:
             tx.__exit__(type(exc), exc, exc.__traceback__)
-        if conn.info.transaction_status in (TransactionStatus.INTRANS, TransactionStatus.INERROR):
-            with suppress(psycopg.Error):  # the connection went: the server rolls back
-                psycopg.Connection.rollback(conn)
+        end_aborted_sync(conn)
         raise_first(exc)
         raise
 
@@ -237,7 +344,49 @@ class SyncExecutor:
             )
         return await loop.run_in_executor(self._threads, self.runner.run, fence_sql, params, work)
 
+    @property
+    def chains(self) -> bool:
+        """The runner can send a job's COMMIT with the next job's BEGIN (:meth:`run_ahead`)."""
+        return isinstance(self.runner, PsycopgRunner)
+
+    async def run_ahead(
+        self,
+        fence_sql: str,
+        params: Mapping[str, Any],
+        work: Work[T],
+        opened: SyncOpen | None,
+        then: tuple[str, Mapping[str, Any]] | None,
+    ) -> tuple[T, SyncOpen | None]:
+        """:meth:`PsycopgRunner.run_ahead` in a thread (only when :attr:`chains`). Cancelled
+        while it runs, a transaction it begins for the next job is abandoned when it returns,
+        and ``opened``, if the thread never took it, at once: no connection stays held."""
+        runner = self.runner
+        if not isinstance(runner, PsycopgRunner):
+            raise TypeError("run_ahead() needs a PsycopgRunner")
+        call: Callable[[], tuple[T, SyncOpen | None]] = functools.partial(
+            runner.run_ahead, fence_sql, params, work, opened=opened, then=then
+        )
+        if tracing.ENABLED:
+            call = functools.partial(contextvars.copy_context().run, call)
+        future = self._threads.submit(call)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            future.add_done_callback(functools.partial(_abandon_after, opened))
+            raise
+
     def shutdown(self) -> None:
         """Stop taking work; a transaction still running in a thread finishes there (cut off
         by shutdown, its delivery is released and comes back as a duplicate if it committed)."""
         self._threads.shutdown(wait=False, cancel_futures=True)
+
+
+def _abandon_after(opened: SyncOpen | None, future: Future[tuple[Any, SyncOpen | None]]) -> None:
+    """Once a :meth:`SyncExecutor.run_ahead` nobody awaits any more is done: abandon the
+    transaction it was given (a no-op if its thread took it) and the one it began."""
+    if opened is not None:
+        opened.abandon()
+    if not future.cancelled() and future.exception() is None:
+        following = future.result()[1]
+        if following is not None:
+            following.abandon()

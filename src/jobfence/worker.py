@@ -51,7 +51,9 @@ class WorkerStats:
 
     outcomes: Counter[str] = field(default_factory=Counter)
     released: int = 0
-    cut_off: int = 0  # running jobs cut off by shutdown (given back, rolled back)
+    # Jobs taken and unfinished when shutdown cut them off (rolled back, given back): the
+    # running ones, and the next job a sync handler's job took to begin with its COMMIT.
+    cut_off: int = 0
 
     @property
     def handled(self) -> int:
@@ -451,7 +453,7 @@ class Worker:
         (:class:`~jobfence.harness.Lookahead`)."""
         while True:
             waiting: Delivery | None = self._take(await self._buffer.get())
-            ahead = Lookahead(self._take_waiting)
+            ahead = Lookahead(self._take_waiting, self._take_spare)
             try:
                 async with self._pool.connection() as conn:
                     while waiting is not None:
@@ -462,9 +464,14 @@ class Worker:
                                 break
                         elif not await self._process(delivery, conn, ahead):
                             break
+                        if self._stopping.is_set():
+                            break  # a job held ahead has not started: given back below
                         waiting = ahead.next() or self._take_waiting()
-                    if (left := await ahead.abandon()) is not None:  # the connection broke
-                        self._give_back([left], ConnectionError("the connection was lost"))
+                    if (left := await ahead.abandon()) is not None:
+                        if self._stopping.is_set():  # released with the rest at shutdown
+                            self._give_back([left], asyncio.CancelledError())
+                        else:  # the connection broke
+                            self._give_back([left], ConnectionError("the connection was lost"))
             except BaseException as exc:
                 left = await ahead.abandon()
                 self._give_back([held for held in (waiting, left) if held is not None], exc)
@@ -481,6 +488,18 @@ class Worker:
         except asyncio.QueueEmpty:
             return None
 
+    def _take_spare(self) -> Delivery | None:
+        """:meth:`_take_waiting`, only when the buffer holds a delivery for every processor:
+        a sync handler's job takes the next one before its handler runs (to begin it with its
+        COMMIT), and must not keep it from a processor that would otherwise wait idle."""
+        if self._buffer.qsize() < self.concurrency:
+            return None
+        try:
+            # Not started: its job waits for this one's handler (see _process).
+            return self._take(self._buffer.get_nowait(), started=False)
+        except asyncio.QueueEmpty:
+            return None
+
     def _done(self, delivery: Delivery) -> None:
         """``delivery`` taken with :meth:`_take` is no longer this processor's."""
         self._busy -= 1
@@ -492,6 +511,8 @@ class Worker:
     async def _process(self, delivery: Delivery, conn: Any, ahead: Lookahead) -> bool:
         """Run one delivery on ``conn``; False when ``conn`` should go back to the pool (the
         database went away)."""
+        if self._leases is not None:
+            self._leases.started(delivery)  # taken early, it starts now (else: a no-op)
         try:
             outcome = await self.harness.handle(delivery, conn, ahead)
             self.stats.outcomes[outcome] += 1
@@ -587,12 +608,13 @@ class Worker:
             else:
                 self._unreleased.append(delivery)
 
-    def _take(self, delivery: Delivery) -> Delivery:
-        """Count a delivery taken from the buffer as busy (until :meth:`_process` is done)."""
+    def _take(self, delivery: Delivery, *, started: bool = True) -> Delivery:
+        """Count a delivery taken from the buffer as busy (until :meth:`_process` is done);
+        ``started``: its job starts now (the lease keeper's handler clock starts)."""
         self._busy += 1
         if self._buffer.qsize() < self._low_water:
             self._room.set()
-        if self._leases is not None:
+        if started and self._leases is not None:
             self._leases.started(delivery)
         return delivery
 
