@@ -463,3 +463,155 @@ async def test_a_handler_that_resets_every_setting_fails_as_misuse_with_nothing_
     [dl_id] = await dead_letter_ids(points, "reset-all")
     dl = await get_dead_letter(points, dl_id)
     assert (dl.attempts, dl.error_class) == (1, MISUSE)
+
+
+# -- a setting a handler changes for the whole session ------------------------------------------
+#
+# A plain SET (without LOCAL) outlives its transaction: on a pooled connection it would apply to
+# every later job there. A handler that turns on default_transaction_read_only would fail every
+# job after it on its connection. The settings the server reports to the client are compared,
+# once the job has committed, with their values when the connection was first lent.
+
+SESSION_SETTER = "session-setter"
+
+
+def session_recorder(flavour: str, statement: str, seen: list[tuple[str, int, str]]) -> Any:
+    """A handler that applies the award and records (job_id, backend pid, TimeZone); for the
+    job SESSION_SETTER (or every job, when ``statement`` starts with SET LOCAL) it first runs
+    ``statement``."""
+
+    def applies_to(job: JobMeta) -> bool:
+        return job.job_id == SESSION_SETTER or statement.startswith("SET LOCAL")
+
+    async def award(payload: pointsapp.Award, job: JobMeta, tx: AsyncConnection[Any]) -> None:
+        if applies_to(job):
+            await tx.execute(statement)
+        cur = await tx.execute("SELECT pg_backend_pid(), current_setting('TimeZone')")
+        pid, zone = (await cur.fetchone()) or (0, "")
+        seen.append((job.job_id, pid, zone))
+        await pointsapp.apply_award(payload, job, tx)
+
+    def award_sync(payload: pointsapp.Award, job: JobMeta, tx: psycopg.Connection[Any]) -> None:
+        if applies_to(job):
+            tx.execute(statement)
+        pid, zone = tx.execute(
+            "SELECT pg_backend_pid(), current_setting('TimeZone')"
+        ).fetchone() or (
+            0,
+            "",
+        )
+        seen.append((job.job_id, pid, zone))
+        pointsapp.apply_award_sync(payload, job, tx)
+
+    return award if flavour == "async" else award_sync
+
+
+@pytest.mark.parametrize("per_transaction", [1, 5])
+@pytest.mark.parametrize("flavour", ["async", "sync"])
+async def test_a_setting_a_handler_changes_for_its_session_does_not_reach_the_jobs_after_it(
+    pool: AsyncConnectionPool[Any],
+    points: AsyncConnection[Any],
+    caplog: pytest.LogCaptureFixture,
+    flavour: str,
+    per_transaction: int,
+) -> None:
+    """A handler turns on default_transaction_read_only and sets the time zone for its
+    session: its job commits; its connection is closed and replaced, with one WARNING naming
+    the consumer and the settings (never their values); the jobs after it run with the
+    settings as they were, each applied once."""
+    seen: list[tuple[str, int, str]] = []
+    statement = "SET default_transaction_read_only = on; SET TimeZone = 'Pacific/Chatham'"
+    app = app_with(session_recorder(flavour, statement, seen), jobs_per_transaction=per_transaction)
+    job_ids = [f"before-{n}" for n in range(3)] + [SESSION_SETTER]
+    job_ids += [f"after-{n}" for n in range(6)]
+    for job_id in job_ids:
+        await app.enqueue(points, CONSUMER, {"account_id": 1, "points": 2}, job_id=job_id)
+    with caplog.at_level("WARNING"):
+        stats = await run_worker(app, pool, PrometheusMetrics(), concurrency=1, batch_size=20)
+    assert not [r for r in caplog.records if "went away" in r.getMessage()], "not an outage"
+
+    assert stats.outcomes == {"succeeded": len(job_ids)}, dict(stats.outcomes)
+    for job_id in job_ids:
+        assert await awards(points, job_id) == 1, job_id
+    assert await balance(points, 1) == 2 * len(job_ids)
+    assert await queued(points) == 0
+    zones = {job_id: zone for job_id, _pid, zone in seen}
+    assert zones[SESSION_SETTER] == "Pacific/Chatham"
+    # A group is one transaction: the jobs after the setter in its group share its session.
+    later = job_ids[job_ids.index(SESSION_SETTER) + per_transaction :]
+    assert {zones[job_id] for job_id in ["before-0", *later]} == {zones["before-0"]}
+    assert zones["before-0"] != "Pacific/Chatham"
+    pids = {job_id: pid for job_id, pid, _zone in seen}
+    assert pids["after-5"] != pids[SESSION_SETTER], "the connection was replaced"
+    warnings = [r.getMessage() for r in caplog.records if r.name == "jobfence.harness"]
+    assert len(warnings) == 1, warnings
+    which = (
+        f"job {SESSION_SETTER}: the handler"
+        if per_transaction == 1
+        else "a group of 5 jobs from before-0: a handler"
+    )
+    assert warnings[0].startswith(
+        f"{which} of consumer {CONSUMER} changed default_transaction_read_only, TimeZone for"
+        " the whole session (a SET without LOCAL)"
+    ), warnings[0]
+    assert "Chatham" not in warnings[0]
+
+
+@pytest.mark.parametrize("flavour", ["async", "sync"])
+async def test_a_set_local_in_every_handler_keeps_the_connection(
+    pool: AsyncConnectionPool[Any],
+    points: AsyncConnection[Any],
+    caplog: pytest.LogCaptureFixture,
+    flavour: str,
+) -> None:
+    """SET LOCAL ends with its transaction: no warning, and the jobs keep one connection."""
+    seen: list[tuple[str, int, str]] = []
+    app = app_with(session_recorder(flavour, "SET LOCAL TimeZone = 'Pacific/Chatham'", seen))
+    job_ids = [f"local-{n}" for n in range(6)]
+    for job_id in job_ids:
+        await app.enqueue(points, CONSUMER, {"account_id": 1, "points": 2}, job_id=job_id)
+    with caplog.at_level("WARNING"):
+        stats = await run_worker(app, pool, PrometheusMetrics(), concurrency=1, batch_size=20)
+    assert not [r for r in caplog.records if "went away" in r.getMessage()], "not an outage"
+
+    assert stats.outcomes == {"succeeded": 6}
+    assert {zone for _job, _pid, zone in seen} == {"Pacific/Chatham"}
+    assert len({pid for _job, pid, _zone in seen}) == 1
+    assert [r.getMessage() for r in caplog.records if r.name == "jobfence.harness"] == []
+
+
+@pytest.mark.parametrize("flavour", ["async", "sync"])
+async def test_a_session_setting_changed_while_a_rolled_back_group_runs_alone_is_caught(
+    pool: AsyncConnectionPool[Any],
+    points: AsyncConnection[Any],
+    caplog: pytest.LogCaptureFixture,
+    flavour: str,
+) -> None:
+    """A group rolls back (one of its jobs fails) and its jobs run one transaction each; the
+    setter among them gets its connection replaced there too, and the rest of the group runs
+    on other connections with the settings as they were."""
+    seen: list[tuple[str, int, str]] = []
+    statement = "SET default_transaction_read_only = on; SET TimeZone = 'Pacific/Chatham'"
+    app = app_with(session_recorder(flavour, statement, seen), jobs_per_transaction=5)
+    job_ids = ["before-0", SESSION_SETTER, "fails", "after-0", "after-1", "after-2", "after-3"]
+    for job_id in job_ids:
+        mode = "transient" if job_id == "fails" else "ok"
+        await app.enqueue(
+            points, CONSUMER, {"account_id": 1, "points": 2, "mode": mode}, job_id=job_id
+        )
+    with caplog.at_level("WARNING"):
+        stats = await run_worker(app, pool, PrometheusMetrics(), concurrency=1, batch_size=20)
+    assert not [r for r in caplog.records if "went away" in r.getMessage()], "not an outage"
+
+    assert stats.outcomes == {"succeeded": 6, "retried": 1}, dict(stats.outcomes)
+    for job_id in job_ids:
+        assert await awards(points, job_id) == (0 if job_id == "fails" else 1), job_id
+    zones = {job_id: zone for job_id, _pid, zone in seen}
+    baseline = zones["before-0"]
+    assert baseline != "Pacific/Chatham"
+    assert {zones[f"after-{n}"] for n in range(4)} == {baseline}
+    warnings = [r.getMessage() for r in caplog.records if r.name == "jobfence.harness"]
+    assert [w for w in warnings if "for the whole session" in w] == [
+        w for w in warnings if w.startswith(f"job {SESSION_SETTER}: the handler")
+    ]
+    assert len([w for w in warnings if "for the whole session" in w]) == 1, warnings

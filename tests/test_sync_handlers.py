@@ -690,15 +690,15 @@ def test_the_sync_runner_holds_a_begun_transaction_out_of_its_pool_until_it_runs
         def work(rows: Any, tx: Any) -> list[Any]:
             return list(rows)
 
-        rows, begun = runner.run_ahead(fence, {"id": 1}, work, then=(fence, {"id": 2}))
+        rows, begun, _changed = runner.run_ahead(fence, {"id": 1}, work, then=(fence, {"id": 2}))
         assert rows == [(1,)]
         assert begun is not None and begun.fresh
-        rows, begun = runner.run_ahead(
+        rows, begun, _changed = runner.run_ahead(
             fence, {"id": 2}, work, opened=begun, then=(fence, {"id": 1})
         )
         assert rows == [(2,)], "ran in the transaction begun for it"
         assert begun is not None and not begun.fresh, "id 1 is a duplicate"
-        rows, begun = runner.run_ahead(
+        rows, begun, _changed = runner.run_ahead(
             fence, {"id": 1}, work, opened=begun, then=(fence, {"id": 3})
         )
         assert rows == [] and begun is not None

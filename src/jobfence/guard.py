@@ -45,6 +45,22 @@ COMMITTED_IN_GROUP = (
 # between jobs); its presence says the refusing shadows below are installed on it.
 _GUARD = "_jobfence_guard"
 
+# Settings the server reports to the client each time they change (ParameterStatus), so read
+# without a round trip. Their values when a connection is first lent are kept on it: one that
+# differs once a job's transaction has ended was set for the whole session (a SET without
+# LOCAL; a SET LOCAL ends with its transaction) and would apply to every later job there.
+_REPORTED = (
+    b"default_transaction_read_only",
+    b"session_authorization",
+    b"is_superuser",
+    b"client_encoding",
+    b"DateStyle",
+    b"IntervalStyle",
+    b"TimeZone",
+    b"standard_conforming_strings",
+)
+_SESSION = "_jobfence_session"
+
 # What a lent connection refuses: attribute shadowed -> the call named in the error. The
 # ``autocommit`` setter goes through ``_set_autocommit``.
 _ENDERS = {
@@ -148,6 +164,39 @@ def _install(
         else:
             attrs[name] = _sync_shadow(conn, original, what)
     attrs[_GUARD] = None
+    attrs[_SESSION] = _reported(conn)
+
+
+def _reported(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> tuple[Any, ...]:
+    return tuple(map(conn.pgconn.parameter_status, _REPORTED))
+
+
+def session_changed(conn: object) -> list[str]:
+    """After a job's transaction ended on ``conn``: the reported settings whose value is not
+    the one they had when ``conn`` was first lent to a handler (set for the session by a
+    handler); empty when none, or when ``conn`` was never lent."""
+    first = getattr(conn, "__dict__", {}).get(_SESSION)
+    if first is None or conn.closed:  # type: ignore[attr-defined]
+        return []
+    now = _reported(conn)  # type: ignore[arg-type]
+    if now == first:
+        return []
+    return [
+        name.decode() for name, was, is_ in zip(_REPORTED, first, now, strict=True) if was != is_
+    ]
+
+
+def retire(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> None:
+    """Have ``conn``'s pool close it when it comes back, instead of lending it again (a pool
+    replaces a connection past its lifetime, logging at INFO); :func:`retired` tells."""
+    conn.__dict__["_jobfence_retired"] = True
+    if hasattr(conn, "_expire_at"):  # set by psycopg_pool on the connections it opens
+        conn._expire_at = 0.0
+
+
+def retired(conn: object) -> bool:
+    """:func:`retire` was called on ``conn``."""
+    return bool(getattr(conn, "__dict__", {}).get("_jobfence_retired"))
 
 
 def _sync_shadow(conn: object, original: Callable[..., Any], what: str) -> Callable[..., Any]:

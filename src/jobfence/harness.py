@@ -60,6 +60,8 @@ from jobfence.guard import (
     check_held_now,
     guarded,
     not_held,
+    retire,
+    session_changed,
 )
 from jobfence.limits import (
     MAX_ATTEMPT,
@@ -597,6 +599,8 @@ class Harness:
             await tx.commit(_held_check(fresh))
         except CommitRefused:
             raise not_held() from None
+        if any(fresh):
+            self._keep_session(jobs, conn)
         return fresh
 
     async def _sync_transaction(
@@ -633,10 +637,10 @@ class Harness:
         if len(jobs) == 1 and self.sync.chains:
             following = self._next_job(ahead, sync=True)
         try:
-            if opened is None and following is None:
+            if not self.sync.chains:
                 return await self.sync.run(fence_sql, params, work)
             then = None if following is None else (fence_sql, _fence_params(following))
-            fresh, begun = await self.sync.run_ahead(fence_sql, params, work, opened, then)
+            fresh, begun, changed = await self.sync.run_ahead(fence_sql, params, work, opened, then)
         except CommitRefused:
             if following is not None:
                 assert ahead is not None
@@ -650,6 +654,8 @@ class Harness:
         finally:
             for meta, seconds in list(timings):
                 self._metrics.handler_duration(meta.queue, meta.consumer, seconds)
+        if changed:
+            self._session_changed(jobs, changed)  # the runner retired its connection
         if following is not None:
             assert ahead is not None
             started_next = None if begun is None else Started(following, begun, begun.fresh)
@@ -791,6 +797,8 @@ class Harness:
                 await tx.commit(check)
             except CommitRefused:
                 raise not_held() from None
+            if fresh:
+                self._keep_session([job], conn)
             return fresh
         assert ahead is not None
         try:
@@ -800,6 +808,8 @@ class Harness:
             next_fresh = await cur.fetchone() is not None
         except NextBeginFailed:
             ahead.hold(following.delivery)  # committed; the next job starts on its own
+            if fresh:
+                self._keep_session([job], conn)
             return fresh
         except CommitRefused:
             ahead.hold(following.delivery)  # nothing committed; the next job starts on its own
@@ -807,8 +817,43 @@ class Harness:
         except BaseException:
             ahead.hold(following.delivery)
             raise  # this job's COMMIT failed, or its outcome went with the connection
+        if fresh and not self._keep_session([job], conn):
+            # Begun on the session the handler changed: rolled back, it starts on another.
+            with contextlib.suppress(psycopg.Error):
+                await next_tx.rollback()
+            ahead.hold(following.delivery)
+            return fresh
         ahead.hold(following.delivery, Started(following, next_tx, next_fresh))
         return fresh
+
+    def _keep_session(self, jobs: Sequence[Job], conn: AsyncConnection[Any]) -> bool:
+        """After the transaction of ``jobs`` committed on ``conn``: False, ``conn`` retired and
+        the change logged, when a handler changed a setting for the whole session."""
+        changed = session_changed(conn)
+        if not changed:
+            return True
+        retire(conn)
+        self._session_changed(jobs, changed)
+        return False
+
+    def _session_changed(self, jobs: Sequence[Job], changed: Sequence[str]) -> None:
+        """Log a change :func:`session_changed` found once ``jobs`` committed (one job, or
+        a group: one of its handlers); names the settings, never their values."""
+        job = jobs[0]
+        which = (
+            f"job {shown_value(job.meta.job_id)}: the handler"
+            if len(jobs) == 1
+            else f"a group of {len(jobs)} jobs from {shown_value(job.meta.job_id)}: a handler"
+        )
+        log.warning(
+            "%s of consumer %s changed %s for the whole session (a SET without LOCAL); the"
+            " jobs after it on that connection would run with it, so the connection is closed"
+            " and replaced (the job itself committed); use SET LOCAL",
+            which,
+            job.consumer.name,
+            ", ".join(changed),
+            extra=log_fields(job.delivery, setting=",".join(changed)),
+        )
 
     def _next_job(self, ahead: Lookahead | None, *, sync: bool = False) -> Job | None:
         """The next waiting job, valid, to start with this one's commit (``sync``: this one's

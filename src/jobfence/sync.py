@@ -33,7 +33,7 @@ from psycopg_pool import ConnectionPool
 
 from jobfence import tracing
 from jobfence.db import looks_broken
-from jobfence.guard import check_still_open, refuse_on
+from jobfence.guard import check_still_open, refuse_on, retire, session_changed
 from jobfence.pgtx import (
     Check,
     NextBeginFailed,
@@ -178,7 +178,7 @@ class PsycopgRunner:
         *,
         opened: SyncOpen | None = None,
         then: tuple[str, Mapping[str, Any]] | None = None,
-    ) -> tuple[T, SyncOpen | None]:
+    ) -> tuple[T, SyncOpen | None, list[str]]:
         """:meth:`run`, chained to the jobs around it on one connection. With ``opened``, the
         transaction was begun already, its fence statement done (by the previous job's
         commit). With ``then`` (the next job's fence statement and parameters), the COMMIT
@@ -186,7 +186,11 @@ class PsycopgRunner:
         (:func:`jobfence.pgtx.commit_then_begin_sync`), and that transaction is returned with
         ``work``'s result, its connection held out of the pool until it runs or is abandoned.
         None in its place: the next job begins on its own (nothing was chained, or its fence
-        statement failed after this COMMIT)."""
+        statement failed after this COMMIT).
+
+        Third, the settings a handler changed for the whole session
+        (:func:`jobfence.guard.session_changed`): the connection is then retired (its pool
+        closes it) and a transaction begun on it for the next job rolled back."""
         pool = self._pool
         if pool is None:
             raise RuntimeError("PsycopgRunner.run() before open()")
@@ -201,21 +205,30 @@ class PsycopgRunner:
                 pool.putconn(conn)
                 raise
         following: SyncOpen | None = None
+        changed: list[str] = []
         try:
             result = _work_in(conn, tx, rows, work)
             check, conn._jobfence_commit_check = conn._jobfence_commit_check, None
+            begun = None
             if then is not None:
                 with suppress(NextBeginFailed):  # committed; the next job begins on its own
-                    next_tx, next_rows = commit_then_begin_sync(conn, tx, check, *then)
-                    following = SyncOpen(pool, conn, next_tx, next_rows)
+                    begun = commit_then_begin_sync(conn, tx, check, *then)
             elif check is None:
                 tx.__exit__(None, None, None)
             else:
                 _commit_checked(conn, tx, check)
+            if check is not None and (changed := session_changed(conn)):  # a handler ran
+                retire(conn)
+                if begun is not None:  # begun on the changed session: it starts on another
+                    with suppress(psycopg.Error):
+                        begun[0].__exit__(psycopg.Rollback, psycopg.Rollback(), None)
+                    begun = None
+            if begun is not None:
+                following = SyncOpen(pool, conn, *begun)
         finally:
             if following is None:
                 pool.putconn(conn)
-        return result, following
+        return result, following, changed
 
 
 class SyncOpen:
@@ -356,14 +369,14 @@ class SyncExecutor:
         work: Work[T],
         opened: SyncOpen | None,
         then: tuple[str, Mapping[str, Any]] | None,
-    ) -> tuple[T, SyncOpen | None]:
+    ) -> tuple[T, SyncOpen | None, list[str]]:
         """:meth:`PsycopgRunner.run_ahead` in a thread (only when :attr:`chains`). Cancelled
         while it runs, a transaction it begins for the next job is abandoned when it returns,
         and ``opened``, if the thread never took it, at once: no connection stays held."""
         runner = self.runner
         if not isinstance(runner, PsycopgRunner):
             raise TypeError("run_ahead() needs a PsycopgRunner")
-        call: Callable[[], tuple[T, SyncOpen | None]] = functools.partial(
+        call: Callable[[], tuple[T, SyncOpen | None, list[str]]] = functools.partial(
             runner.run_ahead, fence_sql, params, work, opened=opened, then=then
         )
         if tracing.ENABLED:
@@ -381,7 +394,9 @@ class SyncExecutor:
         self._threads.shutdown(wait=False, cancel_futures=True)
 
 
-def _abandon_after(opened: SyncOpen | None, future: Future[tuple[Any, SyncOpen | None]]) -> None:
+def _abandon_after(
+    opened: SyncOpen | None, future: Future[tuple[Any, SyncOpen | None, list[str]]]
+) -> None:
     """Once a :meth:`SyncExecutor.run_ahead` nobody awaits any more is done: abandon the
     transaction it was given (a no-op if its thread took it) and the one it began."""
     if opened is not None:

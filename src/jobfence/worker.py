@@ -18,6 +18,7 @@ from jobfence.adapters.prometheus import PrometheusMetrics
 from jobfence.app import App
 from jobfence.db import looks_broken
 from jobfence.errors import ConfigError
+from jobfence.guard import retired
 from jobfence.harness import (
     Harness,
     InfrastructureError,
@@ -451,8 +452,12 @@ class Worker:
         run of jobs costs one pool checkout and the fetch never starves. While it holds the
         connection, the harness may start the next waiting job together with one's commit
         (:class:`~jobfence.harness.Lookahead`)."""
+        carried: Delivery | None = None  # held for the next connection: the last was retired
         while True:
-            waiting: Delivery | None = self._take(await self._buffer.get())
+            waiting: Delivery | None = (
+                carried if carried is not None else self._take(await self._buffer.get())
+            )
+            carried = None
             ahead = Lookahead(self._take_waiting, self._take_spare)
             try:
                 async with self._pool.connection() as conn:
@@ -470,14 +475,18 @@ class Worker:
                     if (left := await ahead.abandon()) is not None:
                         if self._stopping.is_set():  # released with the rest at shutdown
                             self._give_back([left], asyncio.CancelledError())
+                        elif retired(conn):  # a handler changed its session: on another one
+                            carried = left
                         else:  # the connection broke
                             self._give_back([left], ConnectionError("the connection was lost"))
             except BaseException as exc:
                 left = await ahead.abandon()
-                self._give_back([held for held in (waiting, left) if held is not None], exc)
+                stranded = [held for held in (waiting, left, carried) if held is not None]
+                carried = None
+                self._give_back(stranded, exc)
                 if not isinstance(exc, Exception):
                     raise
-                if waiting is None and left is None:
+                if not stranded:
                     # not about a delivery: returning the connection failed
                     log.warning("could not return a connection to the pool: %s", reason(exc))
 
@@ -508,9 +517,10 @@ class Worker:
         if self._leases is not None:
             self._leases.forget(delivery)
 
-    async def _process(self, delivery: Delivery, conn: Any, ahead: Lookahead) -> bool:
-        """Run one delivery on ``conn``; False when ``conn`` should go back to the pool (the
-        database went away)."""
+    async def _process(self, delivery: Delivery, conn: Any, ahead: Lookahead | None) -> bool:
+        """Run one delivery on ``conn`` (None: on a connection of the pool); False when
+        ``conn`` should go back to the pool (the database went away, or a handler changed its
+        session: :func:`jobfence.guard.retire`)."""
         if self._leases is not None:
             self._leases.started(delivery)  # taken early, it starts now (else: a no-op)
         try:
@@ -518,7 +528,8 @@ class Worker:
             self.stats.outcomes[outcome] += 1
         except InfrastructureError as exc:
             self._lost(delivery, exc)
-            await _close_if_cut(conn)
+            if conn is not None:
+                await _close_if_cut(conn)
             return False
         except asyncio.CancelledError:
             self._unreleased.append(delivery)
@@ -532,7 +543,7 @@ class Worker:
             )
         finally:
             self._done(delivery)
-        return not conn.broken
+        return conn is None or not (conn.broken or retired(conn))
 
     def _gather(self, delivery: Delivery, ahead: Lookahead) -> list[Delivery] | None:
         """``delivery`` and the deliveries waiting right after it for the same consumer, when
@@ -580,22 +591,26 @@ class Worker:
         self.stats.outcomes.update(outcomes)
         for delivery in group:
             self._done(delivery)
-        return not conn.broken
+        return not (conn.broken or retired(conn))
 
     async def _process_each(self, group: list[Delivery], conn: Any) -> bool:
         """A group that rolled back: each delivery in its own transaction, under the failure
         policy of a single job."""
         alone = Lookahead(lambda: None)  # nothing starts ahead of these
+        on = conn
         for index, delivery in enumerate(group):
             try:
-                ok = await self._process(delivery, conn, alone)
+                ok = await self._process(delivery, on, alone if on is not None else None)
             except BaseException as exc:
                 self._give_back(group[index + 1 :], exc)
                 raise
             if not ok:
+                if retired(on) and not on.broken:  # a handler changed its session
+                    on = None  # the rest each on a connection of the pool
+                    continue
                 self._give_back(group[index + 1 :], ConnectionError("the connection was lost"))
                 return False
-        return True
+        return on is conn
 
     def _give_back(self, deliveries: list[Delivery], exc: BaseException) -> None:
         """Deliveries taken with :meth:`_take` that will not run here: lost with the database
