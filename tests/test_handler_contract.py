@@ -19,6 +19,7 @@ import points_orm
 import pointsapp
 from jobfence import App, JobMeta, PrometheusMetrics, TransactionMisuse, db, get_dead_letter
 from jobfence.contrib.sqlalchemy import async_session_for, session_for
+from jobfence.guard import retire, retired
 from jobfence.schema import migrate
 from support import with_dbname
 from test_acceptance_harness import awards, balance, dead_letter_ids, fences, queued, run_worker
@@ -615,3 +616,19 @@ async def test_a_session_setting_changed_while_a_rolled_back_group_runs_alone_is
         w for w in warnings if w.startswith(f"job {SESSION_SETTER}: the handler")
     ]
     assert len([w for w in warnings if "for the whole session" in w]) == 1, warnings
+
+
+async def test_a_retired_connection_is_never_lent_again(database_url: str) -> None:
+    """What a handler's session change does to its connection: a pool closes it when it comes
+    back and lends a new one; a connection no pool opened is closed at once."""
+    async with AsyncConnectionPool(database_url, min_size=1, max_size=1, open=False) as one:
+        async with one.connection() as conn:
+            first = conn.info.backend_pid
+            retire(conn)
+            assert retired(conn) and not conn.closed
+        async with one.connection() as conn:
+            assert conn.info.backend_pid != first
+            assert not retired(conn)
+    async with await AsyncConnection.connect(database_url) as plain:
+        retire(plain)
+        assert plain.closed

@@ -188,10 +188,13 @@ def session_changed(conn: object) -> list[str]:
 
 def retire(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> None:
     """Have ``conn``'s pool close it when it comes back, instead of lending it again (a pool
-    replaces a connection past its lifetime, logging at INFO); :func:`retired` tells."""
+    replaces a connection past its lifetime, logging at INFO); a connection no psycopg_pool
+    opened is closed at once. :func:`retired` tells."""
     conn.__dict__["_jobfence_retired"] = True
     if hasattr(conn, "_expire_at"):  # set by psycopg_pool on the connections it opens
         conn._expire_at = 0.0
+    elif not conn.closed:  # without it: closed now, so that no pool lends it again
+        conn.pgconn.finish()
 
 
 def retired(conn: object) -> bool:
