@@ -61,6 +61,14 @@ async def test_redis_refuses_braces_in_a_prefix_or_queue_name(redis_url: str) ->
         await delete_everything("redis", redis_url, name, [])
 
 
+@pytest.mark.parametrize("seconds", [0, -1.0, float("nan"), float("inf")])
+def test_nats_refuses_a_stream_wait_that_is_not_a_finite_positive_time(seconds: float) -> None:
+    from jobfence.adapters.nats import NatsQueue
+
+    with pytest.raises(ConfigError, match=r"stream_wait_seconds must be a finite number above 0"):
+        NatsQueue("nats://127.0.0.1:4222", stream_wait_seconds=seconds)
+
+
 async def test_nats_refuses_a_queue_name_that_is_not_a_subject(nats_url: str) -> None:
     from jobfence.adapters.nats import NatsQueue
 

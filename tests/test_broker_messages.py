@@ -186,7 +186,7 @@ async def test_a_stream_nats_cannot_create_fails_the_start_up_saying_what_did_no
     lone.start()
     try:
         lone.wait_ready()
-        done = await asyncio.to_thread(_move, database_url, f"{lone.url}?replicas=3")
+        done = await asyncio.to_thread(_move, database_url, f"{lone.url}?replicas=3&stream_wait=3")
     finally:
         lone.kill()
     assert done.returncode == 2, done
@@ -194,7 +194,7 @@ async def test_a_stream_nats_cannot_create_fails_the_start_up_saying_what_did_no
     assert len(lines) == 1, done.stderr
     assert lines[0].startswith(
         f"jobfence: error: cannot open the nats queue at {lone.url}: QueueUnavailable: NATS "
-        "JetStream did not create or confirm the stream JOBFENCE (3 replica(s)) within 30s; "
+        "JetStream did not create or confirm the stream JOBFENCE (3 replica(s)) within 3s; "
         "last answer: "
     ), lines
     assert "no answer within" not in done.stderr

@@ -109,6 +109,36 @@ async def test_a_forged_job_id_cannot_start_a_log_line_of_its_own_in_the_text_lo
     assert len(poison) == 1 and "job card\\n" in poison[0], done.stderr
 
 
+async def test_the_warning_of_a_session_setting_change_shows_a_forged_job_id_escaped(
+    database_url: str, conn: psycopg.AsyncConnection[Any]
+) -> None:
+    """The WARNING that a handler changed a setting for its whole session names the job: a
+    forged id stays inside that line, escaped, and the setting's new value is in no line."""
+    await conn.execute(
+        ENQUEUE, ("zone", hostile.QUEUE, f"tz\n{FORGED}", '{"n": 1}', None, f"c\n{FORGED}")
+    )
+
+    done = run_worker(database_url)
+
+    output = done.stderr + done.stdout
+    assert_no_forged_line(output)
+    changed = [line for line in done.stderr.splitlines() if "for the whole session" in line]
+    assert len(changed) == 1, done.stderr
+    assert re.match(
+        # The id holds control characters: shown as its start, escaped, with its length and
+        # a digest.
+        r"\d{4}-\d\d-\d\d \S+ WARNING jobfence.harness: job tz\\n2026-12-01 19:00:00,000 "
+        r"CRITICAL jobfence.worker: FORGED data\.\.\.\[78 bytes, sha256 [0-9a-f]{16}\]: the "
+        r"handler of consumer zone changed TimeZone for the whole session",
+        changed[0],
+    ), changed[0]
+    assert hostile.SESSION_ZONE not in output
+    row = await (
+        await conn.execute("SELECT count(*) FROM core.processed_jobs WHERE consumer = 'zone'")
+    ).fetchone()
+    assert row == (1,)  # the job itself committed
+
+
 async def test_dead_letters_show_prints_a_hostile_job_id_and_last_error_escaped(
     database_url: str, conn: psycopg.AsyncConnection[Any]
 ) -> None:

@@ -73,6 +73,8 @@ def test_a_nats_seed_list_names_every_server_and_hides_each_password() -> None:
         ("nats://a:4222,nats://b:4222,nats://c:4222?replicas=3", BrokerSettings(replicas=3)),
         ("nats://a?replicas=1", BrokerSettings(replicas=1)),
         ("nats://a?replicas=5", BrokerSettings(replicas=5)),
+        ("nats://a?stream_wait=1", BrokerSettings(stream_wait=1)),
+        ("nats://a?replicas=3&stream_wait=35", BrokerSettings(replicas=3, stream_wait=35)),
         (
             "nats://a?stream=ORDERS_1&subject_prefix=app.jobs",
             BrokerSettings(stream="ORDERS_1", subject_prefix="app.jobs"),
@@ -104,6 +106,10 @@ def test_every_url_parameter_is_accepted_within_its_range(
         ("nats://a?replicas=-1", "'replicas' must be an integer from 1 to 5"),
         ("nats://a?replicas=", "'replicas' must be an integer from 1 to 5, got ''"),
         ("nats://a?replicas=1e3", "'replicas' must be an integer"),
+        ("nats://a?stream_wait=0", "'stream_wait' must be a whole number of seconds from 1 to 35"),
+        ("nats://a?stream_wait=36", "'stream_wait' must be a whole number of seconds from 1 to 35"),
+        ("nats://a?stream_wait=2.5", "'stream_wait' must be a whole number of seconds"),
+        ("redis://r?stream_wait=5", "unknown parameter 'stream_wait' for a redis queue URL"),
         ("nats://a?stream=a.b", "'stream' must be 1 to 200 letters, digits, _ or -"),
         ("nats://a?subject_prefix=a..b", "'subject_prefix' must be dot-separated tokens"),
         ("nats://a?subject_prefix=a.>", "'subject_prefix' must be dot-separated tokens"),
@@ -198,14 +204,14 @@ def test_a_hostile_queue_url_ends_in_one_refusal_or_a_checked_target(url: str) -
         "amqp://rabbit",
         "amqp://rabbit/%2F",
         f"redis://:{PASSWORD}@redis/5?prefix=p:x&socket_timeout=3",
-        "nats://a:4222,nats://b:4222,nats://c:4222?replicas=3&stream=JOBS",
+        "nats://a:4222,nats://b:4222,nats://c:4222?replicas=3&stream=JOBS&stream_wait=10",
     ],
 )
 def test_a_recorded_location_names_the_same_place_without_password_or_tuning(url: str) -> None:
     target = parse_queue_url(url)
     assert target.location is not None
     assert PASSWORD not in target.location
-    for tuning in ("prefetch", "replicas", "heartbeat", "socket_timeout"):
+    for tuning in ("prefetch", "replicas", "stream_wait", "heartbeat", "socket_timeout"):
         assert tuning not in target.location
     assert parse_queue_url(target.location).place == target.place
 

@@ -93,6 +93,10 @@ DEFAULT_PREFIX = "jobfence"  # RabbitMQ queue names, Redis keys
 DEFAULT_STREAM = "JOBFENCE"  # the NATS JetStream stream
 DEFAULT_SUBJECT_PREFIX = "jobfence"  # NATS subjects
 MAX_REPLICAS = 5  # JetStream's largest replica count
+# How long a NATS open waits for its stream by default, and at most: within OPEN_TIMEOUT_SECONDS,
+# with room left for the first connection's tries.
+DEFAULT_STREAM_WAIT_SECONDS = 30
+MAX_STREAM_WAIT_SECONDS = 35
 
 _DEFAULT_PORTS = {"amqp": 5672, "amqps": 5671, "nats": 4222, "redis": 6379, "rediss": 6379}
 # The same name rules as the adapters' constructors (which check them again).
@@ -106,12 +110,14 @@ _REDIS_PREFIX = re.compile(r"^[^{}\s]{1,200}$")
 class BrokerSettings:
     """The jobfence settings a broker URL carries as query parameters, parsed and checked
     (the adapters' defaults where the URL gives none). ``prefix``, ``stream`` and
-    ``subject_prefix`` name where the jobs are; ``replicas`` and ``prefetch`` only tune."""
+    ``subject_prefix`` name where the jobs are; ``replicas``, ``stream_wait`` and ``prefetch``
+    only tune."""
 
     prefix: str = DEFAULT_PREFIX
     stream: str = DEFAULT_STREAM
     subject_prefix: str = DEFAULT_SUBJECT_PREFIX
     replicas: int = 1
+    stream_wait: int = DEFAULT_STREAM_WAIT_SECONDS  # seconds a NATS open waits for its stream
     prefetch: int | None = None  # None: the RabbitMQ adapter's own (the first receive's + 100)
 
 
@@ -161,6 +167,11 @@ _PARAMS: dict[str, dict[str, _Param]] = {
         ),
         "replicas": _Param(
             _integer(1, MAX_REPLICAS), f"an integer from 1 to {MAX_REPLICAS}", names_place=False
+        ),
+        "stream_wait": _Param(
+            _integer(1, MAX_STREAM_WAIT_SECONDS),
+            f"a whole number of seconds from 1 to {MAX_STREAM_WAIT_SECONDS}",
+            names_place=False,
         ),
     },
     "redis": {

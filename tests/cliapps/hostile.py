@@ -1,6 +1,7 @@
 """An app for the tests of what a producer can put into a worker's log: a card consumer whose
 schema wants a number, and whose handler fails with an error text that holds an ANSI escape;
-consumers whose schemas have a payload's keys in their errors (a mapping, ``extra="forbid"``)."""
+consumers whose schemas have a payload's keys in their errors (a mapping, ``extra="forbid"``);
+a consumer whose handler changes a setting for its whole session (a plain ``SET``)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from jobfence import App, HardFailure, JobMeta
 
 QUEUE = "cards"
 ESCAPE_ERROR = "declined \x1b[31mred\x1b[0m"
+SESSION_ZONE = "Pacific/Chatham"
 
 
 class Card(BaseModel):
@@ -38,7 +40,12 @@ async def accepted(payload: BaseModel, job: JobMeta, tx: AsyncConnection[Any]) -
     return None
 
 
+async def set_zone(payload: Card, job: JobMeta, tx: AsyncConnection[Any]) -> None:
+    await tx.execute(f"SET TimeZone = '{SESSION_ZONE}'")  # not LOCAL: the whole session
+
+
 app = App()
 app.consumer("charge", queue=QUEUE, schema=Card)(charge)
 app.consumer("tally", queue=QUEUE, schema=Tally)(accepted)
 app.consumer("strict", queue=QUEUE, schema=Strict)(accepted)
+app.consumer("zone", queue=QUEUE, schema=Card)(set_zone)

@@ -47,6 +47,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import random
 import re
 import time
@@ -150,9 +151,6 @@ _HEADER_AS_IS = re.compile("[A-Za-z0-9_.~" + re.escape(_HEADER_SAFE) + "-]*")
 _WAIT_SLICE_SECONDS = 1.0
 # How long the server gets to answer a no-wait pull request.
 _NO_WAIT_ANSWER_SECONDS = 5.0
-# How long opening the adapter waits for its stream (a fresh cluster electing its leaders,
-# workers started together racing to create it): below jobfence.queues' bound on an open.
-_STREAM_READY_SECONDS = 30.0
 # The JetStream error code of a create whose stream exists with another configuration.
 _STREAM_NAME_IN_USE = 10058
 _MESSAGE_TOO_LARGE = 10054  # "message size exceeds maximum allowed" (the stream's max_msg_size)
@@ -326,7 +324,9 @@ def _lease_margin(lease_seconds: float) -> float:
 class NatsQueue:
     """The NATS JetStream queue adapter. ``url`` is a ``nats://`` URL (or several, comma
     separated). ``stream`` and ``subject_prefix`` name where the queues live; the stream is
-    created when missing (file storage, work-queue retention, ``replicas`` copies)."""
+    created when missing (file storage, work-queue retention, ``replicas`` copies); opening
+    the adapter waits up to ``stream_wait_seconds`` for it (a fresh cluster electing its
+    leaders, workers started together racing to create it)."""
 
     capabilities = QueueCapabilities(
         transactional=False, delayed_publish=False, delayed_retry=True, exact_stale_ack=False
@@ -340,15 +340,21 @@ class NatsQueue:
         subject_prefix: str = "jobfence",
         replicas: int = 1,
         default_lease_seconds: float = 30.0,
+        stream_wait_seconds: float = 30.0,
     ) -> None:
         if not _NAME.match(stream):
             raise ConfigError(f"stream must be letters, digits, _ or -, got {stream!r}")
         if not _SUBJECT_TOKEN.match(subject_prefix):
             raise ConfigError(f"subject_prefix must be a valid subject, got {subject_prefix!r}")
+        if not (stream_wait_seconds > 0 and math.isfinite(stream_wait_seconds)):
+            raise ConfigError(
+                f"stream_wait_seconds must be a finite number above 0, got {stream_wait_seconds!r}"
+            )
         self._url = url
         self._stream = stream
         self._subject_prefix = subject_prefix
         self._replicas = replicas
+        self._stream_wait = stream_wait_seconds
         self._default_lease = default_lease_seconds
         self._nc: NatsClient | None = None
         self._js: JetStreamContext | None = None
@@ -393,11 +399,11 @@ class NatsQueue:
     async def _ensure_stream(self, js: JetStreamContext) -> None:
         """The stream, created when missing. On a fresh cluster the stream's creation can go
         unanswered or meet no leader (workers started together race to create it, servers are
-        still electing): retried with backoff for up to ``_STREAM_READY_SECONDS``, an existing
+        still electing): retried with backoff for up to ``stream_wait_seconds``, an existing
         stream (whoever created it) being success; then one ``QueueUnavailable`` saying what
         did not answer."""
         config = self._stream_config()
-        give_up = time.monotonic() + _STREAM_READY_SECONDS
+        give_up = time.monotonic() + self._stream_wait
         pause = 0.1
         while True:
             try:
@@ -421,7 +427,7 @@ class NatsQueue:
             if time.monotonic() + pause > give_up:
                 raise QueueUnavailable(
                     f"NATS JetStream did not create or confirm the stream {self._stream} "
-                    f"({self._replicas} replica(s)) within {_STREAM_READY_SECONDS:g}s; last "
+                    f"({self._replicas} replica(s)) within {self._stream_wait:g}s; last "
                     f"answer: {type(last).__name__}: {last}"
                 ) from last
             await asyncio.sleep(pause * random.uniform(0.5, 1.0))
@@ -959,7 +965,8 @@ async def open_queue(url: str) -> NatsQueue:
     """The factory ``JOBFENCE_QUEUE_URL=nats://...`` uses (``jobfence.queues``): the adapter,
     connected to JetStream with its stream, so a bad or unreachable URL fails here. ``url`` may
     be a seed list (``nats://a:4222,nats://b:4222``) and carry the ``stream``,
-    ``subject_prefix`` and ``replicas`` parameters (:func:`jobfence.queues.parse_queue_url`).
+    ``subject_prefix``, ``replicas`` and ``stream_wait`` parameters
+    (:func:`jobfence.queues.parse_queue_url`).
 
     A first connection that tries each server at most twice checks that one answers: the
     client would otherwise keep retrying (and logging each failure) for minutes."""
@@ -990,6 +997,7 @@ async def open_queue(url: str) -> NatsQueue:
         stream=settings.stream,
         subject_prefix=settings.subject_prefix,
         replicas=settings.replicas,
+        stream_wait_seconds=settings.stream_wait,
     )
     try:
         await queue._jetstream()
