@@ -24,11 +24,13 @@ from jobfence.pgtx import (
     NextBeginFailed,
     Tx,
     begin_with,
+    commit_checked_sync,
     commit_then_begin_sync,
+    main_transaction_sync,
     refusal_reason,
     refused_by_check,
 )
-from jobfence.sync import FenceConnection, _commit_checked
+from jobfence.sync import FenceConnection
 from support import scalar
 from translated_server import unavailable
 
@@ -272,7 +274,7 @@ async def test_the_sync_runner_sends_the_check_with_its_commit_and_tells_its_fai
         "CREATE TABLE child (parent int REFERENCES t (id) DEFERRABLE INITIALLY DEFERRED)"
     )
     with FenceConnection.connect(database_url, autocommit=True) as conn:
-        tx = psycopg.Transaction(conn)
+        tx = main_transaction_sync(conn)
         tx.__enter__()
         conn.execute("INSERT INTO t (id) VALUES (90)")
         if failure == "commit":
@@ -280,12 +282,12 @@ async def test_the_sync_runner_sends_the_check_with_its_commit_and_tells_its_fai
         check = REFUSE if failure == "check" else PASS
         if failure == "check":
             with pytest.raises(CommitRefused):
-                _commit_checked(conn, tx, check)
+                commit_checked_sync(conn, tx, check)
         elif failure == "commit":
             with pytest.raises(psycopg.errors.ForeignKeyViolation):
-                _commit_checked(conn, tx, check)
+                commit_checked_sync(conn, tx, check)
         else:
-            _commit_checked(conn, tx, check)
+            commit_checked_sync(conn, tx, check)
         assert conn.info.transaction_status == TransactionStatus.IDLE
         assert conn._pipeline is None and conn._num_transactions == 0
         assert conn.execute("SELECT 1").fetchone() == (1,)  # usable
@@ -293,15 +295,12 @@ async def test_the_sync_runner_sends_the_check_with_its_commit_and_tells_its_fai
     assert committed == int(failure == "none")
 
 
-async def test_the_first_error_of_a_chained_pipeline_is_raised_however_its_results_arrive(
+async def test_the_first_error_of_a_chain_is_raised_every_time(
     table: AsyncConnection[Any],
 ) -> None:
-    """psycopg reads a pipeline's results as they arrive: the failing check's (or COMMIT's)
-    error may be read while the next statement is queued, and the pipeline's exit then raises
-    ``PipelineAborted`` for the statements the server skipped, which reads as a lost
-    connection. Whenever it arrives, the error raised is the first one. Repeated, since which
-    happens depends on timing (before, about half the tries of a group's refused COMMIT
-    raised PipelineAborted)."""
+    """The error raised is the failing check's or COMMIT's, never one of a statement the
+    server skipped after it, which could read as a lost connection. Repeated (when it was a
+    pipeline, about half the tries of a group's refused COMMIT raised ``PipelineAborted``)."""
     await table.execute(
         "CREATE TABLE child (parent int REFERENCES t (id) DEFERRABLE INITIALLY DEFERRED)"
     )
@@ -334,7 +333,7 @@ def sync_chain(
     (refused), "commit" (a deferred constraint), "next" (the next first statement), "none".
     The exception class raised (None if none) and the connection, still open."""
     conn = FenceConnection.connect(database_url, autocommit=True)
-    tx = psycopg.Transaction(conn)
+    tx = main_transaction_sync(conn)
     tx.__enter__()
     conn.execute("INSERT INTO t (id) VALUES (%s)", (100 + n,))
     if failure == "commit":

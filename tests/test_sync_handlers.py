@@ -621,6 +621,82 @@ async def test_a_backlog_of_sync_jobs_commits_each_with_the_next_begin_and_appli
     await wait_until(lambda: zero(in_transaction_elsewhere(points)), message="no open transaction")
 
 
+# Job ids a producer may choose that would break a query quoted by hand: quotes, backslashes (an
+# E'' string), placeholders of psycopg's client-side binding, dollar quotes, statement ends,
+# multibyte text.
+HOSTILE_JOB_IDS = [
+    "it's",
+    "two '' quotes",
+    "back\\slash\\",
+    "\\'); DELETE FROM core.processed_jobs; --",
+    "%s",
+    "%(job_id)s",
+    "%%",
+    "$$x$$",
+    "ünïcødé ✓ 日本",
+    "tab\tand\nnewline",
+    "semi;colon",
+]
+
+
+@pytest.mark.parametrize("flavour", ["async", "sync"])
+async def test_job_ids_with_quotes_backslashes_and_placeholders_are_fenced_as_they_are_when_chained(
+    pool: AsyncConnectionPool[Any],
+    points: AsyncConnection[Any],
+    monkeypatch: pytest.MonkeyPatch,
+    flavour: str,
+) -> None:
+    """A backlog of jobs whose ids would break a hand-quoted query, run by one processor so
+    that each COMMIT carries the next job's BEGIN and fence insert (its values quoted
+    client-side): each fence row holds its job's id exactly, each award applies once, and
+    the same jobs delivered again are all duplicates."""
+    chained = (
+        counting_chains(monkeypatch) if flavour == "sync" else observe_async_chains(monkeypatch)
+    )
+
+    async def award_async(payload: pointsapp.Award, job: JobMeta, tx: Any) -> None:
+        await pointsapp.apply_award(payload, job, tx)
+
+    app = app_with(pointsapp.apply_award_sync if flavour == "sync" else award_async)
+    job_ids = HOSTILE_JOB_IDS
+    for job_id in job_ids:
+        await enqueue(points, app, job_id)
+
+    stats = await run_worker(app, pool, PrometheusMetrics(), concurrency=1, batch_size=20)
+
+    assert stats.outcomes == {"succeeded": len(job_ids)}
+    assert len(chained) >= len(job_ids) // 2, "the backlog's commits travelled alone"
+    fenced = await (
+        await points.execute(
+            "SELECT job_id FROM core.processed_jobs WHERE consumer = %s ORDER BY job_id",
+            (CONSUMER,),
+        )
+    ).fetchall()
+    assert [row[0] for row in fenced] == sorted(job_ids)
+    assert await balance(points, 1) == 2 * len(job_ids)
+
+    for job_id in job_ids:  # delivered again: every one a duplicate
+        await enqueue(points, app, job_id)
+    again = await run_worker(app, pool, PrometheusMetrics(), concurrency=1, batch_size=20)
+    assert again.outcomes == {"duplicate": len(job_ids)}
+    assert await balance(points, 1) == 2 * len(job_ids)
+
+
+def observe_async_chains(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the async path's chained round trips (``Tx.commit_then_begin``)."""
+    from jobfence.pgtx import Tx
+
+    chained: list[int] = []
+    original = Tx.commit_then_begin
+
+    async def counted(self: Tx, *args: Any) -> Any:
+        chained.append(1)
+        return await original(self, *args)
+
+    monkeypatch.setattr(Tx, "commit_then_begin", counted)
+    return chained
+
+
 async def zero(value: Any) -> bool:
     return await value == 0
 

@@ -1,45 +1,52 @@
 """Transactions whose BEGIN travels with their first statement, and whose COMMIT can travel with
-the next transaction's BEGIN: fewer round trips on the job path.
+the next transaction's BEGIN: one round trip each on the job path.
 
 ``conn.transaction()`` sends BEGIN and waits for the answer before the first statement goes out,
 and sends COMMIT alone at the end. On the job path both are round trips for nothing:
 
-- :meth:`Tx.begin` queues BEGIN and the first statement in psycopg's pipeline mode and leaves
-  the pipeline once both have answered;
-- :meth:`Tx.commit_then_begin` queues this transaction's COMMIT, the next one's BEGIN and its
-  first statement in one pipeline: a worker with another job waiting finishes one job and starts
-  the next in a single round trip. Each job still has its own transaction.
+- :meth:`Tx.begin` sends ``BEGIN; <first statement>`` as one query;
+- :meth:`Tx.commit_then_begin` sends ``COMMIT; BEGIN; <first statement>`` as one query: a
+  worker with another job waiting finishes one job and starts the next in a single round trip.
+  Each job still has its own transaction.
 
-Both can send a *check* ahead of the COMMIT, in the same pipeline: a constant statement that
-fails when the transaction must not commit (``fence_held`` in ``core.sql``: the transaction
-still holds the job's fence). Its failure aborts the transaction, the server skips the COMMIT,
-the transaction is rolled back and :class:`CommitRefused` raised: the check costs no round
-trip. It is queued as psycopg queues its own COMMIT (``_exec_command``: no cursor, no
-parameters), which costs the client about a tenth of a cursor's ``execute``.
+Both can send a *check* ahead of the COMMIT, in the same query: a constant statement that fails
+when the transaction must not commit (``fence_held`` in ``core.sql``: the transaction still
+holds the job's fence). Its failure aborts the transaction, the server skips the COMMIT and all
+after it, the transaction is rolled back and :class:`CommitRefused` raised: the check costs no
+round trip.
+
+Each is one simple-protocol query, its parameters merged client-side by psycopg's
+:class:`~psycopg.ClientCursor` (psycopg quotes each value for the connection's encoding and
+``standard_conforming_strings``). The server runs the statements in order and skips the rest
+after one fails, so which one failed is known from the state it leaves: the check's own error
+(:func:`refused_by_check`), the previous transaction ended (a failed COMMIT), or the next one
+aborted (:class:`NextBeginFailed`, the COMMIT done). Against three statements pipelined with
+their parameters bound by the server, this costs the client about a third less CPU per job
+(``benchmarks/commit_path.py``).
 
 In between, a :class:`Tx` behaves like ``conn.transaction()``: statements run one at a time as
 usual (their ``rowcount`` and results as usual), ``conn.commit()`` inside it is refused, a nested
 ``conn.transaction()`` is a savepoint. :func:`begin_with` wraps it as a context manager that
 commits on leaving, or rolls back on an exception.
 
-It enters psycopg's :class:`~psycopg.AsyncTransaction` itself: entering ``conn.transaction()``
-inside a pipeline would also open nested pipelines that outlive ours, and every later statement
-would then run pipelined (``rowcount`` of -1). A chained BEGIN is queued before the server has
-seen the COMMIT before it, so :class:`_Chained` tells psycopg it is a main transaction, not a
-savepoint (``tests/test_pgtx.py`` holds this to psycopg's behaviour).
+It enters psycopg's :class:`~psycopg.AsyncTransaction` itself, for psycopg's bookkeeping, while
+the query sends the BEGIN and COMMIT (:class:`_Quiet`). A chained BEGIN is entered before the
+server has seen the COMMIT before it, so :class:`_Chained` tells psycopg it is a main
+transaction, not a savepoint (``tests/test_pgtx.py`` holds this to psycopg's behaviour).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import asynccontextmanager, suppress
 from typing import Any
 
 import psycopg
-from psycopg import AsyncConnection, AsyncCursor
+from psycopg import AsyncClientCursor, AsyncConnection, AsyncCursor, ClientCursor
 from psycopg.pq import TransactionStatus
 from psycopg.sql import SQL, Composed
+from psycopg.transaction import BaseTransaction
 
 Query = str | bytes | SQL | Composed
 # A constant statement sent ahead of a COMMIT that fails when the transaction must not commit.
@@ -62,35 +69,8 @@ class CommitRefused(Exception):
     rolled back, so nothing of it committed. ``__cause__`` is the check's error."""
 
 
-def first_error(exc: BaseException) -> BaseException:
-    """The error a pipeline failed with first: psycopg raises ``PipelineAborted`` for a
-    statement the server skipped, and when the first error was raised earlier in the block,
-    the pipeline's exit raises that instead, the first error as its ``__context__``."""
-    seen = 0
-    while (
-        isinstance(exc, psycopg.errors.PipelineAborted)
-        and exc.__context__ is not None
-        and seen < 10
-    ):
-        exc = exc.__context__
-        seen += 1
-    return exc
-
-
-def raise_first(exc: BaseException) -> None:
-    """After a checked COMMIT's pipeline failed with ``exc``: raise :class:`CommitRefused`
-    when the check refused it, else the pipeline's first error when ``exc`` is not that one;
-    return when ``exc`` is the error to raise."""
-    first = first_error(exc)
-    if refused_by_check(first):
-        raise CommitRefused(refusal_reason(first)) from first
-    if first is not exc:
-        raise first from None
-
-
 def refused_by_check(exc: BaseException) -> bool:
-    """``exc`` is (or is raised after, in the same pipeline) the error of a check refusing a
-    COMMIT (see :data:`Check`)."""
+    """``exc`` is the error of a check refusing a COMMIT (see :data:`Check`)."""
     return _refusal(exc) is not None
 
 
@@ -100,10 +80,9 @@ def refusal_reason(exc: BaseException) -> str:
 
 
 def _refusal(exc: BaseException) -> str | None:
-    first = first_error(exc)
-    if not isinstance(first, psycopg.errors.UndefinedObject):
+    if not isinstance(exc, psycopg.errors.UndefinedObject):
         return None
-    found = _REFUSAL.search(first.diag.message_primary or "")
+    found = _REFUSAL.search(exc.diag.message_primary or "")
     return None if found is None else found.group(1).rstrip(" ,")
 
 
@@ -115,20 +94,79 @@ def _push_chained(tx: psycopg.AsyncTransaction | psycopg.Transaction) -> None:
     tx._conn._num_transactions = 1
 
 
-class _Chained(psycopg.AsyncTransaction):
-    """A main transaction whose BEGIN is queued right after the previous one's COMMIT, in the
-    same pipeline: the connection still reports "in transaction", which psycopg would otherwise
-    read as "open a savepoint"."""
+class _Quiet(BaseTransaction[Any]):
+    """A main transaction whose BEGIN, COMMIT or ROLLBACK jobfence may send itself, inside a
+    query of its own: while ``quiet``, entering or leaving it keeps psycopg's bookkeeping (its
+    status, the connection's count of open transactions) and sends nothing."""
+
+    quiet = False
+
+    def _get_enter_commands(self) -> Iterator[bytes]:
+        return iter(()) if self.quiet else super()._get_enter_commands()
+
+    def _get_commit_commands(self) -> Iterator[bytes]:
+        return iter(()) if self.quiet else super()._get_commit_commands()
+
+    def _get_rollback_commands(self) -> Iterator[bytes]:
+        return iter(()) if self.quiet else super()._get_rollback_commands()
+
+
+class _Main(_Quiet, psycopg.AsyncTransaction):
+    """The transaction :meth:`Tx.begin` opens."""
+
+
+class _MainSync(_Quiet, psycopg.Transaction):
+    """The transaction a sync runner opens (:func:`main_transaction_sync`)."""
+
+
+class _Chained(_Main):
+    """A main transaction begun in the same query as the previous one's COMMIT: psycopg's
+    bookkeeping enters it while the connection still reports "in transaction", which psycopg
+    would otherwise read as "open a savepoint"."""
 
     def _push_savepoint(self) -> None:
         _push_chained(self)
 
 
-class _ChainedSync(psycopg.Transaction):
+class _ChainedSync(_MainSync):
     """:class:`_Chained` on a sync connection."""
 
     def _push_savepoint(self) -> None:
         _push_chained(self)
+
+
+def main_transaction_sync(conn: psycopg.Connection[Any]) -> psycopg.Transaction:
+    """A transaction for ``conn`` (not entered) that :func:`commit_then_begin_sync` can end."""
+    return _MainSync(conn)
+
+
+def _chain_query(
+    conn: psycopg.Connection[Any] | AsyncConnection[Any], check: Check | None, query: Query
+) -> bytes:
+    """``check``, COMMIT, the connection's BEGIN and ``query`` as one simple-protocol query
+    (its parameters merged client-side: ``%`` in the check is no placeholder)."""
+    head = b"COMMIT; " if check is None else check.replace(b"%", b"%%") + b"; COMMIT; "
+    return head + conn._get_tx_start_command() + b"; " + _query_bytes(conn, query)
+
+
+def _query_bytes(conn: psycopg.Connection[Any] | AsyncConnection[Any], query: Query) -> bytes:
+    if isinstance(query, bytes):
+        return query
+    if isinstance(query, str):
+        return query.encode()
+    return query.as_bytes(conn)
+
+
+def _chain_failed(
+    exc: BaseException, check: Check | None, conn: psycopg.Connection[Any] | AsyncConnection[Any]
+) -> tuple[bool, bool]:
+    """After a chain query failed with ``exc``: (refused by the check, previous committed).
+    The server skips what follows a failed statement. A refused check leaves the previous
+    transaction aborted; a failed COMMIT ends it (the connection idle); only a failure of the
+    next transaction's statement leaves that one aborted, the COMMIT done."""
+    refused = check is not None and refused_by_check(exc)
+    committed = not refused and conn.info.transaction_status == TransactionStatus.INERROR
+    return refused, committed
 
 
 class Tx:
@@ -148,7 +186,21 @@ class Tx:
     ) -> tuple[Tx, AsyncCursor[Any]]:
         """Open a transaction on ``conn`` with ``query`` as its first statement, in one round
         trip; if the statement fails, the transaction is rolled back and the error raised."""
-        return await cls._start(conn, psycopg.AsyncTransaction(conn), None, query, params)
+        tx = _Main(conn)
+        cur = AsyncClientCursor(conn)
+        tx.quiet = True  # psycopg's bookkeeping: begun; the query sends the BEGIN
+        await tx.__aenter__()
+        tx.quiet = False
+        try:
+            await cur.execute(
+                conn._get_tx_start_command() + b"; " + _query_bytes(conn, query), params
+            )
+        except BaseException as exc:
+            tx.quiet = conn.info.transaction_status == TransactionStatus.IDLE
+            await tx.__aexit__(type(exc), exc, exc.__traceback__)
+            raise
+        cur.nextset()  # the statement's result, after BEGIN's
+        return cls(conn, tx), cur
 
     async def commit(self, check: Check | None = None) -> None:
         """Commit; with ``check``, send it ahead of the COMMIT in one round trip and raise
@@ -156,16 +208,17 @@ class Tx:
         if check is None:
             await self._tx.__aexit__(None, None, None)
             return
-        conn = self._conn
+        conn, tx = self._conn, self._tx
+        if not isinstance(tx, _Quiet):  # pragma: no cover - Tx opens only _Main ones
+            raise TypeError("commit() of a transaction Tx did not open")
+        tx.quiet = True  # psycopg's bookkeeping: committed; the query sends the COMMIT
+        await tx.__aexit__(None, None, None)
         try:
-            async with conn.pipeline():
-                await _queue_check(conn, check)
-                await self._tx.__aexit__(None, None, None)  # queues COMMIT
+            await conn.execute(check + b"; COMMIT")
         except BaseException as exc:
-            if self._tx.status == self._tx.Status.ACTIVE:
-                await self._tx.__aexit__(type(exc), exc, exc.__traceback__)
             await _end_aborted(conn)
-            raise_first(exc)
+            if refused_by_check(exc):
+                raise CommitRefused(refusal_reason(exc)) from exc
             raise
 
     async def rollback(self, exc: BaseException | None = None) -> bool:
@@ -184,61 +237,31 @@ class Tx:
         was rolled back; :class:`CommitRefused`, neither committed. Any other exception
         leaves this transaction's outcome to the error: the COMMIT failed (or the connection
         was lost, and with it the knowledge)."""
-        return await self._start(
-            self._conn, _Chained(self._conn), self._tx, query, params, check=check
-        )
-
-    @classmethod
-    async def _start(
-        cls,
-        conn: AsyncConnection[Any],
-        tx: psycopg.AsyncTransaction,
-        previous: psycopg.AsyncTransaction | None,
-        query: Query,
-        params: Mapping[str, Any],
-        *,
-        check: Check | None = None,
-    ) -> tuple[Tx, AsyncCursor[Any]]:
-        entered = False
+        conn, previous, tx = self._conn, self._tx, _Chained(self._conn)
+        if not isinstance(previous, _Quiet):  # pragma: no cover - Tx opens only _Main ones
+            raise TypeError("commit_then_begin() of a transaction Tx did not open")
+        text = _chain_query(conn, check, query)
+        cur = AsyncClientCursor(conn)
+        # psycopg's bookkeeping: this one committed, the next begun; the query sends both.
+        previous.quiet = tx.quiet = True
+        await previous.__aexit__(None, None, None)
+        await tx.__aenter__()
+        tx.quiet = False
         try:
-            async with conn.pipeline():
-                if previous is not None:
-                    if check is not None:
-                        await _queue_check(conn, check)
-                    await previous.__aexit__(None, None, None)  # queues COMMIT
-                await tx.__aenter__()  # queues BEGIN
-                entered = True
-                cur = await conn.execute(query, params)
+            await cur.execute(text, params)
         except BaseException as exc:
-            # COMMIT done and BEGIN done: only the first statement failed. A failed COMMIT
-            # ends the transaction and the pipeline skips what follows: the connection is idle.
-            # A failed check aborted this transaction: the server skipped all that followed, and
-            # the next one's ROLLBACK below ends the aborted one.
-            refused = check is not None and refused_by_check(exc)
-            committed = (
-                previous is not None
-                and not refused
-                and conn.info.transaction_status == TransactionStatus.INERROR
-            )
-            if entered:
-                await tx.__aexit__(type(exc), exc, exc.__traceback__)
-            first = first_error(exc)
+            refused, committed = _chain_failed(exc, check, conn)
+            # A failed COMMIT left nothing open; else ROLLBACK ends the aborted transaction.
+            tx.quiet = conn.info.transaction_status == TransactionStatus.IDLE
+            await tx.__aexit__(type(exc), exc, exc.__traceback__)
             if refused:
-                await _end_aborted(conn)
-                raise CommitRefused(refusal_reason(first)) from first
+                raise CommitRefused(refusal_reason(exc)) from exc
             if committed and isinstance(exc, Exception):
-                raise NextBeginFailed(str(first)) from first
-            if first is not exc:
-                raise first from None  # the COMMIT's own error, not the skipped BEGIN's
+                raise NextBeginFailed(str(exc)) from exc
             raise
-        return cls(conn, tx), cur
-
-
-async def _queue_check(conn: AsyncConnection[Any], check: Check) -> None:
-    """Queue ``check`` in the open pipeline as psycopg queues its COMMIT: its error, if any,
-    is raised when the pipeline's results are read."""
-    async with conn.lock:
-        await conn.wait(conn._exec_command(check))
+        while cur.nextset():  # the check's, COMMIT's and BEGIN's results, then the statement's
+            pass
+        return Tx(conn, tx), cur
 
 
 async def _end_aborted(conn: AsyncConnection[Any]) -> None:
@@ -261,39 +284,74 @@ def commit_then_begin_sync(
     params: Mapping[str, Any],
 ) -> tuple[psycopg.Transaction, list[Any]]:
     """:meth:`Tx.commit_then_begin` on a sync connection: commit ``previous`` (a transaction
-    entered on ``conn``, ``check`` first), begin the next with ``query`` and fetch its rows,
-    in one round trip. It raises as :meth:`Tx.commit_then_begin` does: :class:`NextBeginFailed`
-    (``previous`` committed, the next rolled back), :class:`CommitRefused` (neither committed),
-    or the COMMIT's own error."""
+    of :func:`main_transaction_sync`, entered on ``conn``, ``check`` first), begin the next with
+    ``query`` and fetch its rows, in one round trip. It raises as :meth:`Tx.commit_then_begin`
+    does: :class:`NextBeginFailed` (``previous`` committed, the next rolled back),
+    :class:`CommitRefused` (neither committed), or the COMMIT's own error."""
+    if not isinstance(previous, _Quiet):
+        raise TypeError("commit_then_begin_sync() needs a transaction of main_transaction_sync()")
     tx = _ChainedSync(conn)
-    entered = False
+    text = _chain_query(conn, check, query)
+    cur = ClientCursor(conn)
+    previous.quiet = tx.quiet = True  # as in Tx.commit_then_begin
+    previous.__exit__(None, None, None)
+    tx.__enter__()
+    tx.quiet = False
     try:
-        with conn.pipeline():
-            if check is not None:
-                with conn.lock:  # queued as psycopg queues its COMMIT
-                    conn.wait(conn._exec_command(check))
-            previous.__exit__(None, None, None)  # queues COMMIT
-            tx.__enter__()  # queues BEGIN
-            entered = True
-            cur = conn.execute(query, params)
-        rows = cur.fetchall()
+        cur.execute(text, params)
     except BaseException as exc:
-        # As in Tx._start: a refused check skipped all that followed; a failed COMMIT ended
-        # its transaction and skipped the rest; else only the next first statement failed.
-        refused = check is not None and refused_by_check(exc)
-        committed = not refused and conn.info.transaction_status == TransactionStatus.INERROR
-        if entered:
-            tx.__exit__(type(exc), exc, exc.__traceback__)
-        first = first_error(exc)
+        refused, committed = _chain_failed(exc, check, conn)
+        tx.quiet = conn.info.transaction_status == TransactionStatus.IDLE
+        tx.__exit__(type(exc), exc, exc.__traceback__)
         if refused:
-            end_aborted_sync(conn)
-            raise CommitRefused(refusal_reason(first)) from first
+            raise CommitRefused(refusal_reason(exc)) from exc
         if committed and isinstance(exc, Exception):
-            raise NextBeginFailed(str(first)) from first
-        if first is not exc:
-            raise first from None
+            raise NextBeginFailed(str(exc)) from exc
         raise
-    return tx, rows
+    while cur.nextset():
+        pass
+    return tx, cur.fetchall()
+
+
+def begin_sync(
+    conn: psycopg.Connection[Any], query: Query, params: Mapping[str, Any]
+) -> tuple[psycopg.Transaction, list[Any]]:
+    """:meth:`Tx.begin` on a sync connection: BEGIN and ``query`` in one query; the
+    transaction (of :func:`main_transaction_sync`) and the statement's rows. If the statement
+    fails, the transaction is rolled back and the error raised."""
+    tx = _MainSync(conn)
+    cur = ClientCursor(conn)
+    tx.quiet = True  # as in Tx.begin
+    tx.__enter__()
+    tx.quiet = False
+    try:
+        cur.execute(conn._get_tx_start_command() + b"; " + _query_bytes(conn, query), params)
+    except BaseException as exc:
+        if not conn.closed:
+            tx.quiet = conn.info.transaction_status == TransactionStatus.IDLE
+            tx.__exit__(type(exc), exc, exc.__traceback__)
+        raise
+    cur.nextset()
+    return tx, cur.fetchall()
+
+
+def commit_checked_sync(
+    conn: psycopg.Connection[Any], tx: psycopg.Transaction, check: Check
+) -> None:
+    """:meth:`Tx.commit` with a check, on a sync connection: ``check``, then COMMIT, in one
+    query; when the check fails, the server skips the COMMIT: the transaction is rolled back
+    and :class:`CommitRefused` raised."""
+    if not isinstance(tx, _Quiet):
+        raise TypeError("commit_checked_sync() needs a transaction of main_transaction_sync()")
+    tx.quiet = True  # psycopg's bookkeeping: committed; the query sends the COMMIT
+    tx.__exit__(None, None, None)
+    try:
+        conn.execute(check + b"; COMMIT")
+    except BaseException as exc:
+        end_aborted_sync(conn)
+        if refused_by_check(exc):
+            raise CommitRefused(refusal_reason(exc)) from exc
+        raise
 
 
 def end_aborted_sync(conn: psycopg.Connection[Any]) -> None:

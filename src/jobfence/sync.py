@@ -37,9 +37,9 @@ from jobfence.guard import check_still_open, refuse_on, retire, session_changed
 from jobfence.pgtx import (
     Check,
     NextBeginFailed,
+    begin_sync,
+    commit_checked_sync,
     commit_then_begin_sync,
-    end_aborted_sync,
-    raise_first,
 )
 
 log = logging.getLogger("jobfence.sync")
@@ -200,7 +200,7 @@ class PsycopgRunner:
         else:
             conn = pool.getconn()
             try:
-                tx, rows = _begin(conn, fence_sql, params)
+                tx, rows = begin_sync(conn, fence_sql, params)
             except BaseException:
                 pool.putconn(conn)
                 raise
@@ -216,7 +216,7 @@ class PsycopgRunner:
             elif check is None:
                 tx.__exit__(None, None, None)
             else:
-                _commit_checked(conn, tx, check)
+                commit_checked_sync(conn, tx, check)
             if check is not None and (changed := session_changed(conn)):  # a handler ran
                 retire(conn)
                 if begun is not None:  # begun on the changed session: it starts on another
@@ -281,27 +281,6 @@ class SyncOpen:
             self._pool.putconn(conn)
 
 
-def _begin(
-    conn: FenceConnection, fence_sql: str, params: Mapping[str, Any]
-) -> tuple[psycopg.Transaction, list[Any]]:
-    """BEGIN and the fence statement in one round trip (pipeline mode): the transaction and
-    the statement's rows; rolled back if the statement fails."""
-    tx = psycopg.Transaction(conn)
-    entered = False
-    try:
-        # Entered directly, not with conn.transaction(): that inside a pipeline would open
-        # nested pipelines that outlive this one (see jobfence.pgtx).
-        with conn.pipeline():
-            tx.__enter__()  # queues BEGIN
-            entered = True
-            cur = conn.execute(fence_sql, params)
-        return tx, cur.fetchall()
-    except BaseException as exc:
-        if entered and not conn.closed:
-            tx.__exit__(type(exc), exc, exc.__traceback__)
-        raise
-
-
 def _work_in(conn: FenceConnection, tx: psycopg.Transaction, rows: list[Any], work: Work[T]) -> T:
     """``work`` on ``conn`` lent, in ``tx``, then the check that the transaction is still
     open and usable; on any exception ``tx`` is rolled back."""
@@ -320,24 +299,6 @@ def _work_in(conn: FenceConnection, tx: psycopg.Transaction, rows: list[Any], wo
             tx.__exit__(type(exc), exc, exc.__traceback__)
         raise
     return result
-
-
-def _commit_checked(conn: FenceConnection, tx: psycopg.Transaction, check: Check) -> None:
-    """``check``, then COMMIT, in one round trip (as :meth:`jobfence.pgtx.Tx.commit`): when
-    the check fails, the server skips the COMMIT; roll back and raise :class:`CommitRefused`."""
-    try:
-        with conn.pipeline():
-            with conn.lock:  # queued as psycopg queues its COMMIT (jobfence.pgtx)
-                conn.wait(conn._exec_command(check))
-            tx.__exit__(None, None, None)  # queues COMMIT
-    except BaseException as exc:
-        if conn.closed:
-            raise
-        if tx.status == tx.Status.ACTIVE:
-            tx.__exit__(type(exc), exc, exc.__traceback__)
-        end_aborted_sync(conn)
-        raise_first(exc)
-        raise
 
 
 class SyncExecutor:
