@@ -9,6 +9,7 @@ rollback, and which transaction an error belongs to when a COMMIT and a BEGIN tr
 from __future__ import annotations
 
 import gettext
+import logging
 import re
 from pathlib import Path
 from typing import Any
@@ -187,6 +188,35 @@ async def test_when_the_commit_fails_its_error_is_raised_and_nothing_is_begun(
     async with begin_with(table, INSERT, {"id": 52}):
         pass
     assert await scalar(table, "SELECT count(*) FROM t WHERE id = 52") == 1
+
+
+@pytest.mark.parametrize("step", ["begin", "commit_then_begin", "commit"])
+async def test_a_connection_lost_before_a_query_raises_its_error_and_leaves_nothing_committed(
+    table: AsyncConnection[Any], database_url: str, caplog: pytest.LogCaptureFixture, step: str
+) -> None:
+    """The server ends the connection (a restart, pg_terminate_backend) while a transaction is
+    open: the next query raises the connection's error, nothing of the transaction committed,
+    and nothing else is logged (no ROLLBACK on the dead connection logged as ignored)."""
+    async with await AsyncConnection.connect(database_url, autocommit=True) as victim:
+        first = None
+        if step != "begin":
+            first, _ = await Tx.begin(victim, INSERT, {"id": 110})
+            await victim.execute("UPDATE t SET v = 11 WHERE id = 1")
+        await table.execute("SELECT pg_terminate_backend(%s)", (victim.info.backend_pid,))
+        with pytest.raises(psycopg.OperationalError):
+            if first is None:
+                await Tx.begin(victim, INSERT, {"id": 111})
+            elif step == "commit":
+                await first.commit(PASS)
+            else:
+                await first.commit_then_begin(INSERT, {"id": 111}, PASS)
+        assert victim.info.transaction_status in (
+            TransactionStatus.UNKNOWN,
+            TransactionStatus.IDLE,
+        )
+    assert await other_sees(database_url, "SELECT count(*) FROM t WHERE id IN (110, 111)") == 0
+    assert await other_sees(database_url, "SELECT v FROM t WHERE id = 1") == 0
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
 
 
 # -- a check sent ahead of the COMMIT, in the same round trip ----------------------------------
