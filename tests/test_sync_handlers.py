@@ -636,43 +636,53 @@ HOSTILE_JOB_IDS = [
     "ünïcødé ✓ 日本",
     "tab\tand\nnewline",
     "semi;colon",
+    # and what would break an array literal (a group's fence insert takes arrays):
+    '{"a","b"}',
+    "comma, and } brace {",
+    'double " quote',
+    "NULL",
+    " padded ",
 ]
 
 
-@pytest.mark.parametrize("flavour", ["async", "sync"])
+@pytest.mark.parametrize("flavour", ["async", "sync", "async-group", "sync-group"])
 async def test_job_ids_with_quotes_backslashes_and_placeholders_are_fenced_as_they_are_when_chained(
     pool: AsyncConnectionPool[Any],
     points: AsyncConnection[Any],
     monkeypatch: pytest.MonkeyPatch,
     flavour: str,
 ) -> None:
-    """A backlog of jobs whose ids would break a hand-quoted query, run by one processor so
-    that each COMMIT carries the next job's BEGIN and fence insert (its values quoted
-    client-side): each fence row holds its job's id exactly, each award applies once, and
-    the same jobs delivered again are all duplicates."""
-    chained = (
-        counting_chains(monkeypatch) if flavour == "sync" else observe_async_chains(monkeypatch)
-    )
+    """A backlog of jobs whose ids and tenants would break a hand-quoted query, run by one
+    processor so that each COMMIT carries the next job's BEGIN and fence insert (its values
+    quoted client-side): each fence row holds its job's id and tenant exactly, each award
+    applies once, and the same jobs delivered again are all duplicates."""
+    sync, grouped = flavour.startswith("sync"), flavour.endswith("group")
+    chained = counting_chains(monkeypatch) if sync else observe_async_chains(monkeypatch)
 
     async def award_async(payload: pointsapp.Award, job: JobMeta, tx: Any) -> None:
         await pointsapp.apply_award(payload, job, tx)
 
-    app = app_with(pointsapp.apply_award_sync if flavour == "sync" else award_async)
+    app = app_with(
+        pointsapp.apply_award_sync if sync else award_async,
+        **({"jobs_per_transaction": 10} if grouped else {}),
+    )
     job_ids = HOSTILE_JOB_IDS
-    for job_id in job_ids:
-        await enqueue(points, app, job_id)
+    for job_id in job_ids:  # the tenant too: the fence insert quotes it the same way
+        payload = {"account_id": 1, "points": 2}
+        await app.enqueue(points, CONSUMER, payload, job_id=job_id, tenant_id=f"t {job_id}")
 
     stats = await run_worker(app, pool, PrometheusMetrics(), concurrency=1, batch_size=20)
 
     assert stats.outcomes == {"succeeded": len(job_ids)}
-    assert len(chained) >= len(job_ids) // 2, "the backlog's commits travelled alone"
+    if not grouped:  # a group's fence insert takes arrays, and a group is not chained
+        assert len(chained) >= len(job_ids) // 2, "the backlog's commits travelled alone"
     fenced = await (
         await points.execute(
-            "SELECT job_id FROM core.processed_jobs WHERE consumer = %s ORDER BY job_id",
+            "SELECT job_id, tenant_id FROM core.processed_jobs WHERE consumer = %s",
             (CONSUMER,),
         )
     ).fetchall()
-    assert [row[0] for row in fenced] == sorted(job_ids)
+    assert sorted(fenced) == sorted((job_id, f"t {job_id}") for job_id in job_ids)
     assert await balance(points, 1) == 2 * len(job_ids)
 
     for job_id in job_ids:  # delivered again: every one a duplicate
