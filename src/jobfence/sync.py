@@ -136,7 +136,7 @@ class PsycopgRunner:
     """:class:`SyncTransactionRunner` on a sync psycopg pool of :class:`FenceConnection`.
 
     Each ``run`` borrows a connection (autocommit, so the transaction is explicit), sends
-    BEGIN and the fence statement in one round trip (pipeline mode), hands the connection to
+    BEGIN and the fence statement as one query (one round trip), hands the connection to
     the work, checks it, and commits. :meth:`open` and :meth:`close` bracket its use; a worker
     calls them around its run."""
 
