@@ -296,6 +296,53 @@ async def test_with_a_passing_check_a_failed_commit_and_a_failed_next_begin_stay
     assert await scalar(table, "SELECT count(*) FROM t WHERE id = 83") == 0
 
 
+# A check that outlives a statement_timeout the handler set for its transaction: the check itself
+# is cancelled (57014), so the COMMIT after it is skipped and nothing commits.
+SLOW_CHECK = b"SELECT pg_sleep(0.3)::text"
+
+
+@pytest.mark.parametrize("flavour", ["async", "sync"])
+async def test_a_check_cancelled_by_a_timeout_is_never_taken_for_a_committed_transaction(
+    table: AsyncConnection[Any], database_url: str, flavour: str
+) -> None:
+    """The check fails with an error other than its refusal (a query cancel): the transaction
+    did not commit, and the error says so, not NextBeginFailed (which would have the job
+    counted as done and acked while nothing of it committed)."""
+    if flavour == "async":
+        first, _ = await Tx.begin(table, INSERT, {"id": 120})
+        await table.execute("SET LOCAL statement_timeout = '50ms'")
+        with pytest.raises(psycopg.errors.QueryCanceled):
+            await first.commit_then_begin(INSERT, {"id": 121}, SLOW_CHECK)
+        assert table.info.transaction_status == TransactionStatus.IDLE
+        assert table._num_transactions == 0
+    else:
+        with FenceConnection.connect(database_url, autocommit=True) as conn:
+            tx = main_transaction_sync(conn)
+            tx.__enter__()
+            conn.execute("INSERT INTO t (id) VALUES (120)")
+            conn.execute("SET LOCAL statement_timeout = '50ms'")
+            with pytest.raises(psycopg.errors.QueryCanceled):
+                commit_then_begin_sync(conn, tx, SLOW_CHECK, INSERT, {"id": 121})
+            assert conn.info.transaction_status == TransactionStatus.IDLE
+            assert conn._num_transactions == 0
+    assert await other_sees(database_url, "SELECT count(*) FROM t WHERE id IN (120, 121)") == 0
+
+
+async def test_a_next_statement_cancelled_after_a_checked_commit_is_not_told_committed_either(
+    table: AsyncConnection[Any], database_url: str
+) -> None:
+    """The same cancel (57014) could come from the check or from the next statement: after a
+    check, such an error is raised as it is, never as NextBeginFailed. Here the COMMIT stood;
+    the caller treats the outcome as unknown, and the fence tells on the next delivery."""
+    await table.execute("SET statement_timeout = '50ms'")  # the session: the next one too
+    first, _ = await Tx.begin(table, INSERT, {"id": 130})
+    with pytest.raises(psycopg.errors.QueryCanceled):
+        await first.commit_then_begin("SELECT pg_sleep(0.3)", {}, PASS)
+    await table.execute("SET statement_timeout = 0")
+    assert table.info.transaction_status == TransactionStatus.IDLE
+    assert await other_sees(database_url, "SELECT count(*) FROM t WHERE id = 130") == 1
+
+
 @pytest.mark.parametrize("failure", ["check", "commit", "none"])
 async def test_the_sync_runner_sends_the_check_with_its_commit_and_tells_its_failures_apart(
     table: AsyncConnection[Any], database_url: str, failure: str

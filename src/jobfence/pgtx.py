@@ -162,11 +162,29 @@ def _chain_failed(
 ) -> tuple[bool, bool]:
     """After a chain query failed with ``exc``: (refused by the check, previous committed).
     The server skips what follows a failed statement. A refused check leaves the previous
-    transaction aborted; a failed COMMIT ends it (the connection idle); only a failure of the
-    next transaction's statement leaves that one aborted, the COMMIT done."""
+    transaction aborted; a failed COMMIT ends it (the connection idle); a failure of the next
+    transaction's statement leaves that one aborted, the COMMIT done. Both an aborted previous
+    transaction and an aborted next one read "in error": after a check, an error the check
+    itself can raise (:func:`_check_can_raise`: a cancel, a resource or internal error) leaves
+    it unknown which, and it never counts as committed."""
     refused = check is not None and refused_by_check(exc)
-    committed = not refused and conn.info.transaction_status == TransactionStatus.INERROR
+    committed = (
+        not refused
+        and conn.info.transaction_status == TransactionStatus.INERROR
+        and not (check is not None and _check_can_raise(exc))
+    )
     return refused, committed
+
+
+# The errors a constant check (a SELECT of settings, no table) can fail with besides its refusal:
+# operator intervention (a cancel, statement_timeout), insufficient resources, system and internal
+# errors, and a transaction already aborted. SQLSTATE classes, or whole codes.
+_CHECK_ERROR_CLASSES = ("57", "53", "58", "XX")
+
+
+def _check_can_raise(exc: BaseException) -> bool:
+    sqlstate = getattr(exc, "sqlstate", None)
+    return not sqlstate or sqlstate == "25P02" or sqlstate.startswith(_CHECK_ERROR_CLASSES)
 
 
 class Tx:
@@ -235,8 +253,9 @@ class Tx:
 
         If it raises :class:`NextBeginFailed`, this transaction committed and the next one
         was rolled back; :class:`CommitRefused`, neither committed. Any other exception
-        leaves this transaction's outcome to the error: the COMMIT failed (or the connection
-        was lost, and with it the knowledge)."""
+        leaves this transaction's outcome to the error: the COMMIT failed, or the outcome is
+        unknown (the connection was lost; or, after a check, an error the check itself could
+        have raised, such as a cancel, came from it or from the next statement)."""
         conn, previous, tx = self._conn, self._tx, _Chained(self._conn)
         if not isinstance(previous, _Quiet):  # pragma: no cover - Tx opens only _Main ones
             raise TypeError("commit_then_begin() of a transaction Tx did not open")
