@@ -86,7 +86,7 @@ class Worker:
 
     Consumers with a plain ``def`` handler run their transactions in ``concurrency`` threads,
     through ``sync_runner`` (:class:`~jobfence.sync.SyncTransactionRunner`); without one, the
-    worker opens a sync psycopg pool of ``concurrency`` connections to the database of ``pool``
+    worker opens a sync psycopg pool of ``2 * concurrency`` connections to the database of ``pool``
     for the length of :meth:`run`, only when its queues have such consumers (docs/sync.md).
 
     With ``max_handler_seconds``, the worker keeps the lease of every job it holds alive
@@ -348,7 +348,7 @@ class Worker:
                     " and fixed kwargs, or a sync_runner given to the Worker"
                 )
             kwargs = {k: v for k, v in (kwargs or {}).items() if k != "autocommit"}
-            own = PsycopgRunner(conninfo, size=self.concurrency, kwargs=kwargs)
+            own = PsycopgRunner(conninfo, size=2 * self.concurrency, kwargs=kwargs)
             await asyncio.to_thread(own.open)
             runner = own
         self.harness.sync = SyncExecutor(runner, threads=self.concurrency)
