@@ -16,6 +16,7 @@ from jobfence import ConfigError, PgQueue, QueueCapabilities
 from jobfence.adapters.pg_queue import NOTIFY_CHANNEL, publish_on
 from queue_conformance import QUEUE, FakeClock, QueueConformance, QueueEnv, message
 from support import scalar, wait_until
+from tcp_proxy import tcp_proxy
 
 
 async def listener_is_up(conn: psycopg.AsyncConnection[Any]) -> None:
@@ -181,3 +182,46 @@ async def test_a_poll_interval_that_cannot_find_a_delayed_job_is_refused(
     would leave it waiting for ever, and one of 0 or less would poll without pause."""
     with pytest.raises(ConfigError, match="poll_interval_seconds must be a positive, finite"):
         PgQueue(pool, poll_interval_seconds=seconds)
+
+
+async def test_jobs_a_fetch_took_when_its_reply_was_lost_are_given_back_at_the_next_fetch(
+    database_url: str, conn: psycopg.AsyncConnection[Any]
+) -> None:
+    """A fetch whose reply the network lost has leased its jobs on the server, and nobody holds
+    them: before, they waited out their lease (300 s by default) after every database blip
+    that cut a fetch. The next fetch gives them back and takes them again, attempt uncounted."""
+    expected = {f"lost-{i}" for i in range(5)}
+    async with conn.transaction():
+        for job_id in sorted(expected):
+            await publish_on(conn, message(job_id))
+    async with tcp_proxy(database_url) as proxy:
+        proxy.reply_delay = 0.3  # each reply is held back long enough to be cut
+        pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
+            proxy.url(database_url), min_size=1, max_size=1, kwargs={"autocommit": True}, open=False
+        )
+        await pool.open(wait=True)
+        queue = PgQueue(pool)
+        try:
+            fetch = asyncio.create_task(
+                queue.receive([QUEUE], max_messages=10, lease_seconds=300.0)
+            )
+
+            async def leased() -> bool:
+                count = await scalar(
+                    conn,
+                    "SELECT count(*) FROM jobfence_queue.messages WHERE lease_token IS NOT NULL",
+                )
+                return bool(count == len(expected))
+
+            await wait_until(leased, message="the fetch to lease the jobs on the server")
+            await proxy.cut()
+            with pytest.raises(psycopg.OperationalError):
+                await fetch
+            proxy.reply_delay = 0.0
+            proxy.up()
+            again = await queue.receive([QUEUE], max_messages=10, lease_seconds=300.0)
+        finally:
+            await queue.close()
+            await pool.close()
+    assert {d.message.job_id for d in again} == expected
+    assert {d.attempt for d in again} == {1}

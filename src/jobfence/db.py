@@ -16,6 +16,11 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg.pq import ConnStatus
 from psycopg_pool import AsyncConnectionPool
 
+try:  # the backoff psycopg_pool applies to reconnecting (not part of its public API)
+    from psycopg_pool.base import AttemptWithBackoff
+except ImportError:  # pragma: no cover - another psycopg_pool layout: its own backoff applies
+    AttemptWithBackoff = None  # type: ignore[assignment,misc]
+
 from jobfence.config import (
     EMBEDDED,
     ENV_DATABASE_URL,
@@ -192,7 +197,46 @@ def looks_broken(conn: psycopg.AsyncConnection[Any] | psycopg.Connection[Any]) -
     return pgconn.status != ConnStatus.OK
 
 
-class CheckedPool(AsyncConnectionPool[psycopg.AsyncConnection[Any]]):
+# The longest a pool opened by jobfence waits between two attempts to replace a connection it
+# lost. psycopg_pool doubles the wait after each failed attempt (1, 2, 4, 8 s...) until its
+# reconnect_timeout: a connection lost in an outage came back up to about as long again after
+# the database did (3 s after a 4 s outage, a minute after a minute), and a job waiting for one
+# waited that long, or failed on the pool's timeout and started a second outage. Capped, they
+# come back within this many seconds; a down server is tried at most once per this many
+# seconds per missing connection.
+RECONNECT_MAX_DELAY_SECONDS = 2.0
+
+
+def reconnect_attempt(timeout: float) -> Any:
+    """A psycopg_pool reconnection attempt whose wait between tries is capped at
+    :data:`RECONNECT_MAX_DELAY_SECONDS` (it still gives up after ``timeout``, the pool's
+    ``reconnect_timeout``); None where psycopg_pool has no such object (its backoff then
+    applies)."""
+    if AttemptWithBackoff is None:  # pragma: no cover
+        return None
+    return _CappedAttempt(timeout=timeout)
+
+
+if AttemptWithBackoff is not None:
+
+    class _CappedAttempt(AttemptWithBackoff):
+        def update_delay(self, now: float) -> None:
+            super().update_delay(now)
+            self.delay = min(self.delay, RECONNECT_MAX_DELAY_SECONDS)
+
+
+class ReconnectingPool(AsyncConnectionPool[psycopg.AsyncConnection[Any]]):
+    """An async pool that replaces a lost connection at least every
+    :data:`RECONNECT_MAX_DELAY_SECONDS`, not with psycopg_pool's growing backoff: after an
+    outage it is whole again within that long of the database's return."""
+
+    async def _add_connection(
+        self, attempt: AttemptWithBackoff | None, growing: bool = False
+    ) -> None:
+        await super()._add_connection(attempt or reconnect_attempt(self.reconnect_timeout), growing)
+
+
+class CheckedPool(ReconnectingPool):
     """A pool that lends only connections not known to be broken (:func:`looks_broken`, no
     round trip): a broken one is discarded and the next one taken at once, so after a network
     blip no request pays for a stale connection. (psycopg_pool's own ``check`` callback waits
@@ -234,9 +278,10 @@ async def open_pool(
     :class:`CheckedPool`), for the API: after a network blip no request fails on a stale
     connection. (A worker's pool lends as psycopg_pool does: a stale connection fails its
     statement at once, which starts the worker's outage recovery without waiting for the
-    pool's timeout.)"""
+    pool's timeout.) Either way the pool replaces a lost connection at least every
+    :data:`RECONNECT_MAX_DELAY_SECONDS` (:class:`ReconnectingPool`)."""
     await check_connection(url)
-    pool_class = CheckedPool if lend_checked else AsyncConnectionPool
+    pool_class = CheckedPool if lend_checked else ReconnectingPool
     pool: AsyncConnectionPool[Any] = pool_class(
         url,
         min_size=min_size,

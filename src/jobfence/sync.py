@@ -32,7 +32,7 @@ from psycopg.rows import TupleRow
 from psycopg_pool import ConnectionPool
 
 from jobfence import tracing
-from jobfence.db import looks_broken
+from jobfence.db import looks_broken, reconnect_attempt
 from jobfence.guard import check_still_open, refuse_on, retire, session_changed
 from jobfence.pgtx import (
     Check,
@@ -114,7 +114,12 @@ class CheckedSyncPool(ConnectionPool[FenceConnection]):
     """A sync pool that lends only connections not known to be broken (:func:`looks_broken`,
     no round trip; as :class:`jobfence.db.CheckedPool` does for async pools): after the
     database cut its connections, a job does not fail again on one the pool still holds idle,
-    which would start a second outage recovery for the same outage."""
+    which would start a second outage recovery for the same outage. It replaces a lost
+    connection at least every :data:`jobfence.db.RECONNECT_MAX_DELAY_SECONDS`, so that after
+    an outage no job waits for psycopg_pool's growing backoff."""
+
+    def _add_connection(self, attempt: Any, growing: bool = False) -> None:
+        super()._add_connection(attempt or reconnect_attempt(self.reconnect_timeout), growing)
 
     def getconn(self, timeout: float | None = None) -> FenceConnection:
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)

@@ -16,7 +16,7 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 from jobfence.acks import AckBatcher
 from jobfence.adapters.prometheus import PrometheusMetrics
 from jobfence.app import App
-from jobfence.db import looks_broken
+from jobfence.db import RECONNECT_MAX_DELAY_SECONDS, looks_broken
 from jobfence.errors import ConfigError
 from jobfence.guard import retired
 from jobfence.harness import (
@@ -479,6 +479,10 @@ class Worker:
                             carried = left
                         else:  # the connection broke
                             self._give_back([left], ConnectionError("the connection was lost"))
+                    # Idle while a sync handler's job ran on the sync pool, it may have been
+                    # cut with the others; given back as it is, the next fetch would fail on
+                    # it after the database is back, as a second outage.
+                    await _close_if_cut(conn)
             except BaseException as exc:
                 left = await ahead.abandon()
                 stranded = [held for held in (waiting, left, carried) if held is not None]
@@ -667,8 +671,13 @@ class Worker:
             except Exception as exc:
                 self._outage_log.still_down(exc)
                 await self._wait_or_stop(asyncio.sleep(backoff), None)
-                backoff = min(backoff * 2, 30.0)
+                # Not further apart: once the database is back, jobs resume within seconds.
+                backoff = min(backoff * 2, RECONNECT_MAX_DELAY_SECONDS)
                 continue
+            # The pool's idle connections the outage cut: found now (a round trip each), not
+            # by the next fetch, which would fail on one as a second outage.
+            with contextlib.suppress(Exception):
+                await self._pool.check()
             # Cleared before giving back, not after: a job lost from now on sets it again.
             self._outage.clear()
             await self._release_held()

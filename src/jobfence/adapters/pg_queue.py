@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
-from uuid import UUID
+from uuid import UUID, uuid4
 
 import psycopg
 from psycopg import AsyncConnection
@@ -32,6 +32,10 @@ from jobfence.ports import Clock, QueueCapabilities, QueueSize
 from jobfence.tracing import valid_traceparent, valid_tracestate
 
 log = logging.getLogger("jobfence.pg_queue")
+
+# Fetches whose reply was lost that a queue remembers, to give back what they leased: a lease
+# token each (older ones are forgotten; their messages come back when their lease runs out).
+LOST_FETCHES_KEPT = 64
 
 SQL = Queries("jobfence.adapters", "pg_queue.sql")
 NOTIFY_CHANNEL = "jobfence_queue"
@@ -140,6 +144,9 @@ class PgQueue:
         self._wakeup = asyncio.Event()
         self._listener: asyncio.Task[None] | None = None
         self._closed = False
+        # The lease tokens and queues of fetches that failed after they were sent: they may have
+        # leased messages on the server whose rows never arrived (see _give_back_lost).
+        self._lost_fetches: list[tuple[UUID, tuple[str, ...]]] = []
 
     async def publish(
         self,
@@ -200,17 +207,30 @@ class PgQueue:
     async def _take(
         self, queues: Sequence[str], max_messages: int, lease_seconds: float
     ) -> list[Delivery]:
+        # Chosen here, not by the server: if the reply is lost, this queue still knows which
+        # messages the fetch leased.
+        token = uuid4()
         async with self._pool.connection() as conn:
-            cur = await conn.execute(
-                SQL["receive"],
-                {
-                    "queues": list(queues),
-                    "limit": max_messages,
-                    "now": _now(self._clock),
-                    "lease": timedelta(seconds=lease_seconds),
-                },
-            )
-            rows = await cur.fetchall()
+            if self._lost_fetches:
+                await self._give_back_lost(conn)
+            try:
+                cur = await conn.execute(
+                    SQL["receive"],
+                    {
+                        "queues": list(queues),
+                        "limit": max_messages,
+                        "now": _now(self._clock),
+                        "lease": timedelta(seconds=lease_seconds),
+                        "lease_token": token,
+                    },
+                )
+                rows = await cur.fetchall()
+            except BaseException:
+                # Committed or not, nobody knows: its messages are given back at the next fetch.
+                self._lost_fetches = [*self._lost_fetches, (token, tuple(queues))][
+                    -LOST_FETCHES_KEPT:
+                ]
+                raise
         return [
             Delivery(
                 message=Message(
@@ -242,6 +262,26 @@ class PgQueue:
                 tracestate,
             ) in sorted(rows, key=lambda r: r[0])
         ]
+
+    async def _give_back_lost(self, conn: AsyncConnection[Any]) -> None:
+        """Give back what the fetches whose reply was lost leased (the database cut the
+        connection after the lease committed, say): nobody holds those messages, and they would
+        otherwise wait out their lease. Not counted as a delivery. Raises as a fetch does; the
+        fetches stay remembered until this succeeds."""
+        lost = self._lost_fetches
+        cur = await conn.execute(
+            SQL["release_lost"],
+            {
+                "queues": sorted({queue for _token, queues in lost for queue in queues}),
+                "lease_tokens": [token for token, _queues in lost],
+                "now": _now(self._clock),
+            },
+        )
+        self._lost_fetches = [fetch for fetch in self._lost_fetches if fetch not in lost]
+        if cur.rowcount:
+            log.info(
+                "gave back %d job(s) that a fetch leased when its reply was lost", cur.rowcount
+            )
 
     async def ack(self, delivery: Delivery, *, tx: AsyncConnection[Any] | None = None) -> bool:
         receipt = _receipt(delivery)

@@ -44,7 +44,7 @@ WITH due AS (
 UPDATE jobfence_queue.messages m
 SET attempts = least(greatest(m.attempts, 0), 2147483646) + 1,
     run_at = coalesce(%(now)s::timestamptz, now()) + %(lease)s::interval,
-    lease_token = gen_random_uuid()
+    lease_token = %(lease_token)s::uuid
 FROM due
 WHERE m.id = due.id
 RETURNING m.id, m.queue, m.consumer, m.job_id, m.body, m.tenant_id, m.correlation_id,
@@ -80,6 +80,18 @@ SET run_at = coalesce(%(now)s::timestamptz, now()),
     lease_token = NULL,
     attempts = greatest(attempts - 1, 0)
 WHERE id = %(id)s AND lease_token = %(lease_token)s;
+
+-- name: release_lost
+-- Gives back, without counting that delivery, what fetches whose reply was lost leased: the
+-- fetch chose its lease token, so only its messages carry it. They are still leased (run_at in
+-- the future), which keeps this to the index's range of leased and scheduled messages.
+UPDATE jobfence_queue.messages
+SET run_at = coalesce(%(now)s::timestamptz, now()),
+    lease_token = NULL,
+    attempts = greatest(attempts - 1, 0)
+WHERE queue = ANY(%(queues)s::text[])
+  AND run_at > coalesce(%(now)s::timestamptz, now())
+  AND lease_token = ANY(%(lease_tokens)s::uuid[]);
 
 -- name: size
 SELECT count(*) FILTER (WHERE run_at <= coalesce(%(now)s::timestamptz, now())) AS due,
