@@ -248,6 +248,68 @@ async def test_a_broker_outage_under_a_trickle_of_commits_is_one_backoff_and_two
     assert "StopAsyncIteration" not in caplog.text
 
 
+@pytest.fixture(params=["redis"])
+async def one_broker(request: pytest.FixtureRequest) -> AsyncIterator[tuple[str, str, str]]:
+    """One broker, for what does not depend on which."""
+    async with on_broker(request, [pointsapp.QUEUE], prefix="jfrelay") as found:
+        yield found
+
+
+DATABASE_OUTAGE_SECONDS = 8.0
+
+
+async def test_the_relay_logs_a_database_outage_as_two_lines_and_resumes_within_seconds(
+    one_broker: tuple[str, str, str],
+    database_url: str,
+    conn: psycopg.AsyncConnection[Any],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The relay's database goes away for 8 s (a proxy between them is cut) while producers
+    commit: one WARNING when it goes, one INFO when it is back, no line per failed reconnect,
+    and what waited is published within seconds of the database's return. (Reconnecting 0.5 s
+    doubling to 30 s apart, it was published about 7 s after it.)"""
+    caplog.set_level(logging.INFO)
+    kind, url, name = one_broker
+    await _external(conn, url)
+    queue = make_queue(kind, url, name)
+    loop = asyncio.get_running_loop()
+
+    async def outbox_empty() -> bool:
+        return await scalar(conn, "SELECT count(*) FROM jobfence.outbox") == 0
+
+    async with TcpProxy.for_database(database_url) as proxy:
+        relay = OutboxRelay(
+            proxy.url(database_url), queue, settings=OutboxRelaySettings(poll_seconds=0.05)
+        )
+        task = await _run(relay)
+        try:
+            await pointsapp.enqueue_awards(database_url, ["before"])
+            await wait_until(outbox_empty, message="the job before the outage published")
+            await proxy.cut()
+
+            async def noticed() -> bool:
+                return "outbox relay: database went away" in caplog.text
+
+            await wait_until(noticed, message="the relay to notice the outage")
+            await pointsapp.enqueue_awards(database_url, [f"during-{n}" for n in range(5)])
+            await asyncio.sleep(DATABASE_OUTAGE_SECONDS)  # the outage's length is the experiment
+            proxy.up()
+            back_at = loop.time()
+            await wait_until(outbox_empty, timeout=30, message="the jobs that waited published")
+            recovered = loop.time() - back_at
+        finally:
+            await _stop(relay, task, conn)
+            size = await queue.size([pointsapp.QUEUE])
+            await queue.close()
+    print(f"\n{kind}: published {recovered:.2f}s after the database's return")
+    lines = [r.getMessage() for r in caplog.records if r.name == "jobfence.outbox"]
+    assert len([line for line in lines if "database went away" in line]) == 1, lines
+    assert len([line for line in lines if "database back after" in line]) == 1, lines
+    assert not [line for line in lines if "database error" in line or "still" in line], lines
+    assert recovered < 4.0
+    assert size.total == 6
+
+
 @contextlib.contextmanager
 def private_nats(tmp_path: Path, *, max_payload: int) -> Iterator[str]:
     """A NATS server of this test's own (JetStream, ``max_payload`` bytes), on a free port."""

@@ -14,7 +14,7 @@ from typing import Any
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 from psycopg.pq import ConnStatus
-from psycopg_pool import AsyncConnectionPool
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 try:  # the backoff psycopg_pool applies to reconnecting (not part of its public API)
     from psycopg_pool.base import AttemptWithBackoff
@@ -31,7 +31,7 @@ from jobfence.config import (
     missing_database_url_message,
     similar_database_variables,
 )
-from jobfence.errors import ConfigError, DatabaseUnavailable
+from jobfence.errors import ConfigError, DatabaseUnavailable, QueueUnavailable
 from jobfence.redact import redact_url
 
 log = logging.getLogger("jobfence.db")
@@ -163,6 +163,27 @@ async def grow_read_buffer(conn: psycopg.AsyncConnection[Any]) -> None:
     buffer holds that much from then on (a pool's ``configure`` callback)."""
     cur = await conn.execute(_GROW_READ_BUFFER)
     await cur.fetchall()
+
+
+# SQLSTATEs that mean "the server or the connection went away", not "this statement failed":
+# class 08 (connection exception) and the operator-intervention shutdowns.
+_CONNECTION_SQLSTATES = frozenset({"57P01", "57P02", "57P03"})
+
+
+def is_connection_loss(exc: BaseException, conn: psycopg.AsyncConnection[Any] | None) -> bool:
+    """True when ``exc`` means the database or the queue's broker is unreachable rather than
+    that the job failed."""
+    if isinstance(exc, (PoolTimeout, QueueUnavailable)):
+        return True
+    if isinstance(exc, psycopg.OperationalError):
+        state = exc.sqlstate
+        return (
+            state is None
+            or state.startswith("08")
+            or state in _CONNECTION_SQLSTATES
+            or (conn is not None and conn.broken)
+        )
+    return False
 
 
 def looks_broken(conn: psycopg.AsyncConnection[Any] | psycopg.Connection[Any]) -> bool:

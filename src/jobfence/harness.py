@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 import psycopg
 from psycopg import AsyncConnection, errors
 from psycopg.pq import TransactionStatus
-from psycopg_pool import AsyncConnectionPool, PoolTimeout
+from psycopg_pool import AsyncConnectionPool
 from pydantic import BaseModel, ValidationError
 
 from jobfence import outbox, tracing
@@ -53,7 +53,8 @@ from jobfence.codec import (
     stored_payload,
     unfenceable,
 )
-from jobfence.errors import HardFailure, PoisonMessage, QueueUnavailable, TransactionMisuse
+from jobfence.db import is_connection_loss
+from jobfence.errors import HardFailure, PoisonMessage, TransactionMisuse
 from jobfence.guard import (
     COMMITTED_IN_GROUP,
     after_handler,
@@ -211,27 +212,6 @@ class _Throttle:
         self._sent += 1
         held, self._held = self._held, 0
         return True, held
-
-
-# SQLSTATEs that mean "the server or the connection went away", not "this statement failed":
-# class 08 (connection exception) and the operator-intervention shutdowns.
-_CONNECTION_SQLSTATES = frozenset({"57P01", "57P02", "57P03"})
-
-
-def is_connection_loss(exc: BaseException, conn: AsyncConnection[Any] | None) -> bool:
-    """True when ``exc`` means the database or the queue's broker is unreachable rather than
-    that the job failed."""
-    if isinstance(exc, (PoolTimeout, QueueUnavailable)):
-        return True
-    if isinstance(exc, psycopg.OperationalError):
-        state = exc.sqlstate
-        return (
-            state is None
-            or state.startswith("08")
-            or state in _CONNECTION_SQLSTATES
-            or (conn is not None and conn.broken)
-        )
-    return False
 
 
 def _is_permanent(exc: BaseException, policy: RetryPolicy) -> bool:

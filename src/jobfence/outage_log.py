@@ -13,8 +13,8 @@ import re
 import time
 from collections.abc import Callable
 
+from jobfence.db import is_connection_loss
 from jobfence.errors import QueueUnavailable
-from jobfence.harness import is_connection_loss
 
 STILL_DOWN_EVERY = 30.0  # seconds between two "still unreachable" lines
 PSYCOPG_LOGGERS = ("psycopg", "psycopg.pool")  # a filter applies to its own logger's records

@@ -16,14 +16,13 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 from jobfence.acks import AckBatcher
 from jobfence.adapters.prometheus import PrometheusMetrics
 from jobfence.app import App
-from jobfence.db import RECONNECT_MAX_DELAY_SECONDS, looks_broken
+from jobfence.db import RECONNECT_MAX_DELAY_SECONDS, is_connection_loss, looks_broken
 from jobfence.errors import ConfigError
 from jobfence.guard import retired
 from jobfence.harness import (
     Harness,
     InfrastructureError,
     Lookahead,
-    is_connection_loss,
     log_fields,
 )
 from jobfence.leases import LeaseKeeper
