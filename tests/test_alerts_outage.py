@@ -5,6 +5,7 @@ as fast as with Better Stack up, and the alerts go out once Better Stack is back
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,11 +14,21 @@ from psycopg import AsyncConnection
 from psycopg_pool import AsyncConnectionPool
 
 import pointsapp
-from alert_helpers import TOKEN, alert_rows, fast_settings, make_relay, running, sink_for
+from alert_helpers import (
+    TOKEN,
+    alert_rows,
+    fast_settings,
+    make_relay,
+    running,
+    sink_for,
+    wait_for_alerts,
+    write_dead_letter,
+)
 from fake_betterstack import FakeBetterStack
 from jobfence import App, PgQueue, PrometheusMetrics, Worker
 from jobfence.alerts import alert_counts
 from support import scalar, wait_until
+from tcp_proxy import TcpProxy
 
 JOBS = 80
 HARD_EVERY = 8  # 10 of the 80 jobs fail for good
@@ -108,3 +119,46 @@ async def test_better_stack_unreachable_slows_no_job_and_alerts_arrive_after_rec
     counted = await scalar(conn, "SELECT dead_letters FROM jobfence.alert_incidents")
     assert counted == 20, "every dead letter of both batches is counted on it"
     assert all(len(ids) == 1 for ids in server.by_dedup_key().values())
+
+
+DATABASE_OUTAGE_SECONDS = 8.0
+
+
+async def test_the_alert_relay_logs_a_database_outage_as_two_lines_and_resumes_within_seconds(
+    database_url: str,
+    conn: AsyncConnection[Any],
+    server: FakeBetterStack,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The relay's database goes away for 8 s (a proxy between them is cut) while a dead letter
+    is written: one WARNING when it goes, one INFO when it is back, no line per failed
+    reconnect, and the alert goes out within seconds of the database's return. (Reconnecting
+    0.5 s doubling to 30 s apart, it went out about 7 s after it.)"""
+    caplog.set_level(logging.INFO, logger="jobfence")
+    loop = asyncio.get_running_loop()
+    async with TcpProxy.for_database(database_url) as proxy:
+        relay = make_relay(proxy.url(database_url), server)
+        async with running(relay):
+
+            async def active() -> bool:
+                return relay.active
+
+            await wait_until(active, message="the relay to be active")
+            await proxy.cut()
+
+            async def noticed() -> bool:
+                return "alert relay: database went away" in caplog.text
+
+            await wait_until(noticed, message="the relay to notice the outage")
+            await write_dead_letter(conn, "during-the-outage")
+            await asyncio.sleep(DATABASE_OUTAGE_SECONDS)  # the outage's length is the experiment
+            proxy.up()
+            back_at = loop.time()
+            await wait_for_alerts(conn, "sent", 1, timeout=30)
+            recovered = loop.time() - back_at
+    lines = [r.getMessage() for r in caplog.records if r.name == "jobfence.alerts"]
+    assert len([line for line in lines if "database went away" in line]) == 1, lines
+    assert len([line for line in lines if "database back after" in line]) == 1, lines
+    assert not [line for line in lines if "database error" in line or "still" in line], lines
+    assert recovered < 4.0, recovered
+    assert len(server.incident_list()) == 1

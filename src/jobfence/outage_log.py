@@ -8,13 +8,20 @@ an object's repr (``<psycopg.AsyncConnection [BAD] at 0x...>``)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
-from jobfence.db import is_connection_loss
+import psycopg
+from psycopg import AsyncConnection
+
+from jobfence.db import RECONNECT_MAX_DELAY_SECONDS, is_connection_loss
 from jobfence.errors import QueueUnavailable
+from jobfence.redact import redact_text
 
 STILL_DOWN_EVERY = 30.0  # seconds between two "still unreachable" lines
 PSYCOPG_LOGGERS = ("psycopg", "psycopg.pool")  # a filter applies to its own logger's records
@@ -141,3 +148,83 @@ class OutageLog:
             self._held_back += 1
             return False
         return True
+
+
+async def stay_connected(
+    conninfo: str,
+    serve: Callable[[AsyncConnection[Any]], Awaitable[None]],
+    *,
+    who: str,
+    doing: tuple[str, str],
+    log: logging.Logger,
+    stopping: asyncio.Event,
+    reconnect_cap_seconds: float,
+    on_lost: Callable[[], None],
+) -> None:
+    """Run ``serve`` on a connection of its own to ``conninfo`` (autocommit) until ``stopping``
+    is set, connecting again whenever it fails with a database error (a relay's loop).
+
+    A lost or refused connection is one outage: ``WHO: database went away (...): PAUSED`` at
+    its start, ``WHO: database still unreachable after Ns`` at most every 30 s, INFO ``WHO:
+    database back after Ns: RESUMED`` once connected again (``doing`` is the pair PAUSED,
+    RESUMED); tries are 0.5 s, 1 s, then at most :data:`~jobfence.db.RECONNECT_MAX_DELAY_SECONDS`
+    apart, so the part resumes within seconds of the database's return. Another database error
+    (a revoked grant) is logged at each try, and tries back off from 0.5 s doubling to
+    ``reconnect_cap_seconds``; only a connection that served a minute resets the backoff.
+    ``on_lost`` is called after each failure (the part is no longer active)."""
+    paused, resumed = doing
+    backoff = 0.5
+    loop = asyncio.get_running_loop()
+    since: float | None = None  # the database's outage, while it lasts
+    next_still_down = 0.0
+    while not stopping.is_set():
+        started = loop.time()
+        try:
+            async with await psycopg.AsyncConnection.connect(
+                conninfo, autocommit=True, connect_timeout=10
+            ) as conn:
+                if since is not None:
+                    log.info("%s: database back after %.1fs: %s", who, loop.time() - since, resumed)
+                    since, backoff = None, 0.5
+                await serve(conn)
+        except psycopg.Error as exc:
+            on_lost()
+            now = loop.time()
+            if now - started > 60:
+                backoff = 0.5
+            delay = backoff
+            if is_connection_loss(exc, None):
+                delay = min(backoff, RECONNECT_MAX_DELAY_SECONDS)
+                if since is None:
+                    since, next_still_down = now, now + STILL_DOWN_EVERY
+                    log.warning(
+                        "%s: database went away (%s): %s; reconnecting at least every %.1fs",
+                        who,
+                        _one_line(exc),
+                        paused,
+                        RECONNECT_MAX_DELAY_SECONDS,
+                    )
+                elif now >= next_still_down:
+                    next_still_down = now + STILL_DOWN_EVERY
+                    log.warning(
+                        "%s: database still unreachable after %.0fs (%s); reconnecting",
+                        who,
+                        now - since,
+                        _one_line(exc),
+                    )
+                else:
+                    log.debug("%s: database still unreachable: %s", who, _one_line(exc))
+            else:
+                log.warning(
+                    "%s: database error (%s); retrying in %.1fs", who, _one_line(exc), backoff
+                )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stopping.wait(), delay)
+            backoff = min(backoff * 2, reconnect_cap_seconds)
+
+
+def _one_line(exc: BaseException) -> str:
+    """``Class: message`` on one line, at most 200 characters of the message, credentials
+    redacted (a connection error may quote its URL)."""
+    text = redact_text(" ".join(str(exc).split()))
+    return f"{type(exc).__name__}: {text[:200]}"

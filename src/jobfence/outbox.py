@@ -43,7 +43,6 @@ from jobfence._sql import Queries
 from jobfence.adapters._shared import check_prior_attempts
 from jobfence.alerts.outbox import record_dead_letter_alerts
 from jobfence.codec import kept_whole, stored_payload, unfenceable
-from jobfence.db import RECONNECT_MAX_DELAY_SECONDS, is_connection_loss
 from jobfence.errors import ConfigError, PublishRefused, QueueUnavailable
 from jobfence.limits import (
     MAX_PRIOR_ATTEMPTS,
@@ -53,6 +52,7 @@ from jobfence.limits import (
     storable_text,
 )
 from jobfence.model import Message, Outgoing
+from jobfence.outage_log import stay_connected
 from jobfence.ports import Clock, QueuePort
 from jobfence.redact import redact_text
 from jobfence.schema import ensure_migrated
@@ -410,68 +410,24 @@ class OutboxRelay:
         return self._clock.now() if self._clock is not None else None
 
     async def run(self) -> OutboxRelayStats:
-        """Publish until :meth:`stop`. A lost database connection is logged and retried with
-        backoff; a database without this version's schema is refused (``ConfigError``)."""
-        backoff = 0.5
-        loop = asyncio.get_running_loop()
-        away: _Outage | None = None  # the database's outage, while it lasts
-        while not self._stopping.is_set():
-            started = loop.time()
-            try:
-                async with await psycopg.AsyncConnection.connect(
-                    self._conninfo, autocommit=True, connect_timeout=10
-                ) as conn:
-                    if away is not None:
-                        log.info(
-                            "outbox relay: database back after %.1fs: publishing resumed",
-                            loop.time() - away.since,
-                        )
-                        away, backoff = None, 0.5
-                    await self._serve(conn)
-            except psycopg.Error as exc:
-                self.active = False
-                if loop.time() - started > 60:
-                    backoff = 0.5
-                if is_connection_loss(exc, None):
-                    # One outage, two lines; tried again at least every 2 s, so the rows that
-                    # waited are published within seconds of the database's return.
-                    away = self._database_away(away, exc)
-                    delay = min(backoff, RECONNECT_MAX_DELAY_SECONDS)
-                else:
-                    text = " ".join(str(exc).split())
-                    log.warning(
-                        "outbox relay: database error (%s: %s); retrying in %.1fs",
-                        type(exc).__name__,
-                        text[:200],
-                        backoff,
-                    )
-                    delay = backoff
-                await self._sleep(delay)
-                backoff = min(backoff * 2, self.settings.reconnect_cap_seconds)
+        """Publish until :meth:`stop`. A lost database connection is one outage, logged as two
+        lines and retried at least every 2 s; another database error is logged and retried
+        with backoff (:func:`jobfence.outage_log.stay_connected`); a database without this
+        version's schema is refused (``ConfigError``)."""
+        await stay_connected(
+            self._conninfo,
+            self._serve,
+            who="outbox relay",
+            doing=("publishing paused, the messages stay in the outbox", "publishing resumed"),
+            log=log,
+            stopping=self._stopping,
+            reconnect_cap_seconds=self.settings.reconnect_cap_seconds,
+            on_lost=self._inactive,
+        )
         return self.stats
 
-    def _database_away(self, away: _Outage | None, exc: psycopg.Error) -> _Outage:
-        """Log a lost or refused database connection: a WARNING when the outage starts, one
-        every 30 s while it lasts, DEBUG for the other tries."""
-        now = asyncio.get_running_loop().time()
-        if away is None:
-            log.warning(
-                "outbox relay: database went away (%s): publishing paused, the messages stay in"
-                " the outbox; reconnecting at least every %.1fs",
-                _error_text(exc),
-                RECONNECT_MAX_DELAY_SECONDS,
-            )
-            return _Outage(since=now, next_still_down=now + _STILL_DOWN_EVERY)
-        if now >= away.next_still_down:
-            away.next_still_down = now + _STILL_DOWN_EVERY
-            log.warning(
-                "outbox relay: database still unreachable after %.0fs (%s); reconnecting",
-                now - away.since,
-                _error_text(exc),
-            )
-        else:
-            log.debug("outbox relay: database still unreachable: %s", _error_text(exc))
-        return away
+    def _inactive(self) -> None:
+        self.active = False
 
     async def _serve(self, conn: AsyncConnection[Any]) -> None:
         await ensure_migrated(conn)

@@ -66,6 +66,7 @@ from jobfence.alerts.outbox import SQL, alert_counts
 from jobfence.config import secrets_from_env
 from jobfence.errors import ConfigError
 from jobfence.limits import MAX_DELAY_DAYS, MAX_DELAY_SECONDS
+from jobfence.outage_log import stay_connected
 from jobfence.ports import AlertMetricsSink, Clock
 from jobfence.redact import printable
 from jobfence.schema import ensure_migrated
@@ -469,33 +470,24 @@ class AlertRelay:
     # -- the loop ---------------------------------------------------------------------------
 
     async def run(self) -> RelayStats:
-        """Deliver until :meth:`stop`. A lost database connection is logged and retried with
-        backoff; a database without this version's schema is refused (``ConfigError``)."""
-        backoff = 0.5
-        loop = asyncio.get_running_loop()
-        while not self._stopping.is_set():
-            started = loop.time()
-            try:
-                async with await psycopg.AsyncConnection.connect(
-                    self._conninfo, autocommit=True, connect_timeout=10
-                ) as conn:
-                    await self._serve(conn)
-            except psycopg.Error as exc:
-                self.active = False
-                # Only a connection that served for a while resets the backoff: a lasting
-                # error (a permission revoked) must not retry every half second forever.
-                if loop.time() - started > 60:
-                    backoff = 0.5
-                text = " ".join(str(exc).split())
-                log.warning(
-                    "alert relay: database error (%s: %s); retrying in %.1fs",
-                    type(exc).__name__,
-                    text[:200],
-                    backoff,
-                )
-                await self._sleep(backoff)
-                backoff = min(backoff * 2, self.settings.reconnect_cap_seconds)
+        """Deliver until :meth:`stop`. A lost database connection is one outage, logged as two
+        lines and retried at least every 2 s; another database error (a permission revoked) is
+        logged and retried with backoff (:func:`jobfence.outage_log.stay_connected`); a
+        database without this version's schema is refused (``ConfigError``)."""
+        await stay_connected(
+            self._conninfo,
+            self._serve,
+            who="alert relay",
+            doing=("delivering paused, the alerts wait in their tables", "delivering resumed"),
+            log=log,
+            stopping=self._stopping,
+            reconnect_cap_seconds=self.settings.reconnect_cap_seconds,
+            on_lost=self._inactive,
+        )
         return self.stats
+
+    def _inactive(self) -> None:
+        self.active = False
 
     async def _serve(self, conn: AsyncConnection[Any]) -> None:
         await ensure_migrated(conn)
