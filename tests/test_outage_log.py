@@ -7,8 +7,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import socket
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 import psycopg
 import pytest
@@ -16,7 +18,7 @@ from psycopg_pool import AsyncConnectionPool
 
 import pointsapp
 from jobfence import PgQueue, PrometheusMetrics, QueueUnavailable, Worker, WorkerStats, db
-from jobfence.outage_log import OutageLog, reason
+from jobfence.outage_log import OutageLog, reason, stay_connected
 from support import scalar, wait_until
 from tcp_proxy import TcpProxy
 
@@ -292,3 +294,51 @@ def test_the_reason_names_the_connection_error_never_a_repr() -> None:
         reason(psycopg.ProgrammingError("a <psycopg.AsyncConnection [BAD] at 0x7f3a2b1c0d90> :"))
         == "ProgrammingError: a"
     )
+
+
+async def test_a_relays_database_outage_line_shows_no_password_and_forges_no_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """What a relay logs when its database cannot be reached quotes the connection's error: the
+    connection string's password (here with a newline and a forged log line in it) shows in no
+    line, and the outage is one WARNING however many tries fail."""
+    with socket.socket() as sock:  # a loopback port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    password = "S3cr3t-pw\nWARNING jobfence.worker: forged"
+    conninfo = f"postgresql://jf:{quote(password, safe='')}@127.0.0.1:{port}/jobfence"
+    caplog.set_level(logging.DEBUG, logger="jobfence.test")
+    stopping = asyncio.Event()
+    served: list[object] = []
+
+    async def serve(conn: psycopg.AsyncConnection[Any]) -> None:
+        served.append(conn)
+
+    async def tried_three_times() -> bool:
+        return len([r for r in caplog.records if "unreachable" in r.getMessage()]) >= 2
+
+    task = asyncio.create_task(
+        stay_connected(
+            conninfo,
+            serve,
+            who="test relay",
+            doing=("paused", "resumed"),
+            log=logging.getLogger("jobfence.test"),
+            stopping=stopping,
+            reconnect_cap_seconds=30.0,
+            on_lost=lambda: None,
+        )
+    )
+    try:
+        await wait_until(tried_three_times, timeout=15, message="three failed tries")
+    finally:
+        stopping.set()
+        await asyncio.wait_for(task, 10)
+    assert not served
+    lines = [r.getMessage() for r in caplog.records if r.name == "jobfence.test"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith("test relay: database went away (OperationalError: ")
+    for line in lines:
+        assert "S3cr3t" not in line and "forged" not in line, line
+        assert "\n" not in line, line
