@@ -170,6 +170,41 @@ def test_a_refused_queue_url_quotes_no_password_in_its_reason(url: str, database
     assert PASSWORD not in done.stdout + done.stderr, done.stderr
 
 
+# A token or password written unescaped with a ':' and a '[' in it: no URL parser takes it, and
+# where its user part ends is anyone's guess, so the whole user information is hidden.
+TOKEN = "Zq9x[\\:kq" + PASSWORD
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        f"nats://{TOKEN}@127.0.0.1:4222",
+        f"nats://127.0.0.1:4222,nats://{TOKEN}@127.0.0.1:4223",
+        f"amqp://{TOKEN}@127.0.0.1:5672/",
+        f"redis://{TOKEN}@127.0.0.1:6379/0",
+        f"rediss://{TOKEN}@127.0.0.1:6379/0",
+    ],
+    ids=["nats", "nats-seed-list", "amqp", "redis", "rediss"],
+)
+def test_a_queue_url_that_does_not_parse_is_refused_showing_no_part_of_its_token(
+    url: str, database_url: str
+) -> None:
+    with pytest.raises(ConfigError) as refused:
+        parse_queue_url(url)
+    message = str(refused.value)
+    assert "not a valid URL" in message, message
+    assert "://***@127.0.0.1" in message, message
+    for piece in ("Zq9x", "kq", PASSWORD):
+        assert piece not in message, message
+    done = run_jobfence(
+        database_url, "migrate", "--queue-url", "postgresql", "--from-queue-url", url
+    )
+    assert done.returncode == 2, done
+    assert "not a valid URL" in done.stderr, done.stderr
+    for piece in ("Zq9x", "kq", PASSWORD):
+        assert piece not in done.stdout + done.stderr, done.stderr
+
+
 @pytest.mark.parametrize(
     "url",
     [

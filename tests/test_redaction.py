@@ -89,6 +89,7 @@ def closed_port() -> int:
             "host=db password=***",
         ),
         ("app:bare-pw@db/app", ["bare-pw"], "app:***@db/app"),
+        ("nats://to[k:en-pw@nats:4222", ["to[k:en-pw"], "nats://***@nats:4222"),
         (
             "postgresql://app@db/app?sslpassword=ssl-pw&application_name=x",
             ["ssl-pw"],
@@ -109,6 +110,7 @@ def closed_port() -> int:
         "conninfo-quoted",
         "conninfo-badly-quoted",
         "no-scheme",
+        "unparseable-userinfo",
         "libpq-query",
         "no-secret",
         "not-a-url",

@@ -11,7 +11,9 @@ every secret it holds replaced by ``***``, without trusting any parser (a passwo
   URL of the list (or the end); in ``scheme://a:p@h1,b:q@h2`` each comma-separated server
   that holds an ``@`` has its own. ``user:password`` is shown ``user:***``. Without a ``:`` it is a
   token (``nats://TOKEN@host``) and shown ``***``, except in a ``postgres://`` or
-  ``postgresql://`` URL, where it is the user name. A string without ``://`` that holds an
+  ``postgresql://`` URL, where it is the user name. A user part holding a character no URL
+  holds unescaped (``[``, ``\\``, a space...) makes the URL unparseable and the split a guess:
+  the whole user information is then shown ``***``. A string without ``://`` that holds an
   ``@`` is taken from its start (``user:password@host``, the scheme forgotten);
 - the value of every ``key=value`` (a query parameter or a libpq keyword, quoted or not) whose
   key looks secret (:func:`is_secret_key`: it contains pass, pwd, secret, token, auth, cred,
@@ -68,6 +70,10 @@ _KEY_VALUE = re.compile(
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
 # Where a URL parser (urllib, libpq, a broker client) may cut a password written unescaped.
 _CUTS = re.compile(r"[/?#@:,;\s]+")
+# A user name as a URL may hold it (RFC 3986 userinfo without ``:``): unreserved characters,
+# sub-delimiters and percent escapes. Any other character before the ``:`` means the URL does not
+# parse and its user information is hidden whole.
+_USER_NAME = re.compile(r"(?:[A-Za-z0-9._~!$&'()*+,;=-]|%[0-9A-Fa-f]{2})*")
 # A secret (or a piece of one) this short is replaced only where it stands alone.
 _SHORT = 4
 
@@ -109,6 +115,11 @@ def _key_values(text: str, found: list[str]) -> str:
 
 def _user_info(userinfo: str, scheme: str, found: list[str]) -> str:
     """The user information of a URL as it may be shown; its secrets added to ``found``."""
+    if _USER_NAME.fullmatch(userinfo.partition(":")[0]) is None:
+        # A character no URL holds unescaped before the ``:`` (``[``, ``\``, a space...): the
+        # URL does not parse, and where a user name would end is a guess. All of it is hidden.
+        found.append(userinfo)
+        return REDACTED
     user, colon, password = userinfo.partition(":")
     if colon:
         found.append(password)
