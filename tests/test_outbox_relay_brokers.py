@@ -131,6 +131,8 @@ async def test_with_50ms_confirms_and_a_2s_idle_transaction_timeout_the_relay_em
     )
     assert relay.stats.published >= 300
     assert 300 <= size.total <= 310, size  # every row, at most a few twice
+    if kind == "nats":  # a row sent twice has the same Nats-Msg-Id: JetStream keeps one
+        assert size.total == 300, size
     assert relay.stats.failed == 0
 
 
@@ -653,6 +655,8 @@ async def test_a_relay_sigkilled_mid_batch_on_a_broker_loses_nothing_and_each_jo
             await _stop(relay, task, conn)
         on_broker = (await queue.size([pointsapp.QUEUE])).total
         assert on_broker >= jobs
+        if kind == "nats":  # the next relay sends a row again with its Nats-Msg-Id: dropped
+            assert on_broker == jobs
         app = pointsapp.build_app()
         stats = await asyncio.wait_for(
             Worker(app, pool, queue, poll_seconds=0.05, outbox_relay=False).run(until="empty"),
@@ -671,3 +675,94 @@ async def test_a_relay_sigkilled_mid_batch_on_a_broker_loses_nothing_and_each_jo
     assert stats.outcomes.get("duplicate", 0) == on_broker - jobs
     cur = await conn.execute("SELECT count(DISTINCT job_id), count(*) FROM public.awards")
     assert await cur.fetchone() == (jobs, jobs)
+
+
+@pytest.fixture(params=[pytest.param("nats", marks=_NATS_LEAKS_A_WRITER)])
+async def jetstream(request: pytest.FixtureRequest) -> AsyncIterator[tuple[str, str, str]]:
+    async with on_broker(request, [pointsapp.QUEUE], prefix="jfrelay") as found:
+        yield found
+
+
+async def test_a_row_the_relay_publishes_again_after_a_late_ack_is_one_message_on_jetstream(
+    jetstream: tuple[str, str, str],
+    database_url: str,
+    conn: psycopg.AsyncConnection[Any],
+    pool: AsyncConnectionPool[Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """JetStream stores a message and its ack comes too late: the relay counts a failed publish
+    and publishes the row again. The stream drops the second copy (the row's ``Nats-Msg-Id``),
+    so the job is delivered once, at attempt 1."""
+    from jobfence.adapters import nats as nats_adapter
+
+    kind, url, name = jetstream
+    await _external(conn, url)
+    monkeypatch.setattr(nats_adapter, "_ACKS_WITHIN", 0.3)
+    await pointsapp.enqueue_awards(database_url, ["late-1"])
+    direct = make_queue(kind, url, name)
+    async with proxied(url, reply_delay=1.0) as proxy:
+        queue = make_queue(kind, through(proxy, url), name)
+        relay = OutboxRelay(database_url, queue, settings=OutboxRelaySettings(poll_seconds=0.05))
+        task = await _run(relay)
+        try:
+
+            async def failed_once() -> bool:
+                return relay.stats.failed >= 1
+
+            await wait_until(failed_once, timeout=30, message="a publish whose ack came late")
+            proxy.reply_delay = 0.0
+
+            async def empty() -> bool:
+                return await scalar(conn, "SELECT count(*) FROM jobfence.outbox") == 0
+
+            await wait_until(empty, timeout=30, message="the outbox to empty")
+        finally:
+            await _stop(relay, task, conn)
+            await queue.close()
+    try:
+        assert (await direct.size([pointsapp.QUEUE])).total == 1
+        stats = await asyncio.wait_for(
+            Worker(pointsapp.build_app(), pool, direct, poll_seconds=0.05, outbox_relay=False).run(
+                until="empty"
+            ),
+            60,
+        )
+    finally:
+        await direct.close()
+    assert stats.outcomes == {"succeeded": 1}, stats.outcomes
+
+
+async def test_two_outbox_rows_of_the_same_job_are_two_messages_on_jetstream(
+    jetstream: tuple[str, str, str],
+    database_url: str,
+    conn: psycopg.AsyncConnection[Any],
+    pool: AsyncConnectionPool[Any],
+) -> None:
+    """A row's publish id is its own: the same job enqueued twice (or replayed) is two rows and
+    two messages, and the fence, not the broker, makes the second a duplicate."""
+    kind, url, name = jetstream
+    await _external(conn, url)
+    await pointsapp.enqueue_awards(database_url, ["twice-1"])
+    await pointsapp.enqueue_awards(database_url, ["twice-1"])
+    queue = make_queue(kind, url, name)
+    try:
+        relay = OutboxRelay(database_url, queue, settings=OutboxRelaySettings(poll_seconds=0.05))
+        task = await _run(relay)
+        try:
+
+            async def empty() -> bool:
+                return await scalar(conn, "SELECT count(*) FROM jobfence.outbox") == 0
+
+            await wait_until(empty, timeout=30, message="the outbox to empty")
+        finally:
+            await _stop(relay, task, conn)
+        assert (await queue.size([pointsapp.QUEUE])).total == 2
+        stats = await asyncio.wait_for(
+            Worker(pointsapp.build_app(), pool, queue, poll_seconds=0.05, outbox_relay=False).run(
+                until="empty"
+            ),
+            60,
+        )
+    finally:
+        await queue.close()
+    assert stats.outcomes == {"succeeded": 1, "duplicate": 1}, stats.outcomes

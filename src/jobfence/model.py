@@ -29,10 +29,17 @@ class Message:
 class Outgoing:
     """One message of a :meth:`~jobfence.ports.QueuePort.publish_many`, with the deliveries its
     job already had elsewhere (``prior_attempts``: its first delivery has attempt
-    ``prior_attempts + 1``)."""
+    ``prior_attempts + 1``).
+
+    ``publish_id`` names this publish: a broker that drops a second publish of the same id
+    (JetStream's ``Nats-Msg-Id``, within the stream's duplicate window) stores the message once
+    however many times a lost or late confirm makes the publisher send it. The outbox relay gives
+    each row its own (letters and digits); an adapter whose broker keeps no such ids ignores it.
+    """
 
     message: Message
     prior_attempts: int = 0
+    publish_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

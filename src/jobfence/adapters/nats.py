@@ -139,6 +139,7 @@ _H_CORRELATION = "Jobfence-Correlation-Id"
 _H_PRIOR = "Jobfence-Prior"
 _H_TRACEPARENT = "traceparent"
 _H_TRACESTATE = "tracestate"
+_H_MSG_ID = "Nats-Msg-Id"  # JetStream stores one message per id within its duplicate window
 _H_EXPECTED_STREAM = "Nats-Expected-Stream"  # JetStream refuses the publish into another stream
 _SUBJECT_TOKEN = re.compile(r"^[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*$")
 _NAME = re.compile(r"^[A-Za-z0-9_\-]+$")
@@ -582,7 +583,9 @@ class NatsQueue:
                 subject = subjects.get(message.queue)
                 if subject is None:
                     subject = subjects[message.queue] = self._publish_subject(message.queue)
-                headers = self._headers_of(message, check_prior_attempts(item.prior_attempts))
+                headers = self._headers_of(
+                    message, check_prior_attempts(item.prior_attempts), item.publish_id
+                )
                 headers[_H_EXPECTED_STREAM] = self._stream
                 self._check_connected()
                 reply, ack = inbox.expect()
@@ -599,7 +602,7 @@ class NatsQueue:
             if future in pending:
                 results[n] = QueueUnavailable(
                     "NATS unreachable: the connection was lost, or no JetStream ack came"
-                    f" within {_ACKS_WITHIN:.0f}s"
+                    f" within {_ACKS_WITHIN:g}s"
                 )
             elif (error := future.exception()) is not None:
                 if isinstance(error, NoStreamResponseError):
@@ -684,7 +687,9 @@ class NatsQueue:
             self._unanswered.add(message.queue)
             raise
 
-    def _headers_of(self, message: Message, prior: int) -> dict[str, str]:
+    def _headers_of(
+        self, message: Message, prior: int, publish_id: str | None = None
+    ) -> dict[str, str]:
         """The message's headers, or :class:`PublishRefused` when they and the body are over
         the server's ``max_payload``."""
         headers = {
@@ -692,6 +697,8 @@ class NatsQueue:
             _H_JOB_ID: _header(message.job_id),
             _H_PRIOR: str(prior),
         }
+        if publish_id is not None:
+            headers[_H_MSG_ID] = _header(publish_id)
         if message.tenant_id is not None:
             headers[_H_TENANT] = _header(message.tenant_id)
         if message.correlation_id is not None:

@@ -79,7 +79,7 @@ SET claimed_until = c.at + make_interval(secs => %(claim_seconds)s::double preci
 FROM clock c
 WHERE o.id = ANY(ARRAY(SELECT id FROM taken))
 RETURNING o.id, o.queue, o.consumer, o.job_id, o.body, o.tenant_id, o.correlation_id,
-          o.attempts, o.prior_attempts, o.due_at, o.traceparent, o.tracestate;
+          o.attempts, o.prior_attempts, o.due_at, o.traceparent, o.tracestate, o.created_at;
 
 -- name: outbox_release_claims
 -- A relay that becomes the active one clears every claim: the relay that made them is gone
