@@ -327,3 +327,40 @@ async def test_an_outbox_row_a_producer_wrote_with_a_claim_is_published_like_any
     [delivery] = await queue.receive([pointsapp.QUEUE], max_messages=5, lease_seconds=30)
     assert delivery.message.job_id == "claimed"
     await queue.ack(delivery)
+
+
+@pytest.mark.parametrize(
+    "created_at", ["infinity", "-infinity", "20000-01-01 00:00+00", "4713-01-01 00:00+00 BC"]
+)
+async def test_an_outbox_row_with_a_creation_time_no_datetime_holds_is_published_like_any_other(
+    created_at: str,
+    redis_target: tuple[str, Any],
+    pool: AsyncConnectionPool[Any],
+    conn: psycopg.AsyncConnection[Any],
+) -> None:
+    """``created_at`` goes into a row's publish id. A producer may write any timestamp there,
+    some of which no Python ``datetime`` holds: the relay must not read it as one, or that row
+    would fail every claim and hold back the whole outbox."""
+    url, queue = redis_target
+    await conn.execute(pointsapp.SCHEMA_SQL)
+    target = parse_queue_url(url)
+    await record_queue(conn, target.kind, target.location)
+    await conn.execute(
+        "INSERT INTO jobfence.outbox (queue, consumer, job_id, body, created_at)"
+        " VALUES ('loyalty', 'award_points', 'odd-time', %s, %s)",
+        (b'{"account_id": 2, "points": 7}', created_at),
+    )
+    await _enqueue_five(conn)
+    worker = Worker(
+        pointsapp.build_app(),
+        pool,
+        queue,
+        concurrency=2,
+        poll_seconds=0.05,
+        lease_seconds=30,
+        outbox_settings=OutboxRelaySettings(poll_seconds=0.05),
+    )
+    stats = await asyncio.wait_for(worker.run(until="empty"), 60)
+    assert stats.outcomes == {"succeeded": 6}, stats.outcomes
+    assert await scalar(conn, "SELECT points FROM public.accounts WHERE id = 2") == 7
+    assert await scalar(conn, "SELECT count(*) FROM jobfence.outbox") == 0

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import random
 from dataclasses import dataclass, replace
@@ -353,26 +352,8 @@ def _outgoing(row: dict[str, Any]) -> Outgoing:
         # A count a producer wrote beyond what a delivery can carry goes as the highest: that
         # delivery is dead-lettered (DeliveryLimitExceeded).
         prior_attempts=min(row["prior_attempts"], MAX_PRIOR_ATTEMPTS),
-        publish_id=publish_id(row),
+        publish_id=row["publish_id"],  # made by outbox_claim
     )
-
-
-def publish_id(row: dict[str, Any]) -> str:
-    """The id a broker may deduplicate the publishes of an outbox row by: the same row gives the
-    same id each time the relay sends it (after a lost or late confirm), and another row, of
-    this database or of another one that publishes to the same stream, another id. A digest of
-    the row's id, creation time, queue, consumer and job id, so that a producer's values never
-    reach a broker header as they are."""
-    key = "\x00".join(
-        (
-            str(row["id"]),
-            row["created_at"].isoformat(),
-            row["queue"],
-            row["consumer"],
-            row["job_id"],
-        )
-    )
-    return hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
 
 
 class OutboxRelay:

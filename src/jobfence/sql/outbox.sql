@@ -79,7 +79,15 @@ SET claimed_until = c.at + make_interval(secs => %(claim_seconds)s::double preci
 FROM clock c
 WHERE o.id = ANY(ARRAY(SELECT id FROM taken))
 RETURNING o.id, o.queue, o.consumer, o.job_id, o.body, o.tenant_id, o.correlation_id,
-          o.attempts, o.prior_attempts, o.due_at, o.traceparent, o.tracestate, o.created_at;
+          o.attempts, o.prior_attempts, o.due_at, o.traceparent, o.tracestate,
+          -- The row's publish id (a broker that keeps ids stores one copy of a row sent twice):
+          -- the same each time this row is claimed, whichever relay claims it, and another for
+          -- any other row, of this database or another. Made here, from the creation time as a
+          -- number (a producer may write one no Python datetime holds: infinity, year 20000)
+          -- and the ids as they are.
+          left(encode(sha256(convert_to(concat_ws(E'\x1f', o.id,
+              extract(epoch FROM o.created_at), o.queue, o.consumer, o.job_id), 'UTF8')),
+              'hex'), 32) AS publish_id;
 
 -- name: outbox_release_claims
 -- A relay that becomes the active one clears every claim: the relay that made them is gone
