@@ -330,25 +330,35 @@ async def test_an_outbox_row_a_producer_wrote_with_a_claim_is_published_like_any
 
 
 @pytest.mark.parametrize(
-    "created_at", ["infinity", "-infinity", "20000-01-01 00:00+00", "4713-01-01 00:00+00 BC"]
+    ("column", "value"),
+    [
+        ("created_at", "infinity"),
+        ("created_at", "-infinity"),
+        ("created_at", "20000-01-01 00:00+00"),
+        ("created_at", "4713-01-01 00:00+00 BC"),
+        ("due_at", "4713-01-01 00:00+00 BC"),  # finite, so the check lets it in; due at once
+        ("due_at", "0001-01-01 00:00+00"),
+    ],
 )
-async def test_an_outbox_row_with_a_creation_time_no_datetime_holds_is_published_like_any_other(
-    created_at: str,
+async def test_an_outbox_row_with_a_time_no_datetime_holds_is_published_like_any_other(
+    column: str,
+    value: str,
     redis_target: tuple[str, Any],
     pool: AsyncConnectionPool[Any],
     conn: psycopg.AsyncConnection[Any],
 ) -> None:
-    """``created_at`` goes into a row's publish id. A producer may write any timestamp there,
-    some of which no Python ``datetime`` holds: the relay must not read it as one, or that row
-    would fail every claim and hold back the whole outbox."""
+    """A producer may write any timestamp in an outbox row, some of which no Python
+    ``datetime`` holds: the relay must not read one as such (``created_at`` goes into the row's
+    publish id, ``due_at`` orders a batch), or that row would fail every claim and hold back the
+    whole outbox."""
     url, queue = redis_target
     await conn.execute(pointsapp.SCHEMA_SQL)
     target = parse_queue_url(url)
     await record_queue(conn, target.kind, target.location)
     await conn.execute(
-        "INSERT INTO jobfence.outbox (queue, consumer, job_id, body, created_at)"
+        f"INSERT INTO jobfence.outbox (queue, consumer, job_id, body, {column})"
         " VALUES ('loyalty', 'award_points', 'odd-time', %s, %s)",
-        (b'{"account_id": 2, "points": 7}', created_at),
+        (b'{"account_id": 2, "points": 7}', value),
     )
     await _enqueue_five(conn)
     worker = Worker(

@@ -569,7 +569,7 @@ class OutboxRelay:
                     "claim_seconds": self.settings.claim_seconds,
                 },
             )
-            return sorted(await cur.fetchall(), key=lambda r: (r["due_at"], r["id"]))
+            return sorted(await cur.fetchall(), key=lambda r: (r["due_order"], r["id"]))
 
     async def _release_claimed(self, conn: AsyncConnection[Any]) -> None:
         """The relay stops: settle the batch whose publish is under way (its confirmed rows

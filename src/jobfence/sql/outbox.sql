@@ -79,7 +79,10 @@ SET claimed_until = c.at + make_interval(secs => %(claim_seconds)s::double preci
 FROM clock c
 WHERE o.id = ANY(ARRAY(SELECT id FROM taken))
 RETURNING o.id, o.queue, o.consumer, o.job_id, o.body, o.tenant_id, o.correlation_id,
-          o.attempts, o.prior_attempts, o.due_at, o.traceparent, o.tracestate,
+          o.attempts, o.prior_attempts, o.traceparent, o.tracestate,
+          -- For the relay to sort the batch by: a number, as a producer may write a due time no
+          -- Python datetime holds (a date BC is finite, and due at once).
+          extract(epoch FROM o.due_at)::double precision AS due_order,
           -- The row's publish id (a broker that keeps ids stores one copy of a row sent twice):
           -- the same each time this row is claimed, whichever relay claims it, and another for
           -- any other row, of this database or another. Made here, from the creation time as a
