@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -10,10 +12,12 @@ from urllib.parse import urlsplit, urlunsplit
 import pytest
 import redis.asyncio as aioredis
 
-from jobfence import QueueCapabilities
+from jobfence import QueueCapabilities, QueueUnavailable
+from jobfence.adapters import redis_streams
 from jobfence.adapters.redis_streams import RedisStreamsQueue
-from jobfence.model import Outgoing
+from jobfence.model import Delivery, Outgoing
 from queue_conformance import QUEUE, BrokerConformance, QueueEnv, job_ids, message
+from support import wait_until
 from tcp_proxy import TcpProxy
 
 
@@ -177,3 +181,64 @@ async def test_publish_many_of_more_messages_than_one_script_call_keeps_their_or
     got = await prefixed.queue.receive([QUEUE], max_messages=500, lease_seconds=60)
     assert job_ids(got) == [f"n{n:03d}" for n in range(450)]
     assert [d.attempt for d in got] == [n % 4 + 1 for n in range(450)]
+
+
+async def test_entries_a_read_took_when_its_reply_was_lost_come_back_within_seconds(
+    prefixed: Prefixed, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read whose reply the network lost has made its entries pending to this consumer, and
+    nobody holds them (redis-py sends the read again on a new connection, which finds nothing
+    new): before, they waited out the lease (300 s by default). A later read takes them back
+    once they are idle for a few seconds, counted as a lease's end counts them, and leaves alone
+    the entries this instance's deliveries hold."""
+    monkeypatch.setattr(redis_streams, "_TAKE_BACK_EVERY_SECONDS", 0.2)
+    monkeypatch.setattr(redis_streams, "_TAKE_BACK_IDLE_MS", 1000)
+    parts = urlsplit(redis_url)
+    stream = f"{prefixed.prefix}:{{{QUEUE}}}:stream"
+    async with TcpProxy(parts.hostname or "127.0.0.1", parts.port or 6379) as proxy:
+        queue = RedisStreamsQueue(
+            urlunsplit(parts._replace(netloc=f"127.0.0.1:{proxy.port}")), prefix=prefixed.prefix
+        )
+        # Each reply is held back long enough to be cut (on the connections opened from now).
+        proxy.reply_delay = 0.3
+        try:
+            for n in range(2):
+                await prefixed.queue.publish(message(f"held-{n}"))
+            held = await queue.receive([QUEUE], max_messages=10, lease_seconds=300.0)
+            assert sorted(job_ids(held)) == ["held-0", "held-1"]
+            expected = {f"lost-{n}" for n in range(5)}
+            for job_id in sorted(expected):
+                await prefixed.queue.publish(message(job_id))
+            fetch = asyncio.create_task(
+                queue.receive([QUEUE], max_messages=10, lease_seconds=300.0)
+            )
+
+            async def pending() -> bool:
+                summary = await prefixed.admin.xpending(stream, "jobfence")
+                return bool(summary["pending"] == 2 + len(expected))
+
+            await wait_until(pending, message="the read to take the entries on the server")
+            await proxy.cut()
+            proxy.reply_delay = 0.0
+            proxy.up()
+            with contextlib.suppress(QueueUnavailable):
+                assert await fetch == []  # sent again, the read found nothing new
+            loop = asyncio.get_running_loop()
+            cut_at = loop.time()
+            again: list[Delivery] = []
+
+            async def back() -> bool:
+                again.extend(await queue.receive([QUEUE], max_messages=10, lease_seconds=300.0))
+                return len(again) >= len(expected)
+
+            await wait_until(back, timeout=10, message="the lost entries to come back")
+            took = loop.time() - cut_at
+            assert sorted(job_ids(again)) == sorted(expected)
+            assert {d.attempt for d in again} == {2}
+            for delivery in [*held, *again]:
+                assert await queue.ack(delivery)
+            assert await queue.receive([QUEUE], max_messages=10, lease_seconds=300.0) == []
+        finally:
+            await queue.close()
+    print(f"\nlost entries back {took:.2f}s after the cut")
+    assert took < 5

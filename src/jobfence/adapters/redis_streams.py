@@ -8,6 +8,10 @@ Each jobfence queue is one stream, ``<prefix>:{<queue>}:stream``, read by one co
   ``lease_seconds``, so a hung or dead holder loses the entry after that idle time. All workers
   of a queue should use the same lease. ``extend`` restarts the idle time (``XCLAIM`` to the same
   consumer with ``JUSTID``, which does not raise the delivery count).
+- **Taken back**: every ``_TAKE_BACK_EVERY_SECONDS``, a receive claims again the entries pending
+  to its own consumer, idle for ``_TAKE_BACK_IDLE_MS``, that none of its deliveries holds: those
+  of a read whose reply the network lost (redis-py sends the read again, and it finds nothing
+  new), or of an earlier process with the same ``consumer_name``. They do not wait out the lease.
 - **Attempt**: the PEL's delivery count (``times_delivered``, kept by Redis and raised by each
   claim), plus the deliveries of earlier entries of the same job (the ``prior`` field, written
   when a retry or release republishes the job as a new entry, or by a publish with
@@ -101,6 +105,29 @@ for _ = 1, 10 do
   end
   cursor = r[1]
   if cursor == '0-0' then break end
+end
+return out
+"""
+
+# How often a receive looks for entries pending to this consumer that none of its deliveries
+# holds, and how long such an entry must have been idle to be taken back (see _take_back).
+_TAKE_BACK_EVERY_SECONDS = 5.0
+_TAKE_BACK_IDLE_MS = 5000
+_TAKE_BACK_MAX = 500  # entries looked at per stream and per look
+
+# KEYS: stream. ARGV: group, consumer, min_idle_ms, entry ids...
+# Claims each entry still idle for min_idle_ms (so not one another consumer just took), raising
+# its delivery count; returns {{id, fields, times_delivered}, ...} for those claimed.
+_TAKE_BACK = """
+local out = {}
+for i = 4, #ARGV do
+  local c = redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[i])
+  if #c == 1 and type(c[1]) == 'table' then
+    local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+    if #p == 1 then
+      table.insert(out, {c[1][1], c[1][2], p[1][4]})
+    end
+  end
 end
 return out
 """
@@ -319,7 +346,12 @@ class RedisStreamsQueue:
         self._ack_many_script = self._redis.register_script(_ACK_MANY)
         self._extend = self._redis.register_script(_EXTEND)
         self._xadd_many = self._redis.register_script(_XADD_MANY)
+        self._take_back_script = self._redis.register_script(_TAKE_BACK)
         self._grouped: set[str] = set()
+        # The entries this instance delivered and has not settled, per stream; reads in flight.
+        self._held: dict[str, set[str]] = {}
+        self._reading = 0
+        self._next_take_back = 0.0
         self._lease_ms: int | None = None
         self._closed = False
 
@@ -444,9 +476,15 @@ class RedisStreamsQueue:
         streams = [self._stream(q) for q in queues]
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_seconds
+        self._reading += 1
         try:
             for stream in streams:
                 await self._ensure_group(stream)
+            if self._reading == 1 and loop.time() >= self._next_take_back:
+                self._next_take_back = loop.time() + _TAKE_BACK_EVERY_SECONDS
+                taken = await self._take_back(streams, max_messages)
+                if taken:
+                    return taken
             while True:
                 if self._closed:
                     return []
@@ -467,6 +505,54 @@ class RedisStreamsQueue:
                 raise
             self._forget_groups(streams)
             return []
+        finally:
+            self._reading -= 1
+
+    async def _take_back(self, streams: Sequence[str], max_messages: int) -> list[Delivery]:
+        """Entries pending to this consumer for at least ``_TAKE_BACK_IDLE_MS`` that none of
+        this instance's deliveries holds, claimed again (their delivery count raised, as a
+        lease's end would). A read whose reply the network lost leaves such entries (redis-py
+        sends the read again on a new connection, and it finds nothing new), and so does an
+        earlier process that ran under the same ``consumer_name``. Without this they would wait
+        out the lease. Runs only when no other read of this instance is in flight, whose
+        entries would not be in ``_held`` yet."""
+        got: list[Delivery] = []
+        for stream in streams:
+            wanted = max_messages - len(got)
+            if wanted <= 0:
+                break
+            pending = await self._redis.xpending_range(
+                stream,
+                GROUP,
+                min="-",
+                max="+",
+                count=_TAKE_BACK_MAX,
+                consumername=self._consumer,
+                idle=_TAKE_BACK_IDLE_MS,
+            )
+            held = self._held.get(stream, set())
+            ids = [i for e in pending if (i := _text_id(e["message_id"])) not in held][:wanted]
+            if not ids:
+                continue
+            claimed: list[list[Any]] = await self._take_back_script(
+                keys=[stream], args=[GROUP, self._consumer, _TAKE_BACK_IDLE_MS, *ids]
+            )
+            for entry_id, raw, delivered in claimed:
+                got.append(self._delivery(stream, entry_id, _pairs(raw), int(delivered)))
+        if got:
+            log.info(
+                "took back %d entr%s pending to this consumer that no delivery of it held (a"
+                " read whose reply was lost, or an earlier process with the same consumer name)",
+                len(got),
+                "y" if len(got) == 1 else "ies",
+            )
+        return got
+
+    def _settled(self, receipt: RedisReceipt) -> None:
+        """The entry of ``receipt`` is no longer this instance's to hold."""
+        held = self._held.get(receipt.stream)
+        if held is not None:
+            held.discard(receipt.entry_id)
 
     def _forget_groups(self, streams: Sequence[str]) -> None:
         """A stream of ``streams``, or its group, was deleted on the server: each is made again
@@ -474,6 +560,8 @@ class RedisStreamsQueue:
         gone with it; those published since are read from its start."""
         gone = sorted(stream for stream in streams if stream in self._grouped)
         self._grouped.difference_update(streams)
+        for stream in streams:
+            self._held.pop(stream, None)
         if gone:
             log.warning(
                 "a Redis stream of queue(s) %s, or its consumer group %s, was deleted on the "
@@ -530,6 +618,7 @@ class RedisStreamsQueue:
             times_delivered=delivered,
             prior=0,
         )
+        self._held.setdefault(stream, set()).add(receipt.entry_id)
         delivery, receipt.prior = read_delivery(
             _NAMES,
             queue=self._queue_of(stream),
@@ -570,7 +659,10 @@ class RedisStreamsQueue:
             if not _group_gone(exc):
                 raise
             self._forget_groups([receipt.stream])
+            self._settled(receipt)
             return False  # the entry went with its stream: nothing left to settle
+        # Settled, or stale (the entry is another consumer's now): not held either way.
+        self._settled(receipt)
         if done:
             receipt.settled = True
         return bool(done)
@@ -624,6 +716,7 @@ class RedisStreamsQueue:
                     break  # its entries went with it: nothing left to ack
                 acked = {_text_id(i) for i in answer}
                 for receipt in chunk:
+                    self._settled(receipt)
                     if receipt.entry_id in acked:
                         receipt.settled = True
 
@@ -707,8 +800,8 @@ def _group_gone(exc: Exception) -> bool:
     return text.startswith("NOGROUP") or text.startswith("UNBLOCKED")
 
 
-def _text_id(raw: bytes | str) -> str:
-    return raw.decode() if isinstance(raw, bytes) else raw
+def _text_id(raw: bytes | str | int) -> str:
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
 
 
 def _pairs(raw: Sequence[Any]) -> dict[bytes, bytes]:
