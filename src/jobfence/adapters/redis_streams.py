@@ -10,8 +10,9 @@ Each jobfence queue is one stream, ``<prefix>:{<queue>}:stream``, read by one co
   consumer with ``JUSTID``, which does not raise the delivery count).
 - **Taken back**: every ``_TAKE_BACK_EVERY_SECONDS``, a receive claims again the entries pending
   to its own consumer, idle for ``_TAKE_BACK_IDLE_MS``, that none of its deliveries holds: those
-  of a read whose reply the network lost (redis-py sends the read again, and it finds nothing
-  new), or of an earlier process with the same ``consumer_name``. They do not wait out the lease.
+  of a read whose reply the network lost (the read failed, and Redis made its entries pending
+  all the same), or of an earlier process with the same ``consumer_name``. They do not wait
+  out the lease.
 - **Attempt**: the PEL's delivery count (``times_delivered``, kept by Redis and raised by each
   claim), plus the deliveries of earlier entries of the same job (the ``prior`` field, written
   when a retry or release republishes the job as a new entry, or by a publish with
@@ -511,8 +512,8 @@ class RedisStreamsQueue:
     async def _take_back(self, streams: Sequence[str], max_messages: int) -> list[Delivery]:
         """Entries pending to this consumer for at least ``_TAKE_BACK_IDLE_MS`` that none of
         this instance's deliveries holds, claimed again (their delivery count raised, as a
-        lease's end would). A read whose reply the network lost leaves such entries (redis-py
-        sends the read again on a new connection, and it finds nothing new), and so does an
+        lease's end would). A read whose reply the network lost leaves such entries (the read
+        failed, and Redis made its entries pending all the same), and so does an
         earlier process that ran under the same ``consumer_name``. Without this they would wait
         out the lease. Runs only when no other read of this instance is in flight, whose
         entries would not be in ``_held`` yet."""
