@@ -225,3 +225,47 @@ async def test_jobs_a_fetch_took_when_its_reply_was_lost_are_given_back_at_the_n
             await pool.close()
     assert {d.message.job_id for d in again} == expected
     assert {d.attempt for d in again} == {1}
+
+
+async def test_after_a_long_outage_the_queue_listens_again_within_seconds_of_the_return(
+    database_url: str, pool: AsyncConnectionPool[Any], conn: psycopg.AsyncConnection[Any]
+) -> None:
+    """The LISTEN connection is tried again at least every 2 s while the database is away, as
+    the pools are: after an 8 s outage, a waiting receiver is woken by NOTIFY again within
+    seconds, not after a backoff grown to 10 s (until then it polls)."""
+    async with tcp_proxy(database_url) as proxy:
+
+        async def listening_through_the_proxy() -> bool:
+            ports = proxy.upstream_ports
+            cur = await conn.execute(
+                "SELECT client_port FROM pg_stat_activity WHERE datname = current_database()"
+                " AND state = 'idle' AND query = %s",
+                (f"LISTEN {NOTIFY_CHANNEL}",),
+            )
+            return any(port in ports for (port,) in await cur.fetchall())
+
+        queue = PgQueue(pool, listen_conninfo=proxy.url(database_url), poll_interval_seconds=30.0)
+        waiting = asyncio.create_task(
+            queue.receive([QUEUE], max_messages=1, lease_seconds=30, wait_seconds=600)
+        )
+        try:
+            await wait_until(listening_through_the_proxy, message="the queue's LISTEN session")
+            await proxy.cut()
+            loop = asyncio.get_running_loop()
+            await asyncio.sleep(8.0)  # the outage itself: its length is the experiment
+            proxy.up()
+            back = loop.time()
+            await wait_until(
+                listening_through_the_proxy, timeout=15, message="the queue to listen again"
+            )
+            took = loop.time() - back
+            await publish_on(conn, message("woken"))
+            (delivery,) = await asyncio.wait_for(waiting, 5)  # by NOTIFY, not the 30 s poll
+            assert delivery.message.job_id == "woken"
+        finally:
+            waiting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await waiting
+            await queue.close()
+    print(f"\nlistening again {took:.2f}s after the database came back")
+    assert took < 3.5

@@ -25,6 +25,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from jobfence._sql import Queries
 from jobfence.adapters._shared import check_prior_attempts, publish_each
+from jobfence.db import RECONNECT_MAX_DELAY_SECONDS
 from jobfence.errors import ConfigError
 from jobfence.limits import checked_delay
 from jobfence.model import Delivery, Message, Outgoing
@@ -390,7 +391,9 @@ class PgQueue:
                 )
                 self._wakeup.set()  # fall back to polling meanwhile
                 await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 10.0)
+                # At least every 2 s, as the pools reconnect: listening again within seconds
+                # of the database's return, however long it was away.
+                backoff = min(backoff * 2, RECONNECT_MAX_DELAY_SECONDS)
 
     async def close(self) -> None:
         self._closed = True
