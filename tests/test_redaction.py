@@ -28,7 +28,9 @@ from hypothesis import strategies as st
 
 from jobfence import cli, queues
 from jobfence.config import secrets_from_env
+from jobfence.errors import ConfigError
 from jobfence.observability import configure_logging
+from jobfence.queues import parse_queue_url
 from jobfence.redact import is_secret_key, printable, redact_text, redact_url, url_secrets
 
 ROOT = Path(__file__).parent.parent
@@ -90,6 +92,10 @@ def closed_port() -> int:
         ),
         ("app:bare-pw@db/app", ["bare-pw"], "app:***@db/app"),
         ("nats://to[k:en-pw@nats:4222", ["to[k:en-pw"], "nats://***@nats:4222"),
+        # nats-py reads a user with an empty password as a token
+        ("nats://t0ken-pw:@nats:4222", ["t0ken-pw"], "nats://***@nats:4222"),
+        # no "://", and a password with a key=value in it: not a libpq connection string
+        ("amqp:/guest:pa;x=y@rabbit", ["pa;x=y"], "amqp:***@rabbit"),
         (
             "postgresql://app@db/app?sslpassword=ssl-pw&application_name=x",
             ["ssl-pw"],
@@ -111,6 +117,8 @@ def closed_port() -> int:
         "conninfo-badly-quoted",
         "no-scheme",
         "unparseable-userinfo",
+        "token-empty-password",
+        "one-slash-key-value-password",
         "libpq-query",
         "no-secret",
         "not-a-url",
@@ -466,6 +474,25 @@ def test_a_real_jobfence_process_prints_no_secret(database_url: str, case: Subpr
     output = done.stdout + done.stderr
     for form in (SECRET, quote(SECRET, safe=""), "S3cr?t#x", "S3cr"):
         assert form not in output, output
+
+
+@settings(max_examples=500, deadline=None)
+@given(secret=secret_text)
+def test_no_random_secret_shows_in_any_url_form_as_shown_or_as_refused(secret: str) -> None:
+    """The forms of the subprocess property above, many more times and without processes: each
+    URL as jobfence shows it, and the refusal of a queue URL that does not parse, hold neither
+    the secret nor a decoded form of it. (The stars a secret is replaced by are set aside
+    first: a password ``*`` next to them is not a leak.)"""
+    for url in [*queue_urls(secret, 1, 2), *database_urls(secret, 1)]:
+        try:
+            parse_queue_url(url)
+            refusal = ""
+        except ConfigError as exc:
+            refusal = str(exc)
+        for text in (redact_url(url), refusal):
+            seen = text.replace("***", "\x00")
+            for form in {secret, quote(secret, safe=""), secret.replace("\\", "\\\\")}:
+                assert form not in seen, (url, text)
 
 
 def test_the_configured_secrets_cover_every_form_of_each_url() -> None:

@@ -11,10 +11,12 @@ every secret it holds replaced by ``***``, without trusting any parser (a passwo
   URL of the list (or the end); in ``scheme://a:p@h1,b:q@h2`` each comma-separated server
   that holds an ``@`` has its own. ``user:password`` is shown ``user:***``. Without a ``:`` it is a
   token (``nats://TOKEN@host``) and shown ``***``, except in a ``postgres://`` or
-  ``postgresql://`` URL, where it is the user name. A user part holding a character no URL
+  ``postgresql://`` URL, where it is the user name; so is ``TOKEN:`` with nothing after the
+  ``:`` (a client reads it as the token). A user part holding a character no URL
   holds unescaped (``[``, ``\\``, a space...) makes the URL unparseable and the split a guess:
   the whole user information is then shown ``***``. A string without ``://`` that holds an
-  ``@`` is taken from its start (``user:password@host``, the scheme forgotten);
+  ``@`` and does not start as a libpq ``key=value`` string is taken from its start
+  (``user:password@host``, the scheme forgotten);
 - the value of every ``key=value`` (a query parameter or a libpq keyword, quoted or not) whose
   key looks secret (:func:`is_secret_key`: it contains pass, pwd, secret, token, auth, cred,
   key, sig, jwt, seed or session) runs to the next whitespace and is shown ``***``. User names
@@ -66,6 +68,9 @@ _KEY_VALUE = re.compile(
     r"""('(?:[^'\\]|\\.)*'(?=\s|$)|"(?:[^"\\]|\\.)*"(?=\s|$)|['"].*|[^\s'"]\S*)""",
     re.DOTALL,
 )
+# How a libpq key=value connection string starts (anything else holding an ``@`` is read as
+# ``user:password@host``, whatever ``key=value`` pairs a password may hold).
+_CONNINFO = re.compile(r"\s*[A-Za-z_][\w.-]*\s*=")
 # The start of a URL's authority: its scheme and ``://``.
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
 # Where a URL parser (urllib, libpq, a broker client) may cut a password written unescaped.
@@ -121,12 +126,14 @@ def _user_info(userinfo: str, scheme: str, found: list[str]) -> str:
         found.append(userinfo)
         return REDACTED
     user, colon, password = userinfo.partition(":")
-    if colon:
+    if password:
         found.append(password)
         return f"{user}:{REDACTED}"
     if scheme.lower() in ("postgres", "postgresql"):
         return userinfo  # the user name
-    found.append(userinfo)  # a token (nats://TOKEN@host)
+    # A token (nats://TOKEN@host), or one written with an empty password (nats://TOKEN:@host,
+    # which a client reads as the token TOKEN).
+    found.append(user if colon else userinfo)
     return REDACTED
 
 
@@ -139,7 +146,7 @@ def _scan(url: str) -> tuple[str, list[str]]:
         # before an ``@`` (``user:password@host``).
         shown = _key_values(url, found)
         at = shown.rfind("@")
-        if at > 0 and _KEY_VALUE.search(url) is None:
+        if at > 0 and _CONNINFO.match(url) is None:
             shown = _user_info(shown[:at], "", found) + shown[at:]
         return shown, found
     parts = [url[: starts[0].start()]]
