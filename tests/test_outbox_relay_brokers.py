@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -94,6 +94,25 @@ async def _stop(relay: OutboxRelay, task: asyncio.Task[Any], conn: Any) -> None:
     relay.stop()
     await conn.execute("SELECT pg_notify('jobfence_outbox', '')")
     await asyncio.wait_for(task, 30)
+
+
+def _outbox_empty(conn: psycopg.AsyncConnection[Any]) -> Callable[[], Awaitable[bool]]:
+    async def empty() -> bool:
+        return await scalar(conn, "SELECT count(*) FROM jobfence.outbox") == 0
+
+    return empty
+
+
+async def _relay_until_empty(
+    database_url: str, queue: QueuePort, conn: psycopg.AsyncConnection[Any], *, timeout: float
+) -> None:
+    """A relay publishes to ``queue`` until the outbox is empty, then stops."""
+    relay = OutboxRelay(database_url, queue, settings=OutboxRelaySettings(poll_seconds=0.05))
+    task = await _run(relay)
+    try:
+        await wait_until(_outbox_empty(conn), timeout=timeout, message="the outbox to empty")
+    finally:
+        await _stop(relay, task, conn)
 
 
 async def test_with_50ms_confirms_and_a_2s_idle_transaction_timeout_the_relay_empties_the_outbox(
@@ -643,16 +662,7 @@ async def test_a_relay_sigkilled_mid_batch_on_a_broker_loses_nothing_and_each_jo
         )
         assert 0 < left < jobs, left  # killed mid-way: nothing lost so far
 
-        relay = OutboxRelay(database_url, queue, settings=OutboxRelaySettings(poll_seconds=0.05))
-        task = await _run(relay)
-        try:
-
-            async def empty() -> bool:
-                return await scalar(conn, "SELECT count(*) FROM jobfence.outbox") == 0
-
-            await wait_until(empty, timeout=60, message="the next relay to empty the outbox")
-        finally:
-            await _stop(relay, task, conn)
+        await _relay_until_empty(database_url, queue, conn, timeout=60)  # the next relay
         on_broker = (await queue.size([pointsapp.QUEUE])).total
         assert on_broker >= jobs
         if kind == "nats":  # the next relay sends a row again with its Nats-Msg-Id: dropped
@@ -683,6 +693,12 @@ async def jetstream(request: pytest.FixtureRequest) -> AsyncIterator[tuple[str, 
         yield found
 
 
+async def _consume_all(pool: AsyncConnectionPool[Any], queue: QueuePort) -> Any:
+    """A worker without a relay of its own, run until ``queue`` is empty; its stats."""
+    worker = Worker(pointsapp.build_app(), pool, queue, poll_seconds=0.05, outbox_relay=False)
+    return await asyncio.wait_for(worker.run(until="empty"), 60)
+
+
 async def test_a_row_the_relay_publishes_again_after_a_late_ack_is_one_message_on_jetstream(
     jetstream: tuple[str, str, str],
     database_url: str,
@@ -711,22 +727,13 @@ async def test_a_row_the_relay_publishes_again_after_a_late_ack_is_one_message_o
 
             await wait_until(failed_once, timeout=30, message="a publish whose ack came late")
             proxy.reply_delay = 0.0
-
-            async def empty() -> bool:
-                return await scalar(conn, "SELECT count(*) FROM jobfence.outbox") == 0
-
-            await wait_until(empty, timeout=30, message="the outbox to empty")
+            await wait_until(_outbox_empty(conn), timeout=30, message="the outbox to empty")
         finally:
             await _stop(relay, task, conn)
             await queue.close()
     try:
         assert (await direct.size([pointsapp.QUEUE])).total == 1
-        stats = await asyncio.wait_for(
-            Worker(pointsapp.build_app(), pool, direct, poll_seconds=0.05, outbox_relay=False).run(
-                until="empty"
-            ),
-            60,
-        )
+        stats = await _consume_all(pool, direct)
     finally:
         await direct.close()
     assert stats.outcomes == {"succeeded": 1}, stats.outcomes
@@ -746,23 +753,9 @@ async def test_two_outbox_rows_of_the_same_job_are_two_messages_on_jetstream(
     await pointsapp.enqueue_awards(database_url, ["twice-1"])
     queue = make_queue(kind, url, name)
     try:
-        relay = OutboxRelay(database_url, queue, settings=OutboxRelaySettings(poll_seconds=0.05))
-        task = await _run(relay)
-        try:
-
-            async def empty() -> bool:
-                return await scalar(conn, "SELECT count(*) FROM jobfence.outbox") == 0
-
-            await wait_until(empty, timeout=30, message="the outbox to empty")
-        finally:
-            await _stop(relay, task, conn)
+        await _relay_until_empty(database_url, queue, conn, timeout=30)
         assert (await queue.size([pointsapp.QUEUE])).total == 2
-        stats = await asyncio.wait_for(
-            Worker(pointsapp.build_app(), pool, queue, poll_seconds=0.05, outbox_relay=False).run(
-                until="empty"
-            ),
-            60,
-        )
+        stats = await _consume_all(pool, queue)
     finally:
         await queue.close()
     assert stats.outcomes == {"succeeded": 1, "duplicate": 1}, stats.outcomes
