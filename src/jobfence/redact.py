@@ -120,12 +120,12 @@ def _key_values(text: str, found: list[str]) -> str:
 
 def _user_info(userinfo: str, scheme: str, found: list[str]) -> str:
     """The user information of a URL as it may be shown; its secrets added to ``found``."""
-    if _USER_NAME.fullmatch(userinfo.partition(":")[0]) is None:
+    user, colon, password = userinfo.partition(":")
+    if _USER_NAME.fullmatch(user) is None:
         # A character no URL holds unescaped before the ``:`` (``[``, ``\``, a space...): the
         # URL does not parse, and where a user name would end is a guess. All of it is hidden.
         found.append(userinfo)
         return REDACTED
-    user, colon, password = userinfo.partition(":")
     if password:
         found.append(password)
         return f"{user}:{REDACTED}"
