@@ -73,11 +73,11 @@ class TcpProxy:
     @property
     def upstream_ports(self) -> set[int]:
         """The local ports of the connections it opened to its target (how the target knows
-        them)."""
+        them); none when the target is a Unix socket (its socket name is a path, not a port)."""
         ports: set[int] = set()
         for writer in self._upstream:
             sockname = writer.get_extra_info("sockname")
-            if sockname is not None and not writer.is_closing():
+            if isinstance(sockname, tuple) and not writer.is_closing():
                 ports.add(int(sockname[1]))
         return ports
 

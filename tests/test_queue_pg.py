@@ -233,18 +233,20 @@ async def test_after_a_long_outage_the_queue_listens_again_within_seconds_of_the
     """The LISTEN connection is tried again at least every 2 s while the database is away, as
     the pools are: after an 8 s outage, a waiting receiver is woken by NOTIFY again within
     seconds, not after a backoff grown to 10 s (until then it polls)."""
+    name = "jobfence-listen-through-proxy"  # tells the session apart, on TCP or a Unix socket
     async with tcp_proxy(database_url) as proxy:
 
         async def listening_through_the_proxy() -> bool:
-            ports = proxy.upstream_ports
-            cur = await conn.execute(
-                "SELECT client_port FROM pg_stat_activity WHERE datname = current_database()"
-                " AND state = 'idle' AND query = %s",
-                (f"LISTEN {NOTIFY_CHANNEL}",),
+            count = await scalar(
+                conn,
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                " AND state = 'idle' AND query = %s AND application_name = %s",
+                (f"LISTEN {NOTIFY_CHANNEL}", name),
             )
-            return any(port in ports for (port,) in await cur.fetchall())
+            return bool(count)
 
-        queue = PgQueue(pool, listen_conninfo=proxy.url(database_url), poll_interval_seconds=30.0)
+        listen_conninfo = make_conninfo(proxy.url(database_url), application_name=name)
+        queue = PgQueue(pool, listen_conninfo=listen_conninfo, poll_interval_seconds=30.0)
         waiting = asyncio.create_task(
             queue.receive([QUEUE], max_messages=1, lease_seconds=30, wait_seconds=600)
         )
