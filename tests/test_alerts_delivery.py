@@ -454,6 +454,66 @@ async def test_a_secret_quoted_in_a_dead_letters_error_is_masked_in_the_incident
     assert "upstream refused key ***" in post.json()["description"]
 
 
+CONFIGURED = "jwt-signing-secret-4f9a1c-0123456789abcdef"
+
+
+@pytest.mark.parametrize(
+    ("error", "secret", "shown"),
+    [
+        pytest.param(
+            "gateway postgresql://pay:Hunter2Secret@10.0.0.5/pay refused",
+            "Hunter2Secret",
+            "gateway postgresql://pay:***@10.0.0.5/pay refused",
+            id="a-url-password",
+        ),
+        pytest.param(
+            "retry with api_key=AKIA1234SECRET later",
+            "AKIA1234SECRET",
+            "retry with api_key=*** later",
+            id="a-key-value",
+        ),
+        pytest.param(
+            # The configured secret starts before the 300th character and ends after it.
+            "x" * (280 - len(HARD)) + f" {CONFIGURED} tail",
+            CONFIGURED[:12],
+            "x" * (280 - len(HARD)) + " *** tail",
+            id="a-configured-secret-across-the-cut",
+        ),
+        pytest.param(
+            "refused " + "y" * 4100 + "Hunter2Secret",
+            "Hunter2Secret",
+            "refused ...",  # the word cut where reading stopped is left out whole
+            id="a-line-longer-than-what-is-read",
+        ),
+    ],
+)
+async def test_every_secret_a_log_line_hides_is_hidden_in_the_incident(
+    database_url: str,
+    conn: AsyncConnection[Any],
+    server: FakeBetterStack,
+    monkeypatch: pytest.MonkeyPatch,
+    *,
+    error: str,
+    secret: str,
+    shown: str,
+) -> None:
+    """The incident quotes a dead letter's first error line, and leaves our systems: a URL's
+    password, a ``password=``-like value and a configured secret are hidden as the logs hide
+    them, the line redacted before it is cut to 300 characters (a secret across the cut would
+    no longer be recognised after it)."""
+    monkeypatch.setenv("JOBFENCE_JWT_SECRET", CONFIGURED)
+    await _dead_letter_with_alert(conn, "leaky", f"{HARD}: {error}\nTraceback ...")
+    sink = sink_for(server)
+    relay = make_relay(database_url, server, sink=sink)
+    async with running(relay):
+        await wait_for_alerts(conn, "sent", 1)
+    await sink.aclose()
+    [post] = server.posts()
+    assert secret not in post.body.decode()
+    [quoted] = [line for line in post.json()["description"].splitlines() if "job leaky" in line]
+    assert quoted == f"- #1 job leaky, 1 attempt: {HARD}: {shown}"
+
+
 async def test_a_forged_job_id_or_error_cannot_start_a_line_of_its_own_in_the_incident(
     database_url: str, conn: AsyncConnection[Any], server: FakeBetterStack
 ) -> None:
@@ -475,3 +535,61 @@ async def test_a_forged_job_id_or_error_cannot_start_a_line_of_its_own_in_the_in
     assert f"job inj\\n{forged}" in description
     assert "declined \\x1b[31mred\\x1b[0m\\rreset" in description
     assert "\x1b" not in post.body.decode() and "\r" not in description
+
+
+async def _alerts_settled(conn: AsyncConnection[Any], count: int) -> list[dict[str, Any]]:
+    """The alert rows once ``count`` of them are no longer pending."""
+
+    async def settled() -> bool:
+        rows = await alert_rows(conn)
+        return len([r for r in rows if r["state"] != "pending"]) >= count
+
+    await wait_until(settled, timeout=15, message=f"{count} alert(s) settled")
+    return await alert_rows(conn)
+
+
+async def test_an_incident_id_that_is_not_digits_is_never_recorded_and_the_alert_goes_out(
+    database_url: str, conn: AsyncConnection[Any], server: FakeBetterStack
+) -> None:
+    """Better Stack's incident ids are whole numbers, and an answer's id becomes the path of
+    later requests and the key's recorded incident. An answer with another id (a proxy, a
+    changed API) is unreadable: retried, the dedup key looked up, the alert delivered. It is
+    never recorded, so the alerts after it go out too."""
+    server.script(
+        "POST", INCIDENTS, [respond(201, {"data": {"id": "inc_01HXYZ", "type": "incident"}})]
+    )
+    await write_dead_letter(conn, "j1")
+    sink = sink_for(server)
+    relay = make_relay(database_url, server, sink=sink)
+    async with running(relay):
+        await _alerts_settled(conn, 1)
+        await write_dead_letter(conn, "j2")  # the same key: counted on its incident
+        rows = await _alerts_settled(conn, 2)
+    await sink.aclose()
+    assert [r["state"] for r in rows] == ["sent", "sent"], rows
+    recorded = await conn.execute("SELECT incident_id FROM jobfence.alert_incidents")
+    assert [row[0] for row in await recorded.fetchall()] == list(server.incidents)
+    assert all(r["incident_id"].isascii() and r["incident_id"].isdigit() for r in rows)
+    assert not [r.path for r in server.requests if "inc_" in r.path]
+
+
+async def test_an_incident_recorded_with_an_id_that_is_not_digits_is_taken_for_gone(
+    database_url: str, conn: AsyncConnection[Any], server: FakeBetterStack
+) -> None:
+    """An id recorded before ids were checked where they arrive names no incident: the relay
+    takes it for one deleted in Better Stack and opens a new incident, instead of refusing
+    every later alert of the key for good."""
+    await write_dead_letter(conn, "j1")
+    sink = sink_for(server)
+    relay = make_relay(database_url, server, sink=sink)
+    async with running(relay):
+        await _alerts_settled(conn, 1)
+    await conn.execute("UPDATE jobfence.alerts SET incident_id = 'inc_01HXYZ'")
+    await conn.execute("UPDATE jobfence.alert_incidents SET incident_id = 'inc_01HXYZ'")
+    await write_dead_letter(conn, "j2")
+    async with running(make_relay(database_url, server, sink=sink)):
+        rows = await _alerts_settled(conn, 2)
+    await sink.aclose()
+    assert [r["state"] for r in rows] == ["sent", "sent"], rows
+    assert rows[1]["incident_id"].isdigit() and len(server.posts()) == 2
+    assert not [r.path for r in server.requests if "inc_" in r.path]

@@ -30,6 +30,7 @@ import asyncio
 import email.utils
 import json
 import logging
+import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ from jobfence.alerts.model import (
 )
 from jobfence.errors import ConfigError
 from jobfence.ports import CleanupMetricsSink
+from jobfence.redact import printable
 
 log = logging.getLogger("jobfence.alerts")
 
@@ -157,6 +159,28 @@ def _transport_failure(what: str, exc: httpx.HTTPError) -> DeliveryError:
     return DeliveryError(f"{what}: {type(exc).__name__}: {reason[:200]}", retryable=True)
 
 
+def incident_id_of(value: object) -> str | None:
+    """``value`` as an incident id, when it is one Better Stack gives (a whole number, in JSON
+    as a string of ASCII digits or a number); else None. An answer's id becomes a request's
+    path and a stored row: nothing else is taken."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        value = str(value)
+    if isinstance(value, str) and _INCIDENT_ID.fullmatch(value) is not None:
+        return value
+    return None
+
+
+_INCIDENT_ID = re.compile(r"[0-9]{1,19}")
+
+
+def _object(value: object) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _objects(value: object) -> list[dict[str, Any]]:
+    return [item for item in value if isinstance(item, dict)] if isinstance(value, list) else []
+
+
 def _metadata_values(raw: Any) -> list[str]:
     """The string values of one metadata entry, whichever shape Better Stack returns."""
     if isinstance(raw, str):
@@ -255,7 +279,7 @@ class BetterStackIncidents:
         if incident_id is None:
             # Created (2xx) but unreadable: the next attempt looks the dedup key up first.
             raise DeliveryError(
-                f"{what}: HTTP {response.status_code} without an incident id",
+                f"{what}: HTTP {response.status_code} without an incident id (digits)",
                 retryable=True,
                 status=response.status_code,
             )
@@ -267,9 +291,7 @@ class BetterStackIncidents:
             data = response.json().get("data")
         except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
             return None
-        if isinstance(data, dict) and data.get("id") not in (None, ""):
-            return str(data["id"])
-        return None
+        return incident_id_of(data.get("id")) if isinstance(data, dict) else None
 
     async def find_incident(self, dedup_key: str) -> str | None:
         what = "Better Stack list incidents"
@@ -286,12 +308,16 @@ class BetterStackIncidents:
                 page = response.json()
             except (json.JSONDecodeError, UnicodeDecodeError):
                 raise DeliveryError(f"{what}: answer is not JSON", retryable=True) from None
-            for incident in page.get("data") or []:
-                attributes = incident.get("attributes") or {}
-                metadata = attributes.get("metadata") or {}
-                if dedup_key in _metadata_values(metadata.get(DEDUP_METADATA_KEY)):
-                    return str(incident["id"])
-            following = (page.get("pagination") or {}).get("next")
+            if not isinstance(page, dict):
+                raise DeliveryError(f"{what}: answer is not a JSON object", retryable=True)
+            for incident in _objects(page.get("data")):
+                metadata = _object(_object(incident.get("attributes")).get("metadata"))
+                found = incident_id_of(incident.get("id"))
+                if found and dedup_key in _metadata_values(metadata.get(DEDUP_METADATA_KEY)):
+                    return found
+            following = _object(page.get("pagination")).get("next")
+            if following is not None and not isinstance(following, str):
+                raise DeliveryError(f"{what}: pagination is not a URL", retryable=True)
             if not following:
                 return None
             if _origin(following) != self._origin:
@@ -315,8 +341,15 @@ class BetterStackIncidents:
 
     @staticmethod
     def _path(incident_id: str, action: str = "") -> str:
-        if not incident_id.isdigit():  # never lets an answer choose another path
-            raise DeliveryError(f"invalid incident id {incident_id[:40]!r}", retryable=False)
+        if incident_id_of(incident_id) is None:  # never lets an answer choose another path
+            # Recorded before ids were checked where they arrive: no incident has it, as a 404
+            # says (the relay opens a new one).
+            raise DeliveryError(
+                f"incident id {printable(incident_id[:40])!r} is not one Better Stack gives"
+                " (digits): no incident has it",
+                retryable=False,
+                status=404,
+            )
         return f"{INCIDENTS_PATH}/{incident_id}" + (f"/{action}" if action else "")
 
     async def _call(

@@ -68,7 +68,7 @@ from jobfence.errors import ConfigError
 from jobfence.limits import MAX_DELAY_DAYS, MAX_DELAY_SECONDS
 from jobfence.outage_log import stay_connected
 from jobfence.ports import AlertMetricsSink, Clock
-from jobfence.redact import printable
+from jobfence.redact import Redactor, printable, url_secrets
 from jobfence.schema import ensure_migrated
 
 if TYPE_CHECKING:
@@ -99,6 +99,10 @@ STORM_BREAKDOWN_KEYS = 10
 SAMPLE_DEAD_LETTERS = 5
 MAX_NAME_CHARS = 200
 MAX_SUMMARY_CHARS = 300
+#: How much of a dead letter's first error line an incident quotes, and how much of it is read
+#: to redact it first (a secret across the cut is hidden before the cut).
+MAX_ERROR_CHARS = 300
+FETCHED_ERROR_CHARS = 4096
 DEFAULT_POLL_SECONDS = 1.0
 #: Who the relay says resolved an incident (Better Stack's ``resolved_by``: an e-mail or a
 #: custom identifier); an incident resolved by anyone else was resolved by a person.
@@ -347,9 +351,10 @@ class AlertRelay:
         self._owned: list[Any] = []
         self.stats = RelayStats()
         self.active = False
-        # Error texts quoted in an incident leave our systems: the secrets that logs never show
-        # are masked there too.
-        self._secrets = sorted(set(secrets_from_env()), key=len, reverse=True)
+        # Error texts quoted in an incident leave our systems: what logs never show (configured
+        # secrets, those of the database URL, any URL's password or password=-like value) is
+        # hidden there too, as in the logs.
+        self._redact = Redactor([*secrets_from_env(), *url_secrets(conninfo)])
 
     @classmethod
     def from_config(
@@ -458,10 +463,14 @@ class AlertRelay:
             await resource.aclose()
         self._owned = []
 
-    def _mask(self, text: str) -> str:
-        for secret in self._secrets:
-            text = text.replace(secret, "***")
-        return text
+    def _quoted(self, error_line: str) -> str:
+        """A dead letter's error line as an incident quotes it: redacted as a log line is,
+        then cut to :data:`MAX_ERROR_CHARS` and escaped. The statement fetched at most
+        :data:`FETCHED_ERROR_CHARS` of it; when it was cut there, the word it cut (maybe a piece
+        of a secret, which would no longer match) is left out before redacting."""
+        if len(error_line) >= FETCHED_ERROR_CHARS:
+            error_line = error_line[: max(error_line.rfind(" "), 0)] + " ..."
+        return printable(_trim(self._redact(error_line), MAX_ERROR_CHARS))
 
     def stop(self) -> None:
         """Finish the current step and return from :meth:`run`."""
@@ -1145,7 +1154,12 @@ class AlertRelay:
         escalation = alert.kind == "escalation"
         cur = await conn.execute(
             SQL["alert_group_samples"],
-            {"group_id": alert.group_id, "pending_only": escalation, "limit": SAMPLE_DEAD_LETTERS},
+            {
+                "group_id": alert.group_id,
+                "pending_only": escalation,
+                "limit": SAMPLE_DEAD_LETTERS,
+                "chars": FETCHED_ERROR_CHARS,
+            },
         )
         samples = await cur.fetchall()
         where = f"{group.queue}/{group.consumer}"
@@ -1214,7 +1228,7 @@ class AlertRelay:
         ]
         lines += [
             f"- #{dl_id} job {printable(job_id)}, {_plural(attempts, 'attempt')}:"
-            f" {printable(self._mask(error))}" + (f" (trace {trace_id})" if trace_id else "")
+            f" {self._quoted(error)}" + (f" (trace {trace_id})" if trace_id else "")
             for dl_id, job_id, attempts, error, trace_id in samples
         ]
         metadata = {

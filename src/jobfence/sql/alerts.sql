@@ -209,9 +209,10 @@ FROM jobfence.alert_groups g
 WHERE g.id = %(group_id)s;
 
 -- name: alert_group_samples
--- A few members to quote in the incident (the first line of each error only), with the trace
--- id of the failed attempt when it was traced (migration 0021).
-SELECT d.id, d.job_id, d.attempts, left(split_part(d.last_error, E'\n', 1), 300) AS error_line,
+-- A few members to quote in the incident (the first line of each error only, at most %(chars)s
+-- characters of it: the relay redacts, then cuts it shorter), with the trace id of the failed
+-- attempt when it was traced (migration 0021).
+SELECT d.id, d.job_id, d.attempts, left(split_part(d.last_error, E'\n', 1), %(chars)s) AS error_line,
        substr(d.traceparent, 4, 32) AS trace_id
 FROM jobfence.alert_outbox o
 JOIN core.dead_letters d ON d.id = o.dead_letter_id
