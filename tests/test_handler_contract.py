@@ -17,7 +17,15 @@ from psycopg_pool import AsyncConnectionPool
 
 import points_orm
 import pointsapp
-from jobfence import App, JobMeta, PrometheusMetrics, TransactionMisuse, db, get_dead_letter
+from jobfence import (
+    App,
+    ConfigError,
+    JobMeta,
+    PrometheusMetrics,
+    TransactionMisuse,
+    db,
+    get_dead_letter,
+)
 from jobfence.contrib.sqlalchemy import async_session_for, session_for
 from jobfence.guard import retire, retired
 from jobfence.schema import migrate
@@ -632,3 +640,88 @@ async def test_a_retired_connection_is_never_lent_again(database_url: str) -> No
     async with await AsyncConnection.connect(database_url) as plain:
         retire(plain)
         assert plain.closed
+
+
+# -- what a handler is and returns: its work runs, or the job fails ------------------------------
+
+
+def _yields_sync(payload: pointsapp.Award, job: JobMeta, tx: psycopg.Connection[Any]) -> Any:
+    pointsapp.apply_award_sync(payload, job, tx)
+    yield
+
+
+async def _yields_async(payload: pointsapp.Award, job: JobMeta, tx: AsyncConnection[Any]) -> Any:
+    await pointsapp.apply_award(payload, job, tx)
+    yield
+
+
+class _YieldingCall:
+    def __call__(self, payload: pointsapp.Award, job: JobMeta, tx: Any) -> Any:
+        yield
+
+
+@pytest.mark.parametrize(
+    "handler",
+    [_yields_sync, _yields_async, _YieldingCall()],
+    ids=["def-with-yield", "async-def-with-yield", "object-whose-call-yields"],
+)
+def test_a_generator_function_is_refused_as_a_handler_when_registered(handler: Any) -> None:
+    """Calling a generator function runs none of its body: as a handler, every job would be
+    fenced and acked with nothing applied. It is refused where it is registered."""
+    with pytest.raises(ConfigError) as refused:
+        app_with(handler)
+    assert str(refused.value) == (
+        f"consumer {CONSUMER!r}: the handler is a generator function (it yields): calling it"
+        " runs none of its body, so no job would be applied; make it a plain `def` or an"
+        " `async def` without yield"
+    )
+
+
+async def _returns_unawaited_execute(
+    payload: pointsapp.Award, job: JobMeta, tx: AsyncConnection[Any]
+) -> Any:
+    return tx.execute(
+        "INSERT INTO awards (job_id, account_id, points) VALUES (%s, %s, %s)",
+        (job.job_id, payload.account_id, payload.points),
+    )
+
+
+async def _returns_unawaited_helper(
+    payload: pointsapp.Award, job: JobMeta, tx: AsyncConnection[Any]
+) -> Any:
+    return pointsapp.apply_award(payload, job, tx)
+
+
+def _returns_a_generator(
+    payload: pointsapp.Award, job: JobMeta, tx: psycopg.Connection[Any]
+) -> Any:
+    return (pointsapp.apply_award_sync(payload, job, tx) for _ in range(1))
+
+
+@pytest.mark.parametrize(
+    ("handler", "what"),
+    [
+        (_returns_unawaited_execute, "an awaitable it did not await: `await` it"),
+        (_returns_unawaited_helper, "an awaitable it did not await: `await` it"),
+        (_returns_a_generator, "a generator, whose body never ran: run the work in the handler"),
+    ],
+    ids=["async-returns-tx-execute", "async-returns-a-coroutine", "def-returns-a-generator"],
+)
+async def test_a_handler_returning_work_it_did_not_run_fails_with_nothing_applied(
+    pool: AsyncConnectionPool[Any], points: AsyncConnection[Any], handler: Any, what: str
+) -> None:
+    """A handler that returns its work instead of running it (``return tx.execute(...)``
+    without ``await``) would have the job fenced and acked with nothing applied: the money
+    lost without a trace. The job fails instead (retried, then dead-lettered, as any bug),
+    with nothing applied and no fence."""
+    app = app_with(handler)
+    await app.enqueue(points, CONSUMER, {"account_id": 1, "points": 2}, job_id="unrun-1")
+    stats = await run_worker(app, pool, PrometheusMetrics())
+    assert stats.outcomes == {"retried": 1}
+    assert await awards(points, "unrun-1") == 0
+    assert await fences(points, "unrun-1") == 0
+    cur = await points.execute("SELECT last_error FROM jobfence_queue.messages")
+    [(last_error,)] = await cur.fetchall()
+    assert last_error.startswith(
+        f"TypeError: the handler of consumer {CONSUMER!r} returned {what}"
+    ), last_error

@@ -44,6 +44,15 @@ class _Register(Protocol[P]):
     ) -> Callable[[P, JobMeta, psycopg.Connection[Any]], None]: ...
 
 
+def is_generator_handler(handler: object) -> bool:
+    """Whether ``handler`` is a generator function, sync or async (or an object whose
+    ``__call__`` is one): calling it runs none of its body."""
+    call = getattr(handler, "__call__", None)  # noqa: B004 - a callable object's __call__
+    return any(
+        inspect.isgeneratorfunction(f) or inspect.isasyncgenfunction(f) for f in (handler, call)
+    )
+
+
 def is_async_handler(handler: object) -> bool:
     """Whether ``handler`` is a coroutine function (or an object whose ``__call__`` is one)."""
     return inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(
@@ -156,6 +165,12 @@ class App:
             raise ConfigError(f"consumer {consumer.name!r} is registered twice")
         if not callable(consumer.handler):
             raise ConfigError(f"consumer {consumer.name!r}: the handler must be a function")
+        if is_generator_handler(consumer.handler):
+            raise ConfigError(
+                f"consumer {consumer.name!r}: the handler is a generator function (it yields):"
+                " calling it runs none of its body, so no job would be applied; make it a plain"
+                " `def` or an `async def` without yield"
+            )
         if not (isinstance(consumer.schema, type) and issubclass(consumer.schema, BaseModel)):
             raise ConfigError(f"consumer {consumer.name!r}: schema must be a pydantic model class")
         if not timedelta(0) < consumer.fence_ttl <= MAX_FENCE_TTL:

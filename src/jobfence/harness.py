@@ -351,6 +351,33 @@ def _group_fresh(jobs: Sequence[Job], rows: Sequence[Sequence[object]]) -> list[
     return fresh
 
 
+def refuse_unrun(consumer: str, returned: object, *, sync: bool) -> None:
+    """Raise ``TypeError`` when a handler returned work it did not run: an awaitable (an
+    ``async def`` handler's ``return tx.execute(...)`` without ``await``, or a sync handler
+    returning a coroutine) or a generator. Its job would otherwise be fenced and acked with
+    nothing applied; it fails instead, its transaction rolled back. Anything else a handler
+    returns is ignored."""
+    if inspect.isawaitable(returned):
+        if inspect.iscoroutine(returned):
+            returned.close()  # never run: no "never awaited" warning on top
+        if sync:
+            raise TypeError(
+                f"the sync handler of consumer {consumer!r} returned an awaitable: declare"
+                " it `async def` to get an AsyncConnection"
+            )
+        raise TypeError(
+            f"the handler of consumer {consumer!r} returned an awaitable it did not await:"
+            " `await` it (its work never ran)"
+        )
+    if inspect.isgenerator(returned) or inspect.isasyncgen(returned):
+        if inspect.isgenerator(returned):
+            returned.close()
+        raise TypeError(
+            f"the handler of consumer {consumer!r} returned a generator, whose body never ran:"
+            " run the work in the handler"
+        )
+
+
 def _sync_work(
     jobs: list[Job],
     fenced: list[bool] | None,
@@ -374,13 +401,8 @@ def _sync_work(
                         returned = job.consumer.handler(job.payload, job.meta, tx)  # type: ignore[arg-type]
                 finally:
                     timings.append((job.meta, time.perf_counter() - begun))
-                if inspect.isawaitable(returned):
-                    if inspect.iscoroutine(returned):
-                        returned.close()
-                    raise TypeError(
-                        f"the sync handler of consumer {job.consumer.name!r} returned an"
-                        " awaitable: declare it `async def` to get an AsyncConnection"
-                    )
+                if returned is not None:
+                    refuse_unrun(job.consumer.name, returned, sync=True)
                 after_handler(tx, guard)
         check = _held_check(fresh)
         if check is None:
@@ -649,9 +671,11 @@ class Harness:
         begun = time.perf_counter()
         try:
             with guarded(conn) as guard:
-                await job.consumer.handler(job.payload, meta, conn)  # type: ignore[arg-type,misc]
+                returned = await job.consumer.handler(job.payload, meta, conn)  # type: ignore[arg-type,misc]
         finally:
             self._metrics.handler_duration(meta.queue, meta.consumer, time.perf_counter() - begun)
+        if returned is not None:
+            refuse_unrun(meta.consumer, returned, sync=False)
         after_handler(conn, guard)
 
     def _prepare(self, delivery: Delivery) -> Job | PoisonMessage:
