@@ -166,6 +166,24 @@ POISON_BODIES = [
         id="lone-surrogate-escape",
     ),
     pytest.param(b"[" * 5000 + b"]" * 5000, "InvalidJson", "not valid JSON", id="nested-5000-deep"),
+    pytest.param(
+        b'{"account_id": 1, "points": 5, "rate": 1e1000000}',
+        "UnstorablePayload",
+        "a number beyond what PostgreSQL's jsonb can hold",
+        id="number-too-large-for-jsonb",
+    ),
+    pytest.param(
+        b'{"account_id": 1, "points": 5, "rate": 1e-16384}',
+        "UnstorablePayload",
+        "a number beyond what PostgreSQL's jsonb can hold",
+        id="number-too-small-for-jsonb",
+    ),
+    pytest.param(
+        b'{"account_id": 1, "points": 5, "rate": 0.' + b"1" * 16384 + b"}",
+        "UnstorablePayload",
+        "a number beyond what PostgreSQL's jsonb can hold",
+        id="fraction-too-long-for-jsonb",
+    ),
 ]
 
 
@@ -302,3 +320,17 @@ def test_json_documents_are_kept_as_the_same_document_and_only_nul_forces_base64
 def test_original_body_refuses_an_unknown_encoding_marker() -> None:
     with pytest.raises(ValueError, match="unknown payload encoding 'rot13'"):
         original_body('{"a": 1}', "rot13")
+
+
+@pytest.mark.parametrize(
+    "number",
+    ["1e131071", "1.5e131070", "-1e131071", "1e-16383", "0." + "1" * 16383, "1e308", "1e-400"],
+)
+async def test_a_number_jsonb_can_hold_is_read_not_refused(
+    conn: psycopg.AsyncConnection[Any], number: str
+) -> None:
+    """The numbers at the edges of what jsonb holds: PostgreSQL stores each, so the worker
+    reads it (the refusal above is only for what a dead letter could not store)."""
+    body = f'{{"account_id": 1, "points": 5, "rate": {number}}}'
+    await conn.execute("SELECT %s::jsonb", (body,))
+    assert decode_body(body.encode())["points"] == 5

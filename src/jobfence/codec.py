@@ -38,8 +38,33 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+class _UnstorableNumber(ValueError):
+    pass
+
+
+# PostgreSQL's numeric, which jsonb stores numbers as: at most 131,072 digits before the
+# decimal point and 16,383 after it ("value overflows numeric format" beyond).
+_NUMERIC_MAX_WHOLE_DIGITS = 131_072
+_NUMERIC_MAX_SCALE = 16_383
+
+
+def _storable_float(text: str) -> float:
+    """A JSON number with a fraction or an exponent, as Python reads it, when jsonb can hold it
+    too; a short plain one (nearly all of them) is not looked at."""
+    if len(text) > 24 or "e" in text or "E" in text:
+        mantissa, _, exponent = text.lower().partition("e")
+        whole, _, fraction = mantissa.lstrip("-").partition(".")
+        power = int(exponent or 0)
+        if (
+            len(whole) + power > _NUMERIC_MAX_WHOLE_DIGITS
+            or len(fraction) - power > _NUMERIC_MAX_SCALE
+        ):
+            raise _UnstorableNumber
+    return float(text)
+
+
 # One decoder for every body (json.loads with an option builds a new one per call).
-_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_storable_float)
 
 
 def _unstorable_reason(value: object) -> str | None:
@@ -79,6 +104,12 @@ def decode_body(body: bytes) -> Any:
         ) from None
     try:
         value = _DECODER.decode(text)
+    except _UnstorableNumber:
+        raise PoisonMessage(
+            "payload holds a number beyond what PostgreSQL's jsonb can hold (131,072 digits"
+            " before the decimal point, 16,383 after it)",
+            error_class="UnstorablePayload",
+        ) from None
     except (ValueError, RecursionError) as exc:  # RecursionError: nested ~1000 levels deep
         raise PoisonMessage(
             f"payload is not valid JSON: {exc}", error_class="InvalidJson"
