@@ -513,6 +513,74 @@ def test_a_handler_that_swallows_a_refused_call_is_dead_lettered_with_nothing_ap
     assert points(django_db, "fine") == 1
 
 
+def test_a_handler_writing_through_another_alias_is_refused_and_nothing_is_applied(
+    django_db: str,
+) -> None:
+    """With ``JOBFENCE["DATABASE_ALIAS"] = "jobs"`` and the ORM on ``"default"``, the handler's
+    save would commit on its own connection, outside the job's transaction: a job failing
+    three times left three points. The write is refused before it is sent, the job is
+    dead-lettered at once as TransactionMisuse, and nothing of it is applied (a read through
+    another alias is allowed: the next test)."""
+    code = "\n".join(
+        [
+            "from django.db import transaction",
+            "from jobfence.contrib.django import enqueue",
+            "with transaction.atomic(using='jobs'):",
+            "    enqueue('award_points', {'account': 'ann', 'amount': 5, 'fail': 'always'},"
+            " job_id='elsewhere')",
+        ]
+    )
+    shell(django_db, code, DJANGOPROJECT_JOBS_ALIAS="1")
+    done = manage(
+        django_db,
+        "jobfence_worker",
+        "--until",
+        "empty",
+        "--concurrency",
+        "1",
+        DJANGOPROJECT_JOBS_ALIAS="1",
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "worker stopped: dead_lettered 1, released 0" in done.stdout, done.stdout + done.stderr
+    with psycopg.connect(django_db) as conn:
+        [(attempts, error_class, last_error)] = conn.execute(
+            "SELECT attempts, error_class, last_error FROM core.dead_letters"
+        ).fetchall()
+    assert (attempts, error_class) == (1, "jobfence.TransactionMisuse"), last_error
+    assert last_error.startswith(
+        "jobfence.TransactionMisuse: a handler wrote through the database alias 'default',"
+        " outside the job's transaction on 'jobs'"
+    ), last_error
+    assert points(django_db) == 0
+    assert fences(django_db) == 0
+
+
+@pytest.mark.parametrize(
+    ("sql", "writes"),
+    [
+        ('SELECT "points_point"."id" FROM "points_point"', False),
+        ("  /* hint */ select 1", False),
+        ("(SELECT 1) UNION (SELECT 2)", False),
+        ("SHOW TimeZone", False),
+        ("WITH t AS (SELECT 1) SELECT * FROM t", False),
+        ("EXPLAIN SELECT 1", False),
+        ('INSERT INTO "points_point" ("job_id") VALUES (%s)', True),
+        ('UPDATE "points_point" SET "amount" = 1', True),
+        ("delete from points_point", True),
+        ("WITH gone AS (DELETE FROM points_point RETURNING id) SELECT count(*) FROM gone", True),
+        ("EXPLAIN ANALYZE UPDATE points_point SET amount = 1", True),
+        ("SET search_path TO x", True),
+        ("-- only a comment", True),
+    ],
+)
+def test_what_a_handler_may_run_through_another_alias_is_a_plain_read(
+    sql: str, writes: bool
+) -> None:
+    from jobfence.contrib.django.runner import writes as may_write
+
+    assert may_write(sql) is writes
+
+
 def test_a_root_console_handler_in_logging_prints_each_worker_line_once(django_db: str) -> None:
     """docs/django.md's LOGGING (a root console handler, no formatter) as the project's: the
     worker logs through it, adds no handler of its own, and so prints each line once."""

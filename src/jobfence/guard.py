@@ -83,24 +83,33 @@ class TxGuard:
     context manager (:func:`guarded`) it lends ``tx`` for the block: an exception the block
     raises after a refusal becomes the refusal's ``TransactionMisuse``."""
 
-    __slots__ = ("_tx", "refused")
+    __slots__ = ("_tx", "refused", "refused_because")
 
     def __init__(self, tx: object = None) -> None:
         self.refused: str | None = None
+        self.refused_because: str | None = None
         self._tx = tx
 
     def refuse(self, what: str, hint: str = "") -> TransactionMisuse:
         """Record that ``what()`` was refused; the exception to raise at the caller."""
         if self.refused is None:
             self.refused = what
+            self.refused_because = ENDED_BY_HANDLER.format(what=what)
         return TransactionMisuse(ENDED_BY_HANDLER.format(what=what) + hint)
+
+    def refuse_because(self, reason: str) -> TransactionMisuse:
+        """Record a refusal that is not a call ending the transaction (an integration's own,
+        ``reason`` saying why); the exception to raise at the caller."""
+        if self.refused is None:
+            self.refused, self.refused_because = "write", reason
+        return TransactionMisuse(reason)
 
     def misuse(self) -> TransactionMisuse | None:
         """What the job fails with once the handler is done, if anything was refused."""
-        if self.refused is None:
+        if self.refused_because is None:
             return None
         return TransactionMisuse(
-            ENDED_BY_HANDLER.format(what=self.refused)
+            self.refused_because
             + " (refused; the handler went on after the refusal, so the job fails all the same"
             " and nothing of it is applied)"
         )
@@ -136,6 +145,13 @@ def refuse_on(conn: object, what: str, hint: str = "") -> TransactionMisuse:
     if guard is None:
         return TransactionMisuse(ENDED_BY_HANDLER.format(what=what) + hint)
     return guard.refuse(what, hint)
+
+
+def refuse_because(conn: object, reason: str) -> TransactionMisuse:
+    """An integration's refusal of what would escape the transaction lent as ``conn``, for
+    ``reason``: recorded on its job's guard when it is lent."""
+    guard = guard_of(conn)
+    return TransactionMisuse(reason) if guard is None else guard.refuse_because(reason)
 
 
 def _lendable(tx: object) -> dict[str, Any] | None:

@@ -34,6 +34,12 @@ JOBFENCE = {
     **json.loads(os.environ.get("DJANGOPROJECT_JOBFENCE", "{}")),
 }
 
+if os.environ.get("DJANGOPROJECT_JOBS_ALIAS"):
+    # jobfence on a second alias of the same database, the ORM on "default" (no router): a
+    # handler's ORM write goes through another alias than the job's transaction.
+    DATABASES["jobs"] = dict(DATABASES["default"])
+    JOBFENCE["DATABASE_ALIAS"] = "jobs"
+
 if os.environ.get("DJANGOPROJECT_ROOT_LOGGING"):
     # docs/django.md's LOGGING, as written: a root console handler (tests/test_django.py).
     import re

@@ -8,8 +8,9 @@ which commits with the fence when the block exits, or not at all.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any, NoReturn, TypeVar
 
 import psycopg
@@ -18,7 +19,7 @@ from django.db import Error as DjangoDatabaseError
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from jobfence.errors import ConfigError, TransactionAborted, TransactionMisuse
-from jobfence.guard import ENDED_BY_HANDLER, check_still_open, refuse_on
+from jobfence.guard import ENDED_BY_HANDLER, check_still_open, refuse_because, refuse_on
 from jobfence.sync import Work
 
 T = TypeVar("T")
@@ -77,14 +78,65 @@ _ENDERS = ("commit", "rollback", "set_autocommit", "close")
 def _lent(wrapper: BaseDatabaseWrapper, raw: psycopg.Connection[Any]) -> Iterator[None]:
     """While the handler runs, the calls that would end the transaction through Django raise
     :class:`~jobfence.TransactionMisuse` before anything is sent, recorded on the job's guard
-    (jobfence.guard), so that the job fails even if the handler catches the error."""
+    (jobfence.guard), so that the job fails even if the handler catches the error; so does a
+    write through another of ``DATABASES``' aliases, which would commit outside the job's
+    transaction (:func:`_elsewhere`)."""
     for name in _ENDERS:
         setattr(wrapper, name, _refuse(raw, name))
     try:
-        yield
+        with ExitStack() as others:
+            for alias in connections:
+                if alias != wrapper.alias:
+                    other = connections[alias]
+                    others.enter_context(other.execute_wrapper(_elsewhere(raw, wrapper, alias)))
+            yield
     finally:
         for name in _ENDERS:
             wrapper.__dict__.pop(name, None)
+
+
+# A statement that only reads: what a handler may run through another alias (a replica, say).
+# Anything else there (an ORM save, a raw INSERT, a CTE that writes) is refused.
+_READS = re.compile(
+    r"(?:\s|/\*.*?\*/|--[^\n]*\n)*\(*\s*(SELECT|SHOW|EXPLAIN|VALUES|TABLE|WITH)\b",
+    re.IGNORECASE | re.DOTALL,
+)
+_WRITES = re.compile(
+    r"\b(INSERT|UPDATE|DELETE|MERGE|TRUNCATE|COPY|CREATE|ALTER|DROP|CALL|DO|ANALYZE)\b",
+    re.IGNORECASE,
+)
+
+
+def writes(sql: str) -> bool:
+    """Whether ``sql`` may write: anything but a plain read (a ``SELECT``, ``SHOW``, ``VALUES``,
+    ``TABLE``, or a ``WITH`` or ``EXPLAIN`` naming no writing statement)."""
+    found = _READS.match(sql)
+    if found is None:
+        return True
+    return found[1].upper() in ("WITH", "EXPLAIN") and _WRITES.search(sql) is not None
+
+
+def _elsewhere(
+    raw: psycopg.Connection[Any], wrapper: BaseDatabaseWrapper, alias: str
+) -> Callable[..., Any]:
+    """Django's ``execute_wrapper`` for ``alias`` while a handler runs on ``wrapper``: a write
+    there is refused before it is sent, and the job fails (nothing of it applied)."""
+
+    def refuse_writes(
+        execute: Callable[..., Any], sql: str, params: Any, many: bool, context: Any
+    ) -> Any:
+        if writes(sql):
+            raise refuse_because(
+                raw,
+                f"a handler wrote through the database alias {alias!r}, outside the job's"
+                f" transaction on {wrapper.alias!r} (JOBFENCE['DATABASE_ALIAS']): it would"
+                " commit on its own, whatever became of the job; write through"
+                f" {wrapper.alias!r} (route the handler's models to it, or use"
+                f" .using({wrapper.alias!r}))",
+            )
+        return execute(sql, params, many, context)
+
+    return refuse_writes
 
 
 def _refuse(raw: psycopg.Connection[Any], what: str) -> Callable[..., NoReturn]:
