@@ -15,6 +15,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any
+from urllib.parse import urlsplit
 
 import psycopg
 import pytest
@@ -200,6 +201,114 @@ async def test_on_nats_one_unreadable_header_does_not_fail_the_pull_batch(
             await queue.close()
 
 
+@pytest.mark.parametrize("status", ["404", "100", "503", "408"])
+async def test_on_nats_a_user_header_named_status_is_a_delivery_like_any_other(
+    request: pytest.FixtureRequest,
+    pool: AsyncConnectionPool[Any],
+    conn: psycopg.AsyncConnection[Any],
+    status: str,
+) -> None:
+    """A producer's own header ``Status: 404`` (or 100, 503, 408) is not the server's status
+    reply to a pull request (that one has no reply subject; a delivery always has one): the
+    message runs as any other, and so do the jobs behind it. It used to end the pull batch
+    (404, 408: it and the rest waited out AckWait and came back first, for ever), be skipped as
+    a heartbeat (100), or fail every receive as "no responders" (503)."""
+    request.param = "nats"
+    async with on_broker(request, [pointsapp.QUEUE]) as (kind, url, name):
+        queue = make_queue(kind, url, name)
+        try:
+            await conn.execute(pointsapp.SCHEMA_SQL)
+            app = pointsapp.build_app()
+            award = {"account_id": 1, "points": 5}
+            await queue.publish(app.message("award_points", award, job_id="before"))
+            import nats
+
+            nc = await nats.connect(url)
+            await nc.jetstream().publish(
+                f"{name}.{pointsapp.QUEUE}",
+                BODY,
+                stream=name.upper(),
+                headers={
+                    "Jobfence-Consumer": "award_points",
+                    "Jobfence-Job-Id": "user-status",
+                    "Status": status,
+                    "Description": "the producer's own",
+                },
+            )
+            await nc.close()
+            for n in range(3):
+                await queue.publish(app.message("award_points", award, job_id=f"after-{n}"))
+
+            metrics = await asyncio.wait_for(_run_until_empty(pool, queue), 20)
+
+            assert (metrics.count("succeeded"), metrics.count("poison")) == (5, 0)
+            assert await scalar(conn, "SELECT points FROM public.accounts WHERE id = 1") == 25
+            assert await _unfenceable_letters(conn) == []
+            assert (await queue.size([pointsapp.QUEUE])).total == 0
+        finally:
+            await queue.close()
+
+
+async def _raw_hpub(url: str, subject: str, header_block: bytes, body: bytes) -> None:
+    """Publish with NATS's own protocol, as a client in another language (or a buggy one)
+    could: the header block's bytes exactly as given."""
+    parts = urlsplit(url)
+    reader, writer = await asyncio.open_connection(parts.hostname, parts.port or 4222)
+    try:
+        await reader.readline()  # INFO
+        writer.write(b'CONNECT {"verbose":false,"headers":true}\r\n')
+        size = len(header_block) + len(body)
+        writer.write(b"HPUB %s %d %d\r\n" % (subject.encode(), len(header_block), size))
+        writer.write(header_block + body + b"\r\nPING\r\n")
+        await writer.drain()
+        # The server answers the PING once it has handled the HPUB before it.
+        assert (await asyncio.wait_for(reader.readline(), 5)).strip() == b"PONG"
+    finally:
+        writer.close()
+
+
+async def test_on_nats_a_header_block_that_is_not_utf8_is_one_dead_letter_and_the_rest_run(
+    request: pytest.FixtureRequest,
+    pool: AsyncConnectionPool[Any],
+    conn: psycopg.AsyncConnection[Any],
+) -> None:
+    """A header block whose first line is ``NATS/1.0 \\xff\\xfe\\xfd`` (a status that is not
+    UTF-8) used to kill nats-py's read loop (``UnicodeDecodeError``) on every connection it
+    reached: the worker then received nothing, for ever. It is one ``UnfenceableMessage``
+    dead letter, and the connection and the jobs behind it go on."""
+    request.param = "nats"
+    async with on_broker(request, [pointsapp.QUEUE]) as (kind, url, name):
+        queue = make_queue(kind, url, name)
+        try:
+            await conn.execute(pointsapp.SCHEMA_SQL)
+            app = pointsapp.build_app()
+            award = {"account_id": 1, "points": 5}
+            await queue.publish(app.message("award_points", award, job_id="before"))
+            await _raw_hpub(
+                url,
+                f"{name}.{pointsapp.QUEUE}",
+                b"NATS/1.0 \xff\xfe\xfd\r\nJobfence-Consumer: award_points\r\n"
+                b"Jobfence-Job-Id: bad-status-line\r\n\r\n",
+                BODY,
+            )
+            for n in range(3):
+                await queue.publish(app.message("award_points", award, job_id=f"after-{n}"))
+
+            metrics = await asyncio.wait_for(_run_until_empty(pool, queue), 20)
+
+            assert (metrics.count("succeeded"), metrics.count("poison")) == (4, 1)
+            assert await scalar(conn, "SELECT points FROM public.accounts WHERE id = 1") == 20
+            (letter,) = await _unfenceable_letters(conn)
+            assert letter["error_class"] == UNFENCEABLE
+            assert letter["job_id"] == "bad-status-line"
+            assert "its header block cannot be read" in letter["last_error"]
+            kept = original_message(letter["payload_text"])
+            assert kept == Message(pointsapp.QUEUE, "award_points", "bad-status-line", BODY)
+            assert (await queue.size([pointsapp.QUEUE])).total == 0
+        finally:
+            await queue.close()
+
+
 async def test_on_redis_a_job_id_that_is_not_utf8_is_one_dead_letter(
     request: pytest.FixtureRequest,
     pool: AsyncConnectionPool[Any],
@@ -267,3 +376,79 @@ async def test_on_rabbitmq_a_buffered_bad_attempt_header_goes_back_and_the_rest_
         finally:
             await first.close()
             await second.close()
+
+
+@pytest.mark.parametrize(
+    ("fields", "reason"),
+    [
+        pytest.param(
+            {"headers": [(b"x-\xff\xfe", b"S\x00\x00\x00\x01v")]},
+            "property headers: a header name is not valid UTF-8",
+            id="header-name-not-utf8",
+        ),
+        pytest.param(
+            {"headers": [(b"sent-at", b"T" + (2**64 - 1).to_bytes(8, "big"))]},
+            "property headers: a header value is a timestamp out of range",
+            id="header-timestamp-out-of-range",
+        ),
+        pytest.param(
+            {"message_id": b"caf\xe9-42"},
+            "property message-id is not valid UTF-8",
+            id="message-id-not-utf8",
+        ),
+        pytest.param(
+            {"timestamp_property": 2**64 - 1},
+            "property timestamp is out of range",
+            id="timestamp-property-out-of-range",
+        ),
+    ],
+)
+async def test_on_rabbitmq_a_content_header_the_client_cannot_decode_is_one_dead_letter(
+    request: pytest.FixtureRequest,
+    pool: AsyncConnectionPool[Any],
+    conn: psycopg.AsyncConnection[Any],
+    fields: dict[str, Any],
+    reason: str,
+) -> None:
+    """RabbitMQ passes on a content header that pamqp cannot decode (a header name or a
+    message-id that is not UTF-8, a timestamp of 2^64-1). It used to kill the consumer's
+    connection at every delivery, silently: no job ran, not even the one before it. Now the
+    message is delivered without its properties and is one dead letter naming what could not
+    be read (never the value), and the jobs around it run."""
+    import amqp_raw
+
+    request.param = "rabbitmq"
+    async with on_broker(request, [pointsapp.QUEUE]) as (kind, url, name):
+        queue = make_queue(kind, url, name)
+        try:
+            await conn.execute(pointsapp.SCHEMA_SQL)
+            app = pointsapp.build_app()
+            award = {"account_id": 1, "points": 5}
+            await queue.publish(app.message("award_points", award, job_id="before"))
+            entries = [
+                (b"x-jobfence-consumer", amqp_raw.long_string(b"award_points")),
+                (b"x-jobfence-job-id", amqp_raw.long_string(b"hostile")),
+                *fields.get("headers", []),
+            ]
+            await amqp_raw.publish_raw(
+                url,
+                BODY,
+                routing_key=f"{name}.{pointsapp.QUEUE}".encode(),
+                headers=amqp_raw.table(entries),
+                message_id=fields.get("message_id"),
+                timestamp_property=fields.get("timestamp_property"),
+            )
+            for n in range(3):
+                await queue.publish(app.message("award_points", award, job_id=f"after-{n}"))
+
+            metrics = await asyncio.wait_for(_run_until_empty(pool, queue), 20)
+
+            assert (metrics.count("succeeded"), metrics.count("poison")) == (4, 1)
+            assert await scalar(conn, "SELECT points FROM public.accounts WHERE id = 1") == 20
+            (letter,) = await _unfenceable_letters(conn)
+            assert letter["error_class"] == UNFENCEABLE
+            assert reason in letter["last_error"]
+            assert "caf" not in letter["last_error"] and "sent-at" not in letter["last_error"]
+            assert (await queue.size([pointsapp.QUEUE])).total == 0
+        finally:
+            await queue.close()

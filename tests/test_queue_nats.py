@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 import uuid
@@ -22,6 +23,7 @@ from jobfence.adapters.nats import NatsQueue
 from jobfence.errors import PublishRefused
 from jobfence.model import Outgoing
 from queue_conformance import OTHER_QUEUE, QUEUE, BrokerConformance, QueueEnv, job_ids, message
+from support import wait_until
 from tcp_proxy import TcpProxy
 
 
@@ -259,3 +261,46 @@ async def test_only_a_jetstream_ack_confirms_a_publish_anything_else_on_its_inbo
     assert all("not a JetStream ack" in str(f.exception()) for f in futures[3:]), [
         str(f.exception()) for f in futures[3:]
     ]
+
+
+async def test_a_connection_whose_read_loop_ended_is_replaced_at_the_next_receive(
+    nats_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A message on the adapter's own inbox whose subject is not UTF-8 ends nats-py's read
+    loop (``UnicodeDecodeError`` in its ``_build_message``, logged, no error callback); the
+    connection still says it is connected and would receive nothing, for ever. The next
+    receive sees the loop ended, says so at WARNING and connects again: the job published
+    after it is received."""
+    name = f"JFTEST_{uuid.uuid4().hex[:12]}"
+    queue = NatsQueue(nats_url, stream=name, subject_prefix=name.lower())
+    parts = urlsplit(nats_url)
+    try:
+        await queue.publish(message("before"))
+        assert queue._inbox is not None
+        reader, writer = await asyncio.open_connection(parts.hostname, parts.port or 4222)
+        await reader.readline()  # INFO
+        subject = queue._inbox._prefix.encode() + b".\xff"
+        writer.write(b'CONNECT {"verbose":false}\r\nPUB %s 0\r\n\r\nPING\r\n' % subject)
+        await writer.drain()
+        assert (await asyncio.wait_for(reader.readline(), 5)).strip() == b"PONG"
+        writer.close()
+        await queue.publish(message("after"))
+
+        got: list[str] = []
+
+        async def received() -> bool:
+            for delivery in await queue.receive(
+                [QUEUE], max_messages=10, lease_seconds=30, wait_seconds=0.5
+            ):
+                got.append(delivery.message.job_id)
+                assert await queue.ack(delivery)
+            return len(got) >= 2
+
+        await wait_until(received, timeout=15, message="both jobs to be received")
+        assert sorted(got) == ["after", "before"]
+        assert "the NATS connection stopped reading" in caplog.text
+    finally:
+        await queue.close()
+        nc = await nats.connect(nats_url)
+        await nc.jetstream().delete_stream(name)
+        await nc.close()

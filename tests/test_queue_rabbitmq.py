@@ -235,6 +235,60 @@ async def test_the_adapter_reconnects_after_its_connection_was_dropped(amqp_url:
         await delete_queues(amqp_url, prefix)
 
 
+async def test_a_connection_whose_reader_stopped_is_an_outage_at_the_next_receive(
+    amqp_url: str,
+) -> None:
+    """aiormq's reader stops at a frame pamqp cannot decode (here a ``basic.deliver`` whose
+    routing key is not UTF-8: RabbitMQ passes it on from an exchange bound to the queue) and
+    the connection is dead, though aio-pika may still say its channel is open. The next
+    receive says so (``QueueUnavailable``, which the worker logs as an outage) instead of
+    returning nothing, in silence, for ever; once that message is gone, the adapter works on
+    a new connection."""
+    import amqp_raw
+
+    prefix = f"jftest.{uuid.uuid4().hex[:12]}"
+    name = f"{prefix}.{QUEUE}"
+    queue = RabbitMQQueue(amqp_url, prefix=prefix)
+    connection = await aio_pika.connect(amqp_url)
+    try:
+        await queue.publish(message("before"))
+        await queue.ack_many(await _receive_until(queue, [QUEUE], 1))
+        channel = await connection.channel()
+        fanout = await channel.declare_exchange(
+            f"{prefix}.fanout", aio_pika.ExchangeType.FANOUT, auto_delete=True
+        )
+        amqp_queue = await channel.declare_queue(name, passive=True)
+        await amqp_queue.bind(fanout)
+        await amqp_raw.publish_raw(
+            amqp_url, b"{}", exchange=fanout.name.encode(), routing_key=b"\xff\xfe"
+        )
+
+        raised: list[QueueUnavailable] = []
+
+        async def outage() -> bool:
+            try:
+                await queue.receive([QUEUE], max_messages=1, lease_seconds=60, wait_seconds=0.2)
+            except QueueUnavailable as exc:
+                raised.append(exc)
+            return bool(raised)
+
+        await wait_until(outage, timeout=10, message="the lost connection raised")
+        assert "the connection was lost (InvalidFrameError)" in str(raised[0])
+
+        async def purged() -> bool:  # back in the queue once the broker saw the connection go
+            return bool((await amqp_queue.purge()).message_count)
+
+        await wait_until(purged, timeout=10, message="the undecodable message purged")
+        await queue.publish(message("after"))
+        got = await _receive_until(queue, [QUEUE], 1)
+        assert job_ids(got) == ["after"]
+        await queue.ack_many(got)
+    finally:
+        await queue.close()
+        await connection.close()
+        await delete_queues(amqp_url, prefix)
+
+
 async def test_a_publish_over_max_message_size_is_refused_for_good_and_the_next_goes_through(
     amqp_url: str,
 ) -> None:

@@ -273,3 +273,38 @@ async def test_an_ack_whose_reply_was_lost_is_never_reported_as_a_lost_lease(
                 await acking
         finally:
             await queue.close()
+
+
+async def test_an_entry_published_without_prior_keeps_its_deliveries_when_released_or_retried(
+    prefixed: Prefixed,
+) -> None:
+    """An entry another producer wrote with no ``prior`` field, delivered three times (two
+    leases ran out): the copy a release makes (the worker's give-back at shutdown) is its
+    fourth delivery still to come, attempt 3, and a retry's copy counts on from there. The
+    copy used to carry no count at all (attempt 1 again), so a job that kept killing workers
+    never reached its delivery limit."""
+    queue = prefixed.queue
+    stream = f"{prefixed.prefix}:{{{QUEUE}}}:stream"
+    assert await queue.receive([QUEUE], max_messages=1, lease_seconds=60) == []  # the group
+    await prefixed.admin.xadd(
+        stream, {"consumer": "award_points", "job_id": "no-prior", "body": b"{}"}
+    )
+    attempts: list[int] = []
+    held: list[Delivery] = []
+
+    async def delivered_again() -> bool:
+        held[:] = await queue.receive([QUEUE], max_messages=1, lease_seconds=0.2)
+        attempts.extend(d.attempt for d in held)
+        return bool(held)
+
+    for _ in range(3):  # the first delivery, then two whose lease ran out
+        await wait_until(delivered_again, timeout=5, message="the entry to be delivered")
+    assert attempts == [1, 2, 3]
+
+    await queue.release(held[0])
+    (released,) = await queue.receive([QUEUE], max_messages=1, lease_seconds=60)
+    assert released.attempt == 3  # a release does not count
+    assert await queue.retry(released, delay_seconds=0, error="failed")
+    (retried,) = await queue.receive([QUEUE], max_messages=1, lease_seconds=60)
+    assert retried.attempt == 4
+    assert await queue.ack(retried)

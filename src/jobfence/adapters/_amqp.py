@@ -1,4 +1,13 @@
-"""The AMQP 0-9-1 frames of one ``basic.publish``, as pamqp marshals them, made faster for the
+"""The AMQP 0-9-1 frames jobfence writes and reads itself, around pamqp.
+
+**Reading** (:func:`tolerant_headers`): RabbitMQ passes on a content header that pamqp cannot
+decode (a header name or a short-string property such as ``message-id`` that is not UTF-8, a
+timestamp of 2^64-1); pamqp's error stops aiormq's reader, which kills the whole connection at
+every delivery of that message. On a connection opened under :func:`tolerant_headers`, such a
+header is read as an :class:`UnreadableHeader` instead: the body size (so the message is still
+delivered, its body whole), no properties, and what could not be read (never a value).
+
+**Writing**: the frames of one ``basic.publish``, as pamqp marshals them, made faster for the
 outbox relay's batches: pamqp encodes each property and header through a generic dispatch,
 which was about 40% of the relay's CPU per message on RabbitMQ. These functions write the same bytes
 (``tests/test_amqp_frames.py`` compares them with pamqp's for any message) for the one shape
@@ -9,10 +18,15 @@ marshalled by pamqp, once per queue.
 
 from __future__ import annotations
 
+import contextlib
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextvars import ContextVar
 
-from pamqp import encode
+import pamqp.frame
+from pamqp import commands, decode, encode
+from pamqp.exceptions import UnmarshalingException
+from pamqp.header import ContentHeader
 
 _FRAME = struct.Struct(">BHI")  # type, channel, payload size
 _CONTENT_HEADER = struct.Struct(">HHQH")  # class 60, weight 0, body size, property flags
@@ -79,3 +93,130 @@ def content_frames(
         chunk = body[start : start + max_content]
         parts += (_FRAME.pack(_BODY_FRAME, channel, len(chunk)), chunk, _FRAME_END)
     return b"".join(parts)
+
+
+# -- reading ------------------------------------------------------------------------------
+
+# Set while a connection is opened: the reader task it starts copies the context, so only the
+# connections jobfence opens read headers tolerantly (any other pamqp user is unchanged).
+_TOLERANT: ContextVar[bool] = ContextVar("jobfence_tolerant_amqp_headers", default=False)
+_HEADER_START = struct.Struct(">HHQ")  # class, weight, body size
+_UNDECODABLE = (UnmarshalingException, ValueError, OverflowError, OSError, struct.error)
+
+
+class UnreadableHeader(ContentHeader):
+    """A content header whose properties pamqp cannot decode: the message's body size, no
+    properties, and ``unreadable``, what could not be read."""
+
+    def __init__(self, weight: int, body_size: int, unreadable: str) -> None:
+        super().__init__(weight, body_size)
+        self.class_id = commands.Basic.frame_id  # type: ignore[assignment]  # pamqp: None
+        self.unreadable = unreadable
+
+
+def _header_value(data: bytes) -> tuple[int, str | None]:
+    """The bytes of one field-table value at the start of ``data``, or what is wrong with it."""
+    kind = data[:1]
+    try:
+        used, _ = decode.embedded_value(data)
+    except _UNDECODABLE as exc:
+        if kind not in decode.TABLE_MAPPING:
+            return 0, "a header value is of a type AMQP 0-9-1 does not define"
+        if kind == b"T":
+            return 0, "a header value is a timestamp out of range"
+        if isinstance(exc, UnicodeDecodeError):
+            return 0, "a header value holds text that is not valid UTF-8"
+        return 0, "a header value cannot be decoded"
+    return used, None
+
+
+def _table_problem(data: bytes) -> str:
+    """What in the field table at the start of ``data`` pamqp cannot decode."""
+    try:
+        (size,) = struct.unpack_from(">I", data)
+        table = data[4 : 4 + size]
+        while table:
+            length = table[0]
+            try:
+                table[1 : 1 + length].decode()
+            except UnicodeDecodeError:
+                return "a header name is not valid UTF-8"
+            used, problem = _header_value(table[1 + length :])
+            if problem is not None:
+                return problem
+            if used == 0:
+                break
+            table = table[1 + length + used :]
+    except _UNDECODABLE:
+        pass
+    return "the table cannot be decoded"
+
+
+def _what_cannot_be_read(frame_data: bytes) -> str:
+    """Which property of a content header pamqp cannot decode (its name, never its value)."""
+    flags, offset = 0, 12
+    try:
+        for word in range(16):  # a set lowest bit says another flags word follows
+            (part,) = struct.unpack_from(">H", frame_data, offset)
+            flags |= part << (16 * word)
+            offset += 2
+            if not part & 1:
+                break
+        data = frame_data[offset:]
+        properties = commands.Basic.Properties
+        for name in properties.__slots__:
+            if not flags & properties.flags[name]:
+                continue
+            shown = name.replace("_", "-")
+            kind = getattr(properties, "_" + name)
+            try:
+                used, _ = decode.by_type(data, kind)
+            except _UNDECODABLE as exc:
+                if kind == "table":
+                    return f"property {shown}: {_table_problem(data)}"
+                if kind == "timestamp":
+                    return f"property {shown} is out of range"
+                if isinstance(exc, UnicodeDecodeError):
+                    return f"property {shown} is not valid UTF-8"
+                return f"property {shown} cannot be decoded"
+            data = data[used:]
+    except _UNDECODABLE:
+        pass
+    return "the property flags cannot be decoded"
+
+
+def _tolerant(
+    unmarshal: Callable[[bytes], ContentHeader],
+) -> Callable[[bytes], ContentHeader]:
+    def unmarshal_header_frame(frame_data: bytes) -> ContentHeader:
+        try:
+            return unmarshal(frame_data)
+        except _UNDECODABLE:
+            if not _TOLERANT.get() or len(frame_data) < _HEADER_START.size + 2:
+                raise  # not one of jobfence's connections, or not even a body size
+            _, weight, body_size = _HEADER_START.unpack_from(frame_data)
+            reason = (
+                f"its AMQP content header cannot be decoded ({_what_cannot_be_read(frame_data)}):"
+                " its properties and headers were dropped"
+            )
+            return UnreadableHeader(weight, body_size, reason)
+
+    unmarshal_header_frame.jobfence_tolerant = True  # type: ignore[attr-defined]
+    return unmarshal_header_frame
+
+
+@contextlib.contextmanager
+def tolerant_headers() -> Iterator[None]:
+    """Open a connection inside this block (``aio_pika.connect``) and its reader reads a
+    content header pamqp cannot decode as an :class:`UnreadableHeader`, instead of dying.
+    pamqp's ``frame._unmarshal_header_frame`` is wrapped once (aiormq calls
+    ``pamqp.frame.unmarshal``, which looks it up at each header frame); outside these
+    connections the wrapper calls it and raises as before."""
+    current = pamqp.frame._unmarshal_header_frame
+    if not getattr(current, "jobfence_tolerant", False):
+        setattr(pamqp.frame, "_unmarshal_header_frame", _tolerant(current))  # noqa: B010
+    token = _TOLERANT.set(True)
+    try:
+        yield
+    finally:
+        _TOLERANT.reset(token)

@@ -170,6 +170,43 @@ async def _client_error(exc: Exception) -> None:
     log.debug("NATS client: %s: %s", type(exc).__name__, exc)
 
 
+class _UnreadableHeaders(dict[str, str]):
+    """The headers of a message whose header block nats-py could not parse (a status line that
+    is not UTF-8, say): the header lines it could read, and why the rest could not be. Only
+    :class:`_Client` makes one, so no header a publisher writes can pass for it."""
+
+    why: str = ""
+
+
+class _Client(NatsClient):
+    """nats-py's client, reading every header block it is handed without raising.
+
+    nats-py decodes a message's status line without catching the error, inside its read loop:
+    one message published with ``NATS/1.0 \\xff...`` ended the read loop of every connection
+    it reached (nothing was received any more, no error callback, the connection still
+    "connected"). Here such a block becomes :class:`_UnreadableHeaders`, and the delivery that
+    carries it one ``UnfenceableMessage`` dead letter (:meth:`NatsQueue._delivery`)."""
+
+    async def _process_headers(self, headers: bytes | None) -> dict[str, str] | None:
+        try:
+            parsed: dict[str, str] | None = await super()._process_headers(headers)
+        except Exception as exc:
+            assert headers is not None  # an empty block is not parsed
+            end = headers.find(b"\r\n")
+            readable = _UnreadableHeaders(
+                self._parse_header_lines(headers[end + 2 :]) if end >= 0 else {}
+            )
+            readable.why = f"its header block cannot be read ({type(exc).__name__}: {exc})"
+            return readable
+        return parsed
+
+
+def _stopped_reading(nc: NatsClient) -> bool:
+    """True when ``nc`` says it is connected but its read loop has ended."""
+    reading = getattr(nc, "_reading_task", None)
+    return bool(nc.is_connected and isinstance(reading, asyncio.Task) and reading.done())
+
+
 # How long publish_many waits for the JetStream acks of what it sent.
 _ACKS_WITHIN = 5.0
 
@@ -374,13 +411,26 @@ class NatsQueue:
                 # The client gave up reconnecting (or was closed under us): a new one, so
                 # that the queue comes back with its broker.
                 self._nc, self._js = None, None
+            elif self._nc is not None and not self._closed and _stopped_reading(self._nc):
+                # Connected, but its read loop ended on an error of nats-py's own (it logs it,
+                # with no error callback): nothing would be received any more. A new one.
+                log.warning(
+                    "the NATS connection stopped reading (nats-py's read loop ended on an "
+                    "error): connecting again"
+                )
+                stale, self._nc, self._js = self._nc, None, None
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(stale.close(), _RECHECK_ANSWER_SECONDS)
             if self._js is None:
-                self._nc = await nats.connect(
+                client = _Client()
+                await client.connect(
                     [server.strip() for server in self._url.split(",")],
                     name="jobfence",
-                    reconnect_time_wait=_RECONNECT_SECONDS,
+                    # Seconds, slept with asyncio.sleep: a float works (typed int).
+                    reconnect_time_wait=_RECONNECT_SECONDS,  # type: ignore[arg-type]
                     error_cb=_client_error,
                 )
+                self._nc = client
                 # Once connected, never give up reconnecting (nats-py closes the client for
                 # good after 60 failed attempts, 2 minutes): an outage ends when the server is
                 # back, however long it lasted. The first connection keeps the bound above.
@@ -800,15 +850,19 @@ class NatsQueue:
                     )
                     self._unanswered.add(queue)  # a consumer always answers: is it there?
                     break
+                if msg.reply:
+                    # A delivery: JetStream gives each one a reply subject ($JS.ACK...), and
+                    # its headers are its publisher's (a header "Status" is theirs, not the
+                    # server's status line).
+                    got.append(self._delivery(queue, msg, lease_deadline))
+                    continue
                 status = (msg.headers or {}).get("Status")
                 if status == "100":  # idle heartbeat
                     continue
                 if status == "503":  # no responders: the consumer has no leader now, or is gone
                     self._unanswered.add(queue)
                     raise nats.errors.NoRespondersError
-                if status is not None or not msg.reply:
-                    break  # 404 no messages, 408 request timeout, 409 and the like
-                got.append(self._delivery(queue, msg, lease_deadline))
+                break  # 404 no messages, 408 request timeout, 409 and the like
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
@@ -847,6 +901,8 @@ class NatsQueue:
             traceparent=headers.get(_H_TRACEPARENT),
             tracestate=headers.get(_H_TRACESTATE),
         )
+        if isinstance(msg.headers, _UnreadableHeaders) and unreadable is None:
+            unreadable = msg.headers.why
         if unreadable is not None and delivery.unreadable is None:
             delivery = replace(delivery, unreadable=unreadable)
         receipt.unreadable = delivery.unreadable is not None

@@ -65,7 +65,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 from urllib.parse import unquote, urlsplit
 
@@ -99,7 +99,7 @@ try:
         InvalidFrameError,
     )
 
-    from jobfence.adapters._amqp import content_frames
+    from jobfence.adapters._amqp import UnreadableHeader, content_frames, tolerant_headers
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "jobfence.adapters.rabbitmq needs aio-pika: pip install 'jobfence[rabbitmq]'"
@@ -164,12 +164,26 @@ def _lost(conn: AbstractConnection) -> bool:
     return transport is None or transport.connection.is_closed
 
 
+def _why_lost(conn: AbstractConnection) -> str:
+    """`` (<error class>)`` when aiormq's reader of ``conn`` stopped on an error: the class
+    only, as its text can quote what the broker sent."""
+    transport = conn.transport
+    reader = None if transport is None else getattr(transport.connection, "_reader_task", None)
+    reader = getattr(reader, "task", reader)  # aiormq wraps its tasks in a TaskWrapper
+    if not isinstance(reader, asyncio.Future) or not reader.done() or reader.cancelled():
+        return ""
+    error = reader.exception()
+    return "" if error is None else f" ({type(error).__name__})"
+
+
 async def _connect(url: str) -> AbstractConnection:
     """``aio_pika.connect(url)``, with the broker's refusal of the URL's virtual host said so:
     RabbitMQ answers an unknown (or forbidden) vhost by closing the connection, which aiormq
-    reports as an ``InvalidFrameError`` showing a frame object's repr."""
+    reports as an ``InvalidFrameError`` showing a frame object's repr. The connection reads a
+    content header pamqp cannot decode as unreadable instead of dying (:func:`tolerant_headers`)."""
     try:
-        return await aio_pika.connect(url)
+        with tolerant_headers():
+            return await aio_pika.connect(url)
     except InvalidFrameError as exc:
         if "Connection.Close" not in str(exc) or "OpenOk" not in str(exc):
             raise
@@ -261,10 +275,13 @@ class _Incoming:
     body: bytes
     correlation_id: str | None
     unsettled: set[int]
+    # Why its content header could not be decoded (it then has no properties nor headers).
+    unreadable: str | None = None
 
     @classmethod
     def of(cls, delivered: aiormq.abc.DeliveredMessage, unsettled: set[int]) -> _Incoming:
-        props = delivered.header.properties
+        header = delivered.header
+        props = header.properties
         tag = delivered.delivery.delivery_tag  # type: ignore[union-attr]
         assert isinstance(tag, int)
         unsettled.add(tag)
@@ -275,6 +292,7 @@ class _Incoming:
             body=bytes(delivered.body),
             correlation_id=props.correlation_id,
             unsettled=unsettled,
+            unreadable=header.unreadable if isinstance(header, UnreadableHeader) else None,
         )
 
     async def ack(self) -> None:
@@ -414,6 +432,36 @@ class RabbitMQQueue:
                 self._channel = await self._conn.channel(publisher_confirms=True)
                 self._declared.clear()
             return self._channel
+
+    async def _notice_lost(self) -> None:
+        """Raise (``QueueUnavailable``, through ``receive``) when the connection was lost:
+        aio-pika may still say its channel is open after aiormq's reader stopped (a frame it
+        could not decode, a dropped socket). What it delivered is stale (the broker requeues
+        it); the next call opens a new connection. Without this, a receive would reconnect in
+        silence and, when the broker pushes the same frame again, return nothing for ever."""
+        conn = self._conn
+        if conn is None or self._closing or not _lost(conn):
+            return
+        async with self._lock:
+            if self._conn is not conn:
+                return  # another call noticed it, and reconnected
+            self._conn = self._channel = None
+            self._declared.clear()
+        self._consumers.clear()
+        for buffer in self._buffers.values():
+            for buffered in buffer:
+                if buffered.timer is not None:
+                    buffered.timer.cancel()
+            buffer.clear()
+        for receipt in self._held:
+            receipt.lost = True
+            if receipt.timer is not None:
+                receipt.timer.cancel()
+        self._held.clear()
+        why = _why_lost(conn)
+        with contextlib.suppress(Exception):
+            await conn.close()
+        raise AMQPConnectionError(f"the connection was lost{why}")
 
     def _name(self, queue: str) -> str:
         if not _NAME.match(queue):
@@ -670,6 +718,7 @@ class RabbitMQQueue:
         first = True
         try:
             while True:
+                await self._notice_lost()
                 for queue in queues:
                     await self._consume(queue, max_messages)
                 got = self._take_buffered(queues, max_messages, lease_seconds)
@@ -916,9 +965,10 @@ class RabbitMQQueue:
         queue: str, incoming: _Incoming, receipt: RabbitReceipt | None
     ) -> tuple[Delivery, int]:
         """The one reading of a message's headers (at its delivery, and when a buffered one
-        is given back): a header that does not parse makes it ``Delivery.unreadable``."""
+        is given back): a header that does not parse, or a content header that could not be
+        decoded at all, makes it ``Delivery.unreadable``."""
         headers = incoming.headers
-        return read_delivery(
+        read = read_delivery(
             _NAMES,
             queue=queue,
             body=incoming.body,
@@ -933,6 +983,10 @@ class RabbitMQQueue:
             traceparent=headers.get(_H_TRACEPARENT),
             tracestate=headers.get(_H_TRACESTATE),
         )
+        if incoming.unreadable is None:
+            return read
+        delivery, _ = read
+        return replace(delivery, unreadable=incoming.unreadable), 0
 
     def _lease_ran_out(self, receipt: RabbitReceipt) -> None:
         if receipt.settled or receipt.lost:

@@ -134,8 +134,10 @@ return out
 """
 
 # KEYS: stream. ARGV: group, entry id, consumer, times_delivered, mode (ack | again), prior.
-# ``again`` republishes the entry's fields into the stream with ``prior`` replaced. Returns 1,
-# or 0 (changing nothing) for a stale receipt.
+# ``again`` republishes the entry's fields into the stream with ``prior`` replaced, or added
+# when the entry has none (another producer's): the copy keeps the job's deliveries so far. An
+# empty ``prior`` (an unreadable entry's, which had none) adds nothing: the copy is the entry
+# as it was. Returns 1, or 0 (changing nothing) for a stale receipt.
 _SETTLE = """
 local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
 if #p == 0 or p[1][2] ~= ARGV[3] or tonumber(p[1][4]) ~= tonumber(ARGV[4]) then
@@ -145,8 +147,16 @@ if ARGV[5] == 'again' then
   local e = redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[2])
   if #e == 1 then
     local fields = e[1][2]
+    local found = false
     for i = 1, #fields, 2 do
-      if fields[i] == 'prior' then fields[i + 1] = ARGV[6] end
+      if fields[i] == 'prior' then
+        fields[i + 1] = ARGV[6]
+        found = true
+      end
+    end
+    if not found and ARGV[6] ~= '' then
+      fields[#fields + 1] = 'prior'
+      fields[#fields + 1] = ARGV[6]
     end
     redis.call('XADD', KEYS[1], '*', unpack(fields))
   end
