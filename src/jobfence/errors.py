@@ -42,12 +42,12 @@ class PublishRefused(JobfenceError):
 
 class JobRefused(JobfenceError, ValueError):
     """A job refused at enqueue, before any SQL ran: an identifier breaks a limit, the payload
-    holds what PostgreSQL cannot store, or the delay is not a finite number of seconds within
-    its limit; or by the enqueue statement itself, which then writes nothing and raises nothing
-    in the database: the payload is over the largest message the external queue's broker
-    accepts (recorded by the outbox relay, e.g. NATS's ``max_payload``). ``field`` names the
-    offender (``job_id``, ``tenant_id``, ``correlation_id``, ``consumer``, ``queue``,
-    ``payload`` or ``delay_seconds``); the message says what is wrong and the limit. The
+    holds what PostgreSQL cannot store or is over 64 MiB, or the delay is not a finite number of
+    seconds within its limit; or by the enqueue statement itself, which then writes nothing and
+    raises nothing in the database: the payload is over the largest message the external
+    queue's broker accepts (recorded by the outbox relay, e.g. NATS's ``max_payload``).
+    ``field`` names the offender (``job_id``, ``tenant_id``, ``correlation_id``, ``consumer``,
+    ``queue``, ``payload`` or ``delay_seconds``); the message says what is wrong and the limit. The
     caller's transaction is untouched and stays usable."""
 
     __module__ = "jobfence"

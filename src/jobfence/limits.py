@@ -38,6 +38,12 @@ MAX_ATTEMPT = 2**31 - 1  # core.dead_letters.attempts is a PostgreSQL integer
 MAX_PRIOR_ATTEMPTS = MAX_ATTEMPT - 1  # so that the next delivery's attempt still fits
 MAX_DELAY_DAYS = 3650
 MAX_DELAY_SECONDS = MAX_DELAY_DAYS * 86400  # about ten years
+# A job's body (the payload's bytes): 64 MiB. A dead letter must always be able to hold the
+# payload: it keeps it as a jsonb document, or as a base64 string (a third larger) when the body
+# is not JSON, and jsonb refuses a string over 268,435,455 bytes; a body past that would be
+# refused by its own dead letter and delivered again for ever. Checked by every producer, in
+# Python before any SQL and by jobfence.produce and jobfence.enqueue (migration 0027).
+MAX_BODY_BYTES = 64 * 1024 * 1024
 # A worker's lease per delivery (and the handler time it keeps a lease alive for): a week.
 MAX_LEASE_SECONDS = 7 * 86400
 

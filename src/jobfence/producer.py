@@ -33,7 +33,7 @@ from jobfence import tracing
 from jobfence.adapters.pg_queue import publish_params, require_async_connection
 from jobfence.codec import encode_payload, payload_problem
 from jobfence.errors import ConfigError, JobRefused
-from jobfence.limits import identifiers_problem, message_size_problem
+from jobfence.limits import MAX_BODY_BYTES, identifiers_problem, message_size_problem
 from jobfence.model import Message
 from jobfence.outbox import SQL
 
@@ -62,7 +62,8 @@ def build_message(
     """The one step that turns an enqueue (typed or by name) into a :class:`Message`.
 
     Raises :class:`~jobfence.JobRefused`, before any SQL, when an identifier breaks a limit
-    (:mod:`jobfence.limits`)."""
+    or the body is over ``MAX_BODY_BYTES`` (:mod:`jobfence.limits`)."""
+    require_body_size(body)
     found = identifiers_problem(
         queue=queue,
         consumer=consumer,
@@ -80,6 +81,17 @@ def build_message(
         tenant_id=tenant_id,
         correlation_id=correlation_id,
     )
+
+
+def require_body_size(body: bytes) -> None:
+    """:class:`~jobfence.JobRefused` naming ``payload`` when ``body`` is over ``MAX_BODY_BYTES``:
+    its dead letter could not hold it (the message gives its size, never its content)."""
+    if len(body) > MAX_BODY_BYTES:
+        raise JobRefused(
+            "payload",
+            f"payload is {len(body):,} bytes, over the limit of {MAX_BODY_BYTES:,} (64 MiB):"
+            " a dead letter must be able to hold it; send a reference to the data instead",
+        )
 
 
 def checked_body(payload: BaseModel | Mapping[str, Any]) -> bytes:
@@ -110,7 +122,9 @@ async def publish_async(conn: AsyncTarget, message: Message, *, delay_seconds: f
     the queue row, or the outbox row when the queue is external): a psycopg
     ``AsyncConnection``, or a SQLAlchemy ``AsyncSession`` or ``AsyncConnection`` on the psycopg
     driver. Anything else raises ``TypeError`` before a statement runs. The job carries the
-    current trace context, under a ``create`` span (:mod:`jobfence.tracing`)."""
+    current trace context, under a ``create`` span (:mod:`jobfence.tracing`). A body over
+    ``MAX_BODY_BYTES`` raises :class:`~jobfence.JobRefused` before any statement."""
+    require_body_size(message.body)
     if isinstance(conn, AsyncConnection):
         with tracing.create(message) as traced:
             cur = await conn.execute(SQL[_query(traced)], publish_params(traced, delay_seconds))
@@ -144,7 +158,9 @@ def publish_sync(conn: object, message: Message, *, delay_seconds: float = 0.0) 
     kind is refused with a ``TypeError`` before a statement runs.
 
     The job carries the current trace context, under a ``create`` span (:mod:`jobfence.tracing`).
+    A body over ``MAX_BODY_BYTES`` raises :class:`~jobfence.JobRefused` before any statement.
     """
+    require_body_size(message.body)
     with tracing.create(message) as traced:
         _publish_sync(conn, traced, publish_params(traced, delay_seconds))
 
