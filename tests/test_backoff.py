@@ -183,8 +183,23 @@ async def test_d2_the_rationale_is_logged_when_a_worker_starts(
         ({"base_seconds": float("inf"), "cap_seconds": float("inf")}, "base_seconds must be"),
         ({"base_seconds": float("nan")}, "base_seconds must be"),
         ({"cap_seconds": 1e15}, "cap_seconds must be more than 0 and at most 315,360,000"),
+        (
+            {"permanent": ("ValueError",)},
+            r"permanent must be exception classes, such as \(ValueError,\); got 'ValueError'",
+        ),
+        ({"permanent": (ValueError, 3)}, r"permanent must be exception classes.*; got 3"),
+        ({"permanent": ValueError}, r"permanent must be a tuple of exception classes"),
     ],
-    ids=["not-whole", "too-many", "infinite", "nan", "cap-past-the-longest-delay"],
+    ids=[
+        "not-whole",
+        "too-many",
+        "infinite",
+        "nan",
+        "cap-past-the-longest-delay",
+        "permanent-a-name",
+        "permanent-not-a-class",
+        "permanent-not-a-tuple",
+    ],
 )
 def test_a_retry_policy_that_cannot_work_is_refused_naming_the_bound(
     values: dict[str, Any], says: str

@@ -120,6 +120,31 @@ async def test_d3_a_worker_whose_lease_outlasts_the_fence_margin_refuses_to_star
         app.check_fence_ttls(lease_seconds=3600)
 
 
+async def test_d3_a_worker_letting_handlers_run_past_the_fence_margin_refuses_to_start(
+    pool: AsyncConnectionPool[Any], conn: psycopg.AsyncConnection[Any]
+) -> None:
+    """A fence dates from the start of its transaction. A worker that lets a handler run for
+    up to 3 h (``max_handler_seconds``) commits a fence up to 3 h old; killed before its ack,
+    the job comes back a lease later, and a 2 h TTL (enough for the default policy and lease)
+    would have let cleanup delete that fence already. The handler's time is added to D3's
+    margin."""
+    app = short_ttl_app(timedelta(hours=2))
+    await conn.execute(pointsapp.SCHEMA_SQL)
+    await app.enqueue(conn, "short_fence", {"account_id": 1, "points": 5}, job_id="waiting")
+    queue = PgQueue(pool)
+    try:
+        with pytest.raises(ConfigError) as refused:
+            await Worker(app, pool, queue, max_handler_seconds=3 * 3600).run(until="idle")
+    finally:
+        await queue.close()
+    message = str(refused.value)
+    assert "fence TTL 7200s" in message
+    assert "1h + the worker's max_handler_seconds of 10800s" in message
+    assert f"the minimum {MINIMUM_TTL_SECONDS + 10800:g}s" in message
+    assert await scalar(conn, "SELECT attempts FROM jobfence_queue.messages") == 0
+    app.check_fence_ttls(lease_seconds=300, max_handler_seconds=600)  # within the TTL
+
+
 def test_a_fence_ttl_past_what_postgresql_can_date_is_refused_at_registration() -> None:
     """``now() + fence_ttl`` must be a timestamp PostgreSQL can store, or every fence insert of
     the consumer fails and none of its jobs runs: over 36,500 days is refused at once."""

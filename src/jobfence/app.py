@@ -96,11 +96,15 @@ class Consumer(Generic[P]):
         """D3: the fence must outlive twice the worst-case retry window plus an hour."""
         return self.minimum_fence_ttl_under(0.0)
 
-    def minimum_fence_ttl_under(self, lease_seconds: float) -> timedelta:
+    def minimum_fence_ttl_under(
+        self, lease_seconds: float, max_handler_seconds: float | None = None
+    ) -> timedelta:
         """D3's minimum for a worker whose lease is ``lease_seconds``: the hour of margin, or
         twice the lease when that is longer (a job whose ack was lost, its worker killed after
-        the commit, comes back when its lease ends, and the fence must still be there)."""
-        margin = max(3600.0, 2 * lease_seconds)
+        the commit, comes back when its lease ends, and the fence must still be there); plus
+        the worker's ``max_handler_seconds`` when it lets a handler run that long (a fence
+        dates from the start of its transaction, and commits up to that much later)."""
+        margin = max(3600.0, 2 * lease_seconds) + (max_handler_seconds or 0.0)
         return timedelta(seconds=2 * self.retry.retry_window_seconds + margin)
 
 
@@ -288,11 +292,14 @@ class App:
             delay_seconds=delay_seconds,
         )
 
-    def check_fence_ttls(self, *, lease_seconds: float = 0.0) -> None:
+    def check_fence_ttls(
+        self, *, lease_seconds: float = 0.0, max_handler_seconds: float | None = None
+    ) -> None:
         """D3: refuse consumers whose fence TTL does not cover their retry window, and (for a
-        worker whose lease is ``lease_seconds``) twice the lease when that is over an hour."""
+        worker whose lease is ``lease_seconds``) twice the lease when that is over an hour, and
+        the worker's ``max_handler_seconds`` when it has one."""
         for consumer in self._consumers.values():
-            minimum = consumer.minimum_fence_ttl_under(lease_seconds)
+            minimum = consumer.minimum_fence_ttl_under(lease_seconds, max_handler_seconds)
             if consumer.fence_ttl < minimum:
                 margin = (
                     "1h"
@@ -300,6 +307,11 @@ class App:
                     else f"twice the worker's lease of {lease_seconds:g}s, as a job whose ack"
                     " was lost comes back when its lease ends"
                 )
+                if max_handler_seconds:
+                    margin += (
+                        f" + the worker's max_handler_seconds of {max_handler_seconds:g}s, as a"
+                        " fence dates from the start of its transaction"
+                    )
                 raise ConfigError(
                     f"consumer {consumer.name!r}: fence TTL {_fmt(consumer.fence_ttl)} is shorter "
                     f"than the minimum {_fmt(minimum)} (2 x retry window "

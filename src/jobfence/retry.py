@@ -63,6 +63,21 @@ class RetryPolicy:
             raise ConfigError(
                 f"cap_seconds ({self.cap_seconds}) must be >= base_seconds ({self.base_seconds})"
             )
+        # Checked here: an exception's isinstance() against a name would raise TypeError at
+        # the first failure of every job, each then failing inside jobfence.
+        permanent = self.permanent
+        if not isinstance(permanent, tuple | list):
+            raise ConfigError(
+                "permanent must be a tuple of exception classes, such as (ValueError,); got"
+                f" {permanent!r}"
+            )
+        for kind in permanent:
+            if not (isinstance(kind, type) and issubclass(kind, BaseException)):
+                raise ConfigError(
+                    "permanent must be exception classes, such as (ValueError,); got"
+                    f" {kind!r}"
+                )
+        object.__setattr__(self, "permanent", tuple(permanent))
         if self.overrides_default and not (self.rationale and self.rationale.strip()):
             raise ConfigError(
                 "a retry policy that overrides the default (5 retries, base 30 s, cap 1 h) needs "

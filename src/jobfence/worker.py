@@ -224,7 +224,9 @@ class Worker:
         commit jobs in groups and those with a sync handler, in the log; a warning when the
         pool is smaller than the worker needs, and when delayed retries need a relay this
         worker does not run."""
-        self.app.check_fence_ttls(lease_seconds=self.lease_seconds)
+        self.app.check_fence_ttls(
+            lease_seconds=self.lease_seconds, max_handler_seconds=self.max_handler_seconds
+        )
         max_size = getattr(self._pool, "max_size", None)
         if isinstance(max_size, int) and max_size < self.concurrency + 2:
             log.warning(
