@@ -119,11 +119,30 @@ def test_a_valid_traceparent_and_tracestate_are_kept_from_text_or_header_bytes()
         "a=b=c",
         "=v",
         b"\xff=v",
+        "1abc=v",
+        "a=1,9=2",
     ],
 )
 def test_a_hostile_tracestate_is_dropped_and_the_traceparent_kept(value: object) -> None:
     assert tracing.valid_tracestate(value) is None
     assert tracing.carried(TP, value) == (TP, None)
+
+
+@pytest.mark.parametrize(
+    "value", ["a=1", "a=1,b=2", " a=1 ,\tb@sys=2", "1tenant@sys=v", "a=1,,b=2", "z/*_-9=v w"]
+)
+def test_a_tracestate_jobfence_keeps_is_one_opentelemetry_reads_whole_without_a_warning(
+    value: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What jobfence keeps, OpenTelemetry reads whole: a member it cannot read (a key without a
+    tenant starting with a digit) makes it drop the whole tracestate and log a WARNING quoting
+    the member, a producer's value, on every span of the job."""
+    span = pytest.importorskip("opentelemetry.trace")
+    assert tracing.valid_tracestate(value) == value
+    with caplog.at_level(logging.DEBUG, logger="opentelemetry"):
+        state = span.TraceState.from_header([value])
+    assert len(state) == value.count("=")
+    assert not caplog.records
 
 
 def test_without_opentelemetry_jobfence_runs_and_never_imports_it(tmp_path: Path) -> None:

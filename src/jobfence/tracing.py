@@ -55,8 +55,10 @@ MAX_TRACESTATE_CHARS = 512  # W3C: vendors propagate at least 512 characters; mo
 _MAX_MEMBERS = 32
 _MAX_ATTRIBUTE_CHARS = 1024
 _TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
+# A simple key starts with a letter (W3C Trace Context, the Recommendation, as OpenTelemetry
+# reads it: a member it cannot read drops the whole tracestate, with a WARNING quoting it).
 _MEMBER = re.compile(
-    r"[ \t]*(?:[a-z0-9][a-z0-9_\-*/]{0,255}|[a-z0-9][a-z0-9_\-*/]{0,240}@[a-z][a-z0-9_\-*/]{0,13})"
+    r"[ \t]*(?:[a-z][a-z0-9_\-*/]{0,255}|[a-z0-9][a-z0-9_\-*/]{0,240}@[a-z][a-z0-9_\-*/]{0,13})"
     r"=[\x20-\x2b\x2d-\x3c\x3e-\x7e]{0,255}[\x21-\x2b\x2d-\x3c\x3e-\x7e][ \t]*"
 )
 _STATE_KEY = "jobfence"  # the tracestate member a replay adds: the failed attempt's ids
