@@ -21,7 +21,7 @@ import psycopg
 
 from jobfence import cli_dead_letters, db, runtime, schema
 from jobfence.app import App
-from jobfence.cli_dead_letters import report_error
+from jobfence.cli_dead_letters import report_error, text_argument
 from jobfence.errors import ConfigError, JobfenceError
 from jobfence.limits import MAX_LEASE_SECONDS
 from jobfence.queues import add_queue_url_option
@@ -148,7 +148,13 @@ def _add_metrics_options(p: argparse.ArgumentParser) -> None:
         metavar="PORT",
         help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port)",
     )
-    p.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST", help="(127.0.0.1)")
+    p.add_argument(
+        "--metrics-host",
+        type=text_argument,
+        default="127.0.0.1",
+        metavar="HOST",
+        help="(127.0.0.1)",
+    )
 
 
 async def _cmd_worker(args: argparse.Namespace) -> int:
@@ -157,7 +163,9 @@ async def _cmd_worker(args: argparse.Namespace) -> int:
     from jobfence.worker import Worker
 
     app = _load_app(args.app)
-    app.check_fence_ttls(lease_seconds=args.lease_seconds)
+    app.check_fence_ttls(
+        lease_seconds=args.lease_seconds, max_handler_seconds=args.max_handler_seconds
+    )
     url = db.resolve_database_url()
     # One more connection for the outbox relay's own, on a broker.
     pool = await db.open_pool(url, max_size=args.concurrency + 2, name="jobfence-worker")
@@ -561,6 +569,7 @@ def _add_migrate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     )
     p.add_argument(
         "--queue-url",
+        type=text_argument,
         default=None,
         metavar="URL",
         help="move this database's jobs to this queue: a broker's URL (producers then write"
@@ -570,6 +579,7 @@ def _add_migrate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     )
     p.add_argument(
         "--from-queue-url",
+        type=text_argument,
         default=None,
         metavar="URL",
         help="the broker the move leaves, with its password, to count what it still holds"
@@ -607,8 +617,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_migrate_parser(sub)
 
     p = sub.add_parser("worker", help="run the consumers of MODULE:APP")
-    p.add_argument("app", help="the jobfence.App to run, as MODULE:ATTRIBUTE")
-    p.add_argument("--queue", action="append", help="only these queues (repeatable)")
+    p.add_argument("app", type=text_argument, help="the jobfence.App to run, as MODULE:ATTRIBUTE")
+    p.add_argument(
+        "--queue", type=text_argument, action="append", help="only these queues (repeatable)"
+    )
     p.add_argument("--concurrency", type=_concurrency, default=4, help="jobs at once (4)")
     p.add_argument("--batch-size", type=_fetch_batch, default=None, help="messages per fetch")
     p.add_argument(
@@ -676,7 +688,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve the Ops management HTTP API (needs JOBFENCE_JWT_SECRET or "
         "JOBFENCE_JWT_PUBLIC_KEY)",
     )
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
+    p.add_argument(
+        "--host",
+        type=text_argument,
+        default="127.0.0.1",
+        help="address to listen on (127.0.0.1)",
+    )
     p.add_argument("--port", type=_port, default=8080, help="port to listen on; 0: any (8080)")
     p.add_argument(
         "--pool-size", type=_pool_size, default=10, help="database connections at most (10)"

@@ -53,16 +53,53 @@ class _OneLineParser(argparse.ArgumentParser):
 
 
 _MAX_BIGINT = 2**63 - 1
+SHOWN_ARGUMENT = 80  # characters of a refused argument that its error quotes
+
+
+def _as_typed(text: str) -> str:
+    """An argument as a person typed it, quoted for an error line: a byte that is not UTF-8
+    as ``\\xff`` (Python passes it on as a lone surrogate), control characters escaped, cut
+    at ``SHOWN_ARGUMENT`` characters."""
+    try:
+        raw = text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a surrogate no byte of argv gives (main() called with it)
+        raw = text.encode("utf-8", "backslashreplace")
+    shown = printable(raw.decode("utf-8", "backslashreplace"))
+    if len(shown) > SHOWN_ARGUMENT:
+        shown = shown[: SHOWN_ARGUMENT - 3] + "..."
+    return f"'{shown}'"
+
+
+def text_argument(text: str) -> str:
+    """An argparse type for a free-text argument (a name, a filter, a reason, a host, a URL,
+    a file name): refused when it is not valid UTF-8 or holds a NUL character, which neither
+    PostgreSQL nor a log line nor a terminal takes (the HTTP API refuses both too). Every
+    command's text arguments take it (``jobfence.cli`` too)."""
+    if "\x00" in text:
+        raise argparse.ArgumentTypeError(f"{_as_typed(text)} holds a NUL character")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError(f"{_as_typed(text)} is not valid UTF-8") from None
+    return text
+
+
+def _digits(text: str) -> int | None:
+    """``text`` as a whole number when it is ASCII digits only, as the HTTP API reads one;
+    else None (``int()`` also reads Arabic-Indic or fullwidth digits, ``+1``, `` 1``, ``1_0``)."""
+    if not (text.isascii() and text.isdigit()):
+        return None
+    try:
+        return int(text)
+    except ValueError:  # more digits than int() converts
+        return None
 
 
 def _positive_id(what: str) -> Callable[[str], int]:
     """An argparse type for a database id (an integer >= 1), naming ``what`` in its error."""
 
     def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = 0
+        value = _digits(text) or 0
         if not 1 <= value <= _MAX_BIGINT:  # ids are PostgreSQL bigints
             raise argparse.ArgumentTypeError(f"not a {what} id: {text!r}")
         return value
@@ -72,14 +109,19 @@ def _positive_id(what: str) -> Callable[[str], int]:
 
 def _count(text: str) -> int:
     """An argparse type for ``--max-items``: a count from 1 to what a bulk run may be given."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
+    value = _digits(text) or 0
     if not 1 <= value <= ops.MAX_BULK_ITEMS:
         raise argparse.ArgumentTypeError(
             f"not a whole number from 1 to {ops.MAX_BULK_ITEMS}: {text!r}"
         )
+    return value
+
+
+def _page_size(text: str) -> int:
+    """An argparse type for ``--limit``: ASCII digits (ops refuses a value out of its range)."""
+    value = _digits(text)
+    if value is None:
+        raise argparse.ArgumentTypeError(f"not a whole number from 1 to {ops.MAX_PAGE}: {text!r}")
     return value
 
 
@@ -89,6 +131,7 @@ _run_id = _positive_id("bulk replay")
 
 def _timestamp(text: str) -> datetime:
     """ISO 8601 (a date, or a date and time); without an offset it is UTC (ops.parse_time)."""
+    text_argument(text)
     try:
         return ops.parse_time(text)
     except InvalidRequest as exc:
@@ -96,6 +139,7 @@ def _timestamp(text: str) -> datetime:
 
 
 def _group_keys(text: str) -> list[str]:
+    text_argument(text)
     return [key.strip() for key in text.split(",")]
 
 
@@ -103,12 +147,12 @@ def _add_filters(p: argparse.ArgumentParser, *, status: bool) -> None:
     g = p.add_argument_group("filters (every one given must match)")
     if status:
         g.add_argument("--status", choices=ops.STATUSES, help="this status only")
-    g.add_argument("--queue", help="this queue only")
-    g.add_argument("--consumer", help="this consumer only")
-    g.add_argument("--tenant", metavar="TENANT_ID", help="this tenant_id only")
-    g.add_argument("--error-class", help="this error_class only")
-    g.add_argument("--job-id", help="this job_id only")
-    g.add_argument("--correlation-id", help="this correlation_id only")
+    g.add_argument("--queue", type=text_argument, help="this queue only")
+    g.add_argument("--consumer", type=text_argument, help="this consumer only")
+    g.add_argument("--tenant", type=text_argument, metavar="TENANT_ID", help="this tenant_id only")
+    g.add_argument("--error-class", type=text_argument, help="this error_class only")
+    g.add_argument("--job-id", type=text_argument, help="this job_id only")
+    g.add_argument("--correlation-id", type=text_argument, help="this correlation_id only")
     g.add_argument(
         "--since",
         type=_timestamp,
@@ -140,6 +184,7 @@ def _filter(args: argparse.Namespace) -> DeadLetterFilter:
 def _add_actor(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--actor",
+        type=text_argument,
         metavar="NAME",
         help=f"who does it, recorded as resolved_by (default: ${ENV_ACTOR}, else the OS user)",
     )
@@ -152,13 +197,22 @@ def _actor(args: argparse.Namespace) -> str:
         return str(args.actor)
     from_env = os.environ.get(ENV_ACTOR, "").strip()
     if from_env:
-        return from_env
+        return _text_from(from_env, f"${ENV_ACTOR}")
     try:
-        return getpass.getuser()
+        user = getpass.getuser()
     except (OSError, KeyError):
         raise InvalidRequest(
             f"cannot tell who you are: pass --actor NAME or set {ENV_ACTOR}"
         ) from None
+    return _text_from(user, "the OS user name")
+
+
+def _text_from(text: str, source: str) -> str:
+    """``text`` from the environment, refused as :func:`text_argument` refuses an argument."""
+    try:
+        return text_argument(text)
+    except argparse.ArgumentTypeError as exc:
+        raise InvalidRequest(f"{source}: {exc}; pass --actor NAME") from None
 
 
 def add_parser(sub: Any) -> None:
@@ -183,11 +237,11 @@ def add_parser(sub: Any) -> None:
     _add_filters(p, status=True)
     p.add_argument(
         "--limit",
-        type=int,
+        type=_page_size,
         default=ops.DEFAULT_PAGE,
         help="rows (or groups) per page (50, max 500)",
     )
-    p.add_argument("--cursor", help="the next cursor a previous page printed")
+    p.add_argument("--cursor", type=text_argument, help="the next cursor a previous page printed")
     p.add_argument(
         "--group-by",
         type=_group_keys,
@@ -210,6 +264,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--full", action="store_true", help="print the whole payload, however large")
     p.add_argument(
         "--payload-out",
+        type=text_argument,
         metavar="FILE",
         help="write the payload to FILE, a new file: the bytes a replay publishes (a base64 "
         "payload's original bytes, else the stored JSON text)",
@@ -255,7 +310,12 @@ def add_parser(sub: Any) -> None:
 
     p = commands.add_parser("discard", help="give up one pending dead letter, with a reason")
     p.add_argument("id", type=_dead_letter_id, metavar="ID")
-    p.add_argument("--reason", required=True, help="why (required, non-blank, at most 2000)")
+    p.add_argument(
+        "--reason",
+        type=text_argument,
+        required=True,
+        help="why (required, non-blank, at most 2000)",
+    )
     _add_actor(p)
     p.add_argument("--json", action="store_true", help="one JSON document")
     p.set_defaults(func=_guarded(_cmd_discard))
