@@ -150,6 +150,46 @@ async def test_permission_matrix(
     assert await state(conn) == before
 
 
+@pytest.mark.parametrize("reader", [False, True], ids=["discard-only", "discard-and-read"])
+async def test_a_discard_answers_the_payload_only_to_a_token_that_may_read_it(
+    api: Api, conn: AsyncConnection[Any], *, reader: bool
+) -> None:
+    """Least privilege: a token that may discard but not read dead letters learns what its
+    discard did and the dead letter's identifiers, never its payload or error; a token that
+    may also read gets the dead letter whole, as ``GET`` would show it."""
+    dl_id = await insert_dead_letter(
+        conn, job_id="lp-1", queue="q-lp", payload={"card": "4111-secret"}, correlation_id="c-1"
+    )
+    granted = [PERMISSION_DISCARD, PERMISSION_READ] if reader else [PERMISSION_DISCARD]
+    response = await api.client.post(
+        f"{PREFIX}/{dl_id}/discard",
+        json={"reason": "a duplicate"},
+        headers=bearer(make_token(permissions=granted, sub="discarder")),
+    )
+    assert response.status_code == 200, response.text
+    body = response.json()
+    row = await dead_letter_row(conn, dl_id)
+    assert (row["status"], row["resolved_by"]) == ("discarded", "discarder")
+    if reader:
+        assert body["payload"] == {"card": "4111-secret"}
+        assert body["last_error"] == "Flaky: it failed"
+        return
+    assert "4111-secret" not in response.text and "it failed" not in response.text
+    resolved_at = body.pop("resolved_at")
+    assert resolved_at.startswith(str(row["resolved_at"].year))
+    assert body == {
+        "dead_letter_id": dl_id,
+        "status": "discarded",
+        "discard_reason": "a duplicate",
+        "resolved_by": "discarder",
+        "job_id": "lp-1",
+        "queue": "q-lp",
+        "consumer": "award_points",
+        "tenant_id": "t1",
+        "correlation_id": "c-1",
+    }
+
+
 @pytest.mark.parametrize(
     ("method", "path", "body"),
     [

@@ -312,6 +312,9 @@ class MetricsApp:
     include_in_schema=False)`` (an instance is an ASGI app to Starlette, not an endpoint).
     """
 
+    # The methods it answers; any other is a 405 naming them in ``Allow``.
+    METHODS: tuple[str, ...] = ("GET", "HEAD")
+
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
 
@@ -327,14 +330,21 @@ class MetricsApp:
         if scope["type"] != "http":
             return
         method = scope.get("method", "GET")
-        if method not in ("GET", "HEAD"):
-            await _respond(send, 405, b"method not allowed\n", "text/plain; charset=utf-8")
+        if method not in self.METHODS:
+            allow = [(b"allow", ", ".join(self.METHODS).encode())]
+            await _respond(send, 405, b"method not allowed\n", "text/plain; charset=utf-8", allow)
             return
         body = await asyncio.to_thread(generate_latest, self.registry)
         await _respond(send, 200, b"" if method == "HEAD" else body, CONTENT_TYPE_LATEST)
 
 
-async def _respond(send: Send, status: int, body: bytes, content_type: str) -> None:
+async def _respond(
+    send: Send,
+    status: int,
+    body: bytes,
+    content_type: str,
+    headers: list[tuple[bytes, bytes]] | None = None,
+) -> None:
     await send(
         {
             "type": "http.response.start",
@@ -342,6 +352,7 @@ async def _respond(send: Send, status: int, body: bytes, content_type: str) -> N
             "headers": [
                 (b"content-type", content_type.encode()),
                 (b"content-length", str(len(body)).encode()),
+                *(headers or []),
             ],
         }
     )

@@ -74,8 +74,7 @@ class RetryPolicy:
         for kind in permanent:
             if not (isinstance(kind, type) and issubclass(kind, BaseException)):
                 raise ConfigError(
-                    "permanent must be exception classes, such as (ValueError,); got"
-                    f" {kind!r}"
+                    f"permanent must be exception classes, such as (ValueError,); got {kind!r}"
                 )
         object.__setattr__(self, "permanent", tuple(permanent))
         if self.overrides_default and not (self.rationale and self.rationale.strip()):

@@ -27,6 +27,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
 
 from jobfence import ops
 from jobfence.api import problems
@@ -40,6 +42,7 @@ from jobfence.api.auth import (
     TokenVerifier,
     require,
 )
+from jobfence.api.limits import MAX_BODY_BYTES, LimitBody
 from jobfence.api.problems import (
     PROBLEM_JSON,
     BulkTooLargeProblem,
@@ -60,6 +63,7 @@ from jobfence.api.schemas import (
     DeadLetterId,
     DeadLetterPageOut,
     DeadLetterQuery,
+    DiscardOut,
     DiscardRequest,
     Health,
     ReplayOut,
@@ -163,7 +167,8 @@ _AUTH_ERRORS: dict[int | str, dict[str, Any]] = {
     503: {"model": Problem, "description": "the database cannot be reached"},
 }
 _BAD_BODY: dict[int | str, dict[str, Any]] = {
-    400: {"model": Problem, "description": "the body cannot be read (not UTF-8 JSON)"}
+    400: {"model": Problem, "description": "the body cannot be read (not UTF-8 JSON)"},
+    413: {"model": Problem, "description": f"the body is over {MAX_BODY_BYTES} bytes"},
 }
 _NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"model": Problem, "description": "no such id"}}
 _NOT_PENDING: dict[int | str, dict[str, Any]] = {
@@ -258,13 +263,15 @@ def create_app(
     app.state.jobfence = Services(
         pool=pool, queue=queue, settings=settings, verifier=verifier, bulk=bulk, items=items
     )
+    # The last added runs first: the token is checked before the body is counted or read.
+    app.add_middleware(LimitBody, max_bytes=MAX_BODY_BYTES)
     app.add_middleware(Authenticate, verifier=verifier, prefix="/v1/")
     registry = metrics if metrics is not None else metrics_registry(pool)
     registry.register(ItemCacheCollector(items))
     app.add_route(
         "/metrics",
         # An ASGI app, which Starlette serves as is (its type hints name only endpoints).
-        MetricsApp(registry),  # type: ignore[arg-type]
+        _Metrics(MetricsApp(registry)),  # type: ignore[arg-type]
         include_in_schema=False,
     )
     problems.install(app)
@@ -272,6 +279,20 @@ def create_app(
     _routes(app)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
+
+
+class _Metrics:
+    """``/metrics`` as the API serves it: a method other than GET or HEAD is a 405 problem
+    with ``Allow``, as on every other path (the problem handlers answer the exception)."""
+
+    def __init__(self, app: MetricsApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        methods = self.app.METHODS
+        if scope["type"] == "http" and scope["method"] not in methods:
+            raise StarletteHTTPException(405, headers={"Allow": ", ".join(methods)})
+        await self.app(scope, receive, send)
 
 
 class ItemCacheCollector:
@@ -568,7 +589,7 @@ def _routes(app: FastAPI) -> None:
     @app.post(
         f"{PREFIX}/{{id}}/discard",
         tags=["dead letters"],
-        response_model=DeadLetterDetailOut,
+        response_model=DeadLetterDetailOut | DiscardOut,
         responses={**_AUTH_ERRORS, **_BAD_BODY, **_NOT_FOUND, **_NOT_PENDING},
     )
     async def discard_dead_letter(
@@ -576,11 +597,15 @@ def _routes(app: FastAPI) -> None:
         body: Annotated[DiscardRequest, Body()],
         services: Svc,
         principal: Discarder,
-    ) -> Response:
+    ) -> Response | DiscardOut:
         """Mark the dead letter ``discarded`` with a non-blank reason (at most 2,000
-        characters), by the token's ``sub``; the answer is the dead letter as it is now."""
-        await ops.discard(services.pool, id, reason=body.reason, actor=principal.subject)
-        return await _show(services, id)
+        characters), by the token's ``sub``. The answer is the dead letter as it is now when
+        the token may also read dead letters (``core.dead_letters.read``); otherwise what the
+        discard did, with the dead letter's identifiers but not its payload or error."""
+        letter = await ops.discard(services.pool, id, reason=body.reason, actor=principal.subject)
+        if PERMISSION_READ in principal.permissions:
+            return await _show(services, id)
+        return DiscardOut.of(letter)
 
 
 async def _show(services: Services, dead_letter_id: int) -> Response:

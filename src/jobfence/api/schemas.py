@@ -27,6 +27,7 @@ from jobfence.dead_letters import (
     BLANK_DISCARD_REASON,
     LONG_DISCARD_REASON,
     MAX_DISCARD_REASON,
+    DeadLetter,
     ReplayResult,
 )
 
@@ -260,6 +261,39 @@ class DeadLetterDetailOut(DeadLetterOut):
         return cls.model_validate(
             _fields(cls, letter)
             | {"fence_exists": detail.fence_exists, "trace_id": letter.trace_id}
+        )
+
+
+class DiscardOut(BaseModel):
+    """A discard's answer to a token that may discard but not read dead letters: what it did,
+    with the dead letter's identifiers, never its payload or error (least privilege; a token
+    that may also read gets the dead letter whole)."""
+
+    dead_letter_id: int
+    status: Literal["discarded"] = "discarded"
+    discard_reason: str
+    resolved_at: datetime
+    resolved_by: str
+    job_id: str
+    queue: str
+    consumer: str
+    tenant_id: str | None
+    correlation_id: str | None
+
+    @classmethod
+    def of(cls, letter: DeadLetter) -> Self:
+        assert letter.discard_reason is not None and letter.resolved_at is not None
+        assert letter.resolved_by is not None  # a discarded row has them (core.dead_letters)
+        return cls(
+            dead_letter_id=letter.id,
+            discard_reason=letter.discard_reason,
+            resolved_at=letter.resolved_at,
+            resolved_by=letter.resolved_by,
+            job_id=letter.job_id,
+            queue=letter.queue,
+            consumer=letter.consumer,
+            tenant_id=letter.tenant_id,
+            correlation_id=letter.correlation_id,
         )
 
 
