@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import shutil
 import subprocess
@@ -88,7 +89,11 @@ async def delete_everything(broker: str, url: str, name: str, queues: Sequence[s
 @contextlib.contextmanager
 def rabbitmq_max_message_size(max_bytes: int) -> Iterator[None]:
     """The local RabbitMQ's ``max_message_size`` set to ``max_bytes`` for the block (a broker
-    setting: the tests run one at a time), then put back."""
+    setting: the test is marked serial, and runs alone), then put back."""
+    if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+        pytest.skip(
+            "sets the broker's max_message_size for every test: runs alone (pytest -m serial)"
+        )
     rabbitmqctl = shutil.which("rabbitmqctl")
     if rabbitmqctl is None:
         pytest.skip("rabbitmqctl is not installed")

@@ -452,7 +452,8 @@ async def test_bulk_replay_killed_mid_run_leaves_rows_replayed_and_queued_or_pen
     async def victim_gone() -> bool:
         left = await scalar(
             conn,
-            "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'jobfence-api-victim'",
+            "SELECT count(*) FROM pg_stat_activity"
+            " WHERE datname = current_database() AND application_name = 'jobfence-api-victim'",
         )
         return left == 0
 

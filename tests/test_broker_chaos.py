@@ -259,7 +259,8 @@ class Run:
             return bool(
                 await self.count(
                     "SELECT count(*) FROM jobfence.outbox WHERE claimed_until > now()"
-                    " AND EXISTS (SELECT FROM pg_stat_activity WHERE application_name = %s)",
+                    " AND EXISTS (SELECT FROM pg_stat_activity"
+                    " WHERE datname = current_database() AND application_name = %s)",
                     (relay_app,),
                 )
             )

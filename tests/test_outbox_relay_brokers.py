@@ -505,6 +505,7 @@ async def _bodies_on(queue: QueuePort, *, count: int) -> dict[str, int]:
     return got
 
 
+@pytest.mark.serial  # sets the broker's max_message_size for every connection
 async def test_a_message_over_rabbitmqs_max_message_size_is_a_dead_letter_and_the_others_go_on(
     database_url: str,
     conn: psycopg.AsyncConnection[Any],
