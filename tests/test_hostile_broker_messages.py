@@ -12,7 +12,9 @@ the jobs behind it run. Without that, an attempt header ``abc`` looped once per 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import struct
 from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import urlsplit
@@ -452,3 +454,172 @@ async def test_on_rabbitmq_a_content_header_the_client_cannot_decode_is_one_dead
             assert (await queue.size([pointsapp.QUEUE])).total == 0
         finally:
             await queue.close()
+
+
+async def test_on_rabbitmq_a_routing_key_that_is_not_utf8_does_not_stall_the_queue(
+    request: pytest.FixtureRequest,
+    pool: AsyncConnectionPool[Any],
+    conn: psycopg.AsyncConnection[Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A message can reach a jobfence queue through another exchange bound to it, under a
+    routing key that is not UTF-8 (RabbitMQ routes bytes). pamqp could not decode its
+    ``basic.deliver``: aiormq's reader stopped, the worker saw an outage, reconnected, and the
+    broker delivered the same message again, on every connection: no job behind it ran. The
+    routing key is nothing to jobfence (the queue is known from the consumer), so the
+    message is a job like any other: it runs once, the jobs around it run, and the worker
+    keeps its one connection."""
+    import aio_pika
+
+    import amqp_raw
+    from jobfence.adapters import rabbitmq
+
+    opened = 0
+    connect = rabbitmq._connect
+
+    async def counted(url: str) -> Any:
+        nonlocal opened
+        opened += 1
+        return await connect(url)
+
+    monkeypatch.setattr(rabbitmq, "_connect", counted)
+    request.param = "rabbitmq"
+    async with on_broker(request, [pointsapp.QUEUE]) as (kind, url, name):
+        queue = make_queue(kind, url, name)
+        exchange = f"{name}.topic"
+        admin = await aio_pika.connect(url)
+        try:
+            await conn.execute(pointsapp.SCHEMA_SQL)
+            app = pointsapp.build_app()
+            award = {"account_id": 1, "points": 5}
+            await queue.publish(app.message("award_points", award, job_id="before"))
+            # The queue exists now: bind it to a topic exchange of the test's own, for any key.
+            channel = await admin.channel()
+            topic = await channel.declare_exchange(exchange, aio_pika.ExchangeType.TOPIC)
+            bound = await channel.get_queue(f"{name}.{pointsapp.QUEUE}", ensure=True)
+            await bound.bind(topic, routing_key="#")
+            entries = [
+                (b"x-jobfence-consumer", amqp_raw.long_string(b"award_points")),
+                (b"x-jobfence-job-id", amqp_raw.long_string(b"routed")),
+            ]
+            await amqp_raw.publish_raw(
+                url,
+                BODY,
+                exchange=exchange.encode(),
+                routing_key=b"\xff\xfe",
+                headers=amqp_raw.table(entries),
+            )
+            for n in range(3):
+                await queue.publish(app.message("award_points", award, job_id=f"after-{n}"))
+
+            metrics = await asyncio.wait_for(_run_until_empty(pool, queue), 20)
+
+            assert (metrics.count("succeeded"), metrics.count("poison")) == (5, 0)
+            assert await scalar(conn, "SELECT points FROM public.accounts WHERE id = 1") == 25
+            assert await scalar(conn, "SELECT count(*) FROM core.processed_jobs") == 5
+            assert await _unfenceable_letters(conn) == []
+            assert (await queue.size([pointsapp.QUEUE])).total == 0
+            assert opened == 1  # the worker never saw an outage, nor reconnected
+        finally:
+            await queue.close()
+            with contextlib.suppress(Exception):
+                channel = await admin.channel()
+                await channel.exchange_delete(exchange)
+            await admin.close()
+
+
+def _method_frame(payload: bytes) -> bytes:
+    return struct.pack(">BHI", 1, 1, len(payload)) + payload + b"\xce"
+
+
+def _short(data: bytes) -> bytes:
+    return bytes((len(data),)) + data
+
+
+@pytest.mark.parametrize(
+    ("payload", "expected"),
+    [
+        pytest.param(
+            struct.pack(">HH", 60, 60)
+            + _short(b"ctag1.x")
+            + struct.pack(">Q", 7)
+            + b"\x01"
+            + _short(b"ex-\xff")
+            + _short(b"\xff\xfe.key"),
+            {
+                "consumer_tag": "ctag1.x",
+                "delivery_tag": 7,
+                "redelivered": True,
+                "exchange": "ex-\ufffd",
+                "routing_key": "\ufffd\ufffd.key",
+            },
+            id="deliver",
+        ),
+        pytest.param(
+            struct.pack(">HHQ", 60, 71, 9)
+            + b"\x00"
+            + _short(b"")
+            + _short(b"caf\xe9")
+            + struct.pack(">I", 3),
+            {
+                "delivery_tag": 9,
+                "redelivered": False,
+                "exchange": "",
+                "routing_key": "caf\ufffd",
+                "message_count": 3,
+            },
+            id="get-ok",
+        ),
+        pytest.param(
+            struct.pack(">HHH", 60, 50, 312)
+            + _short(b"NO_ROUTE")
+            + _short(b"amq.topic")
+            + _short(b"\xff"),
+            {
+                "reply_code": 312,
+                "reply_text": "NO_ROUTE",
+                "exchange": "amq.topic",
+                "routing_key": "\ufffd",
+            },
+            id="return",
+        ),
+    ],
+)
+def test_a_message_method_whose_routing_key_is_not_utf8_is_read_only_on_jobfence_connections(
+    payload: bytes, expected: dict[str, object]
+) -> None:
+    """On the connections jobfence opens, the bytes that are not UTF-8 in a message's
+    ``basic.deliver``, ``basic.get-ok`` or ``basic.return`` are read as U+FFFD (never the
+    bytes); for any other pamqp user the frame raises as before."""
+    import pamqp.frame
+    from pamqp.exceptions import UnmarshalingException
+
+    from jobfence.adapters._amqp import tolerant_headers
+
+    frame = _method_frame(payload)
+    with tolerant_headers():
+        used, channel, method = pamqp.frame.unmarshal(frame)
+    assert (used, channel) == (len(frame), 1)
+    assert {name: getattr(method, name) for name in method.__slots__} == expected
+    with pytest.raises(UnmarshalingException):
+        pamqp.frame.unmarshal(frame)
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        # channel.close whose reply text is not UTF-8: not a message, the broker's own frame
+        pytest.param(struct.pack(">HHH", 20, 40, 406) + _short(b"\xff") + b"\x00\x00\x00\x00"),
+        # a basic.deliver cut short after a routing key that is not UTF-8
+        pytest.param(struct.pack(">HH", 60, 60) + _short(b"\xff")),
+    ],
+    ids=["channel-close", "deliver-cut-short"],
+)
+def test_a_method_frame_that_is_not_a_message_or_not_whole_still_fails(payload: bytes) -> None:
+    import pamqp.frame
+    from pamqp.exceptions import UnmarshalingException
+
+    from jobfence.adapters._amqp import tolerant_headers
+
+    with tolerant_headers(), pytest.raises(UnmarshalingException):
+        pamqp.frame.unmarshal(_method_frame(payload))

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import aio_pika
@@ -235,17 +237,30 @@ async def test_the_adapter_reconnects_after_its_connection_was_dropped(amqp_url:
         await delete_queues(amqp_url, prefix)
 
 
-async def test_a_connection_whose_reader_stopped_is_an_outage_at_the_next_receive(
-    amqp_url: str,
+@pytest.mark.parametrize("noticed_by", ["receive", "size"])
+async def test_a_connection_whose_reader_stopped_is_an_outage_at_the_next_receive_or_count(
+    amqp_url: str, monkeypatch: pytest.MonkeyPatch, noticed_by: str
 ) -> None:
-    """aiormq's reader stops at a frame pamqp cannot decode (here a ``basic.deliver`` whose
-    routing key is not UTF-8: RabbitMQ passes it on from an exchange bound to the queue) and
-    the connection is dead, though aio-pika may still say its channel is open. The next
-    receive says so (``QueueUnavailable``, which the worker logs as an outage) instead of
-    returning nothing, in silence, for ever; once that message is gone, the adapter works on
-    a new connection."""
-    import amqp_raw
+    """aiormq's reader stops at a frame pamqp cannot decode, and the connection is dead, though
+    aio-pika may still say its channel is open. jobfence's connections read every frame
+    RabbitMQ passes on from a producer (see ``tests/test_hostile_broker_messages.py``), so
+    the failure is made here: pamqp fails on one marked body frame, as it would on a frame
+    no one foresaw. The next receive, or the next count (``size``, which a worker running
+    until the queue is empty calls between receives), says so (``QueueUnavailable``, which the
+    worker logs as an outage) instead of returning nothing, or reconnecting, in silence; once
+    that message is gone, the adapter works on a new connection."""
+    import pamqp.frame
+    from pamqp.exceptions import UnmarshalingException
 
+    marker = b"pamqp-cannot-read-this"
+    unmarshal_body = pamqp.frame._unmarshal_body_frame
+
+    def failing_on_the_marker(frame_data: bytes) -> Any:
+        if frame_data == marker:
+            raise UnmarshalingException("ContentBody", "a frame no one foresaw")
+        return unmarshal_body(frame_data)
+
+    monkeypatch.setattr(pamqp.frame, "_unmarshal_body_frame", failing_on_the_marker)
     prefix = f"jftest.{uuid.uuid4().hex[:12]}"
     name = f"{prefix}.{QUEUE}"
     queue = RabbitMQQueue(amqp_url, prefix=prefix)
@@ -254,26 +269,24 @@ async def test_a_connection_whose_reader_stopped_is_an_outage_at_the_next_receiv
         await queue.publish(message("before"))
         await queue.ack_many(await _receive_until(queue, [QUEUE], 1))
         channel = await connection.channel()
-        fanout = await channel.declare_exchange(
-            f"{prefix}.fanout", aio_pika.ExchangeType.FANOUT, auto_delete=True
-        )
         amqp_queue = await channel.declare_queue(name, passive=True)
-        await amqp_queue.bind(fanout)
-        await amqp_raw.publish_raw(
-            amqp_url, b"{}", exchange=fanout.name.encode(), routing_key=b"\xff\xfe"
-        )
+        await channel.default_exchange.publish(aio_pika.Message(marker), routing_key=name)
 
         raised: list[QueueUnavailable] = []
 
         async def outage() -> bool:
             try:
-                await queue.receive([QUEUE], max_messages=1, lease_seconds=60, wait_seconds=0.2)
+                if noticed_by == "receive":
+                    await queue.receive([QUEUE], max_messages=1, lease_seconds=60, wait_seconds=0.2)
+                else:
+                    await queue.size([QUEUE])
+                    await asyncio.sleep(0.05)
             except QueueUnavailable as exc:
                 raised.append(exc)
             return bool(raised)
 
         await wait_until(outage, timeout=10, message="the lost connection raised")
-        assert "the connection was lost (InvalidFrameError)" in str(raised[0])
+        assert "InvalidFrameError" in str(raised[0]), raised[0]
 
         async def purged() -> bool:  # back in the queue once the broker saw the connection go
             return bool((await amqp_queue.purge()).message_count)
@@ -289,6 +302,7 @@ async def test_a_connection_whose_reader_stopped_is_an_outage_at_the_next_receiv
         await delete_queues(amqp_url, prefix)
 
 
+@pytest.mark.serial  # sets the broker's max_message_size for every connection
 async def test_a_publish_over_max_message_size_is_refused_for_good_and_the_next_goes_through(
     amqp_url: str,
 ) -> None:

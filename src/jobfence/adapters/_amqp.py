@@ -5,7 +5,12 @@ decode (a header name or a short-string property such as ``message-id`` that is 
 timestamp of 2^64-1); pamqp's error stops aiormq's reader, which kills the whole connection at
 every delivery of that message. On a connection opened under :func:`tolerant_headers`, such a
 header is read as an :class:`UnreadableHeader` instead: the body size (so the message is still
-delivered, its body whole), no properties, and what could not be read (never a value).
+delivered, its body whole), no properties, and what could not be read (never a value). The
+same holds for the ``basic.deliver`` (``basic.get-ok``, ``basic.return``) before it: a message
+routed from another exchange bound to the queue can carry a routing key or an exchange name
+that is not UTF-8 (RabbitMQ routes bytes); on these connections such a name is read with U+FFFD
+in place of the bytes that are not UTF-8, and the message is delivered as any other (jobfence
+reads neither name: a delivery's queue is its consumer's).
 
 **Writing**: the frames of one ``basic.publish``, as pamqp marshals them, made faster for the
 outbox relay's batches: pamqp encodes each property and header through a generic dispatch,
@@ -24,7 +29,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextvars import ContextVar
 
 import pamqp.frame
-from pamqp import commands, decode, encode
+from pamqp import base, commands, decode, encode
 from pamqp.exceptions import UnmarshalingException
 from pamqp.header import ContentHeader
 
@@ -98,8 +103,8 @@ def content_frames(
 # -- reading ------------------------------------------------------------------------------
 
 # Set while a connection is opened: the reader task it starts copies the context, so only the
-# connections jobfence opens read headers tolerantly (any other pamqp user is unchanged).
-_TOLERANT: ContextVar[bool] = ContextVar("jobfence_tolerant_amqp_headers", default=False)
+# connections jobfence opens read frames tolerantly (any other pamqp user is unchanged).
+_TOLERANT: ContextVar[bool] = ContextVar("jobfence_tolerant_amqp_frames", default=False)
 _HEADER_START = struct.Struct(">HHQ")  # class, weight, body size
 _UNDECODABLE = (UnmarshalingException, ValueError, OverflowError, OSError, struct.error)
 
@@ -205,16 +210,84 @@ def _tolerant(
     return unmarshal_header_frame
 
 
+# The methods that carry a message: their exchange and routing key are what its producer
+# chose, and RabbitMQ routes any bytes (a topic exchange bound with ``#``); Basic.Return's reply
+# text may quote them.
+_MESSAGE_METHODS = frozenset(
+    method.index for method in (commands.Basic.Deliver, commands.Basic.GetOk, commands.Basic.Return)
+)
+_METHOD_INDEX = struct.Struct(">I")
+_BYTE = struct.Struct(">B")
+
+
+def _short_str_replaced(data: bytes) -> tuple[int, str]:
+    """``decode.short_str``, with what is not UTF-8 read as U+FFFD (never the bytes)."""
+    (length,) = _BYTE.unpack_from(data)
+    return length + 1, data[1 : length + 1].decode("utf-8", errors="replace")
+
+
+def _message_method(frame_data: bytes) -> base.Frame:
+    """A ``basic.deliver``, ``basic.get-ok`` or ``basic.return`` decoded as pamqp's
+    ``Frame.unmarshal`` decodes it, its short strings that are not UTF-8 read with U+FFFD in
+    place of what cannot be decoded."""
+    (index,) = _METHOD_INDEX.unpack_from(frame_data)
+    method: base.Frame = commands.INDEX_MAPPING[index]()
+    data, bit, in_bits = frame_data[_METHOD_INDEX.size :], 0, False
+    for argument in method.__slots__:
+        kind = method.amqp_type(argument)
+        if in_bits and (kind != "bit" or bit == 8):
+            data, bit, in_bits = data[1:], 0, False
+        value: object
+        if kind == "bit":
+            _, value = decode.bit(data, bit)
+            bit, in_bits, used = bit + 1, True, 0
+        elif kind == "shortstr":
+            used, value = _short_str_replaced(data)
+        else:
+            used, value = decode.by_type(data, kind)
+        setattr(method, argument, value)
+        data = data[used:]
+    return method
+
+
+def _tolerant_method(
+    unmarshal: Callable[[bytes], base.Frame],
+) -> Callable[[bytes], base.Frame]:
+    def unmarshal_method_frame(frame_data: bytes) -> base.Frame:
+        try:
+            return unmarshal(frame_data)
+        except UnmarshalingException as exc:
+            if (
+                not _TOLERANT.get()  # not one of jobfence's connections
+                or not isinstance(exc.__cause__, UnicodeDecodeError)
+                or _METHOD_INDEX.unpack_from(frame_data)[0] not in _MESSAGE_METHODS
+            ):
+                raise
+            try:
+                return _message_method(frame_data)
+            except _UNDECODABLE:
+                pass  # something else in it cannot be decoded either: pamqp's error stands
+            raise
+
+    unmarshal_method_frame.jobfence_tolerant = True  # type: ignore[attr-defined]
+    return unmarshal_method_frame
+
+
 @contextlib.contextmanager
 def tolerant_headers() -> Iterator[None]:
     """Open a connection inside this block (``aio_pika.connect``) and its reader reads a
-    content header pamqp cannot decode as an :class:`UnreadableHeader`, instead of dying.
-    pamqp's ``frame._unmarshal_header_frame`` is wrapped once (aiormq calls
-    ``pamqp.frame.unmarshal``, which looks it up at each header frame); outside these
-    connections the wrapper calls it and raises as before."""
+    content header pamqp cannot decode as an :class:`UnreadableHeader`, and a message's
+    ``basic.deliver``, ``basic.get-ok`` or ``basic.return`` whose exchange or routing key is
+    not UTF-8 with U+FFFD in place of the undecodable bytes, instead of dying. pamqp's
+    ``frame._unmarshal_header_frame`` and ``frame._unmarshal_method_frame`` are wrapped once
+    (aiormq calls ``pamqp.frame.unmarshal``, which looks them up at each frame); outside these
+    connections the wrappers call them and raise as before."""
     current = pamqp.frame._unmarshal_header_frame
     if not getattr(current, "jobfence_tolerant", False):
         setattr(pamqp.frame, "_unmarshal_header_frame", _tolerant(current))  # noqa: B010
+    method = pamqp.frame._unmarshal_method_frame
+    if not getattr(method, "jobfence_tolerant", False):
+        setattr(pamqp.frame, "_unmarshal_method_frame", _tolerant_method(method))  # noqa: B010
     token = _TOLERANT.set(True)
     try:
         yield

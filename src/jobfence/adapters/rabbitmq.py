@@ -97,6 +97,7 @@ try:
         ChannelNotFoundEntity,
         ChannelPreconditionFailed,
         InvalidFrameError,
+        ProtocolSyntaxError,
     )
 
     from jobfence.adapters._amqp import UnreadableHeader, content_frames, tolerant_headers
@@ -109,8 +110,10 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 log = logging.getLogger("jobfence.adapters.rabbitmq")
 
 # A lost or refused connection (aiormq's AMQPConnectionError, the socket's ConnectionError), a
-# timeout, or aio-pika's "closed" RuntimeError: the broker is unreachable (D7).
-_CONNECTION_ERRORS = (AMQPConnectionError, ConnectionError, TimeoutError)
+# timeout, or aio-pika's "closed" RuntimeError: the broker is unreachable (D7). A frame aiormq's
+# reader could not decode (ProtocolSyntaxError, InvalidFrameError) stopped that reader: the
+# connection is as lost, and the calls waiting on it fail with that error.
+_CONNECTION_ERRORS = (AMQPConnectionError, ConnectionError, TimeoutError, ProtocolSyntaxError)
 _unavailable = unavailable_on("RabbitMQ", _CONNECTION_ERRORS)
 # aiormq logs a refused or failed connection at ERROR before raising it, and with every lost
 # connection and failed reconnection its ERROR "Unexpected connection close from remote" and
@@ -1080,7 +1083,10 @@ class RabbitMQQueue:
     @_unavailable
     async def size(self, queues: Sequence[str]) -> QueueSize:
         """Ready and buffered messages (due), plus this instance's leases (total). A delayed
-        retry or enqueue waits in the PostgreSQL outbox, not here, until it falls due."""
+        retry or enqueue waits in the PostgreSQL outbox, not here, until it falls due. A lost
+        connection is said (``QueueUnavailable``), as ``receive`` says it, before a new one
+        is opened."""
+        await self._notice_lost()
         due = total = 0
         for queue in queues:
             name = self._name(queue)
