@@ -427,11 +427,7 @@ async def test_on_rabbitmq_a_content_header_the_client_cannot_decode_is_one_dead
             app = pointsapp.build_app()
             award = {"account_id": 1, "points": 5}
             await queue.publish(app.message("award_points", award, job_id="before"))
-            entries = [
-                (b"x-jobfence-consumer", amqp_raw.long_string(b"award_points")),
-                (b"x-jobfence-job-id", amqp_raw.long_string(b"hostile")),
-                *fields.get("headers", []),
-            ]
+            entries = _raw_job_headers(b"hostile", *fields.get("headers", []))
             await amqp_raw.publish_raw(
                 url,
                 BODY,
@@ -498,10 +494,7 @@ async def test_on_rabbitmq_a_routing_key_that_is_not_utf8_does_not_stall_the_que
             topic = await channel.declare_exchange(exchange, aio_pika.ExchangeType.TOPIC)
             bound = await channel.get_queue(f"{name}.{pointsapp.QUEUE}", ensure=True)
             await bound.bind(topic, routing_key="#")
-            entries = [
-                (b"x-jobfence-consumer", amqp_raw.long_string(b"award_points")),
-                (b"x-jobfence-job-id", amqp_raw.long_string(b"routed")),
-            ]
+            entries = _raw_job_headers(b"routed")
             await amqp_raw.publish_raw(
                 url,
                 BODY,
@@ -526,6 +519,17 @@ async def test_on_rabbitmq_a_routing_key_that_is_not_utf8_does_not_stall_the_que
                 channel = await admin.channel()
                 await channel.exchange_delete(exchange)
             await admin.close()
+
+
+def _raw_job_headers(job_id: bytes, *more: tuple[bytes, bytes]) -> list[tuple[bytes, bytes]]:
+    """The AMQP header entries of an ``award_points`` job ``job_id``, then ``more``, raw."""
+    import amqp_raw
+
+    return [
+        (b"x-jobfence-consumer", amqp_raw.long_string(b"award_points")),
+        (b"x-jobfence-job-id", amqp_raw.long_string(job_id)),
+        *more,
+    ]
 
 
 def _method_frame(payload: bytes) -> bytes:
