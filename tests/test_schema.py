@@ -49,7 +49,7 @@ CATALOG_QUERIES = {
     "functions": """
         SELECT n.nspname, p.proname, pg_get_functiondef(p.oid)
         FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
-        WHERE n.nspname = ANY(%(schemas)s) ORDER BY 1, 2""",
+        WHERE n.nspname = ANY(%(schemas)s) ORDER BY 1, 2, 3""",  # overloads share a name (jobfence.enqueue)
     "migrations": "SELECT version, name, checksum FROM jobfence.schema_migrations ORDER BY 1",
 }
 
