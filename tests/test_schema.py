@@ -46,10 +46,11 @@ CATALOG_QUERIES = {
         FROM pg_trigger t JOIN pg_class r ON r.oid = t.tgrelid
         JOIN pg_namespace n ON n.oid = r.relnamespace
         WHERE n.nspname = ANY(%(schemas)s) AND NOT t.tgisinternal ORDER BY 1, 2""",
+    # Ordered by the definition too: overloads (jobfence.enqueue) share a name.
     "functions": """
         SELECT n.nspname, p.proname, pg_get_functiondef(p.oid)
         FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
-        WHERE n.nspname = ANY(%(schemas)s) ORDER BY 1, 2, 3""",  # overloads share a name (jobfence.enqueue)
+        WHERE n.nspname = ANY(%(schemas)s) ORDER BY 1, 2, 3""",
     "migrations": "SELECT version, name, checksum FROM jobfence.schema_migrations ORDER BY 1",
 }
 
