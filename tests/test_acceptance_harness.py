@@ -986,4 +986,4 @@ async def test_a_handler_that_swallows_a_database_error_fails_instead_of_looking
         ("s-2", 1),
     ]
     for _, _, last_error in rows:
-        assert last_error.startswith("jobfence.errors.TransactionAborted: the handler returned")
+        assert last_error.startswith("jobfence.TransactionAborted: the handler returned")

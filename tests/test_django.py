@@ -440,8 +440,8 @@ def test_a_handler_that_ends_or_dooms_its_transaction_fails_and_the_worker_goes_
         "commit": (1, "jobfence.TransactionMisuse"),
         "close": (1, "jobfence.TransactionMisuse"),
         "commit_sql": (1, "jobfence.TransactionMisuse"),
-        "caught": (3, "jobfence.errors.TransactionAborted"),
-        "set_rollback": (3, "jobfence.errors.TransactionAborted"),
+        "caught": (3, "jobfence.TransactionAborted"),
+        "set_rollback": (3, "jobfence.TransactionAborted"),
     }
     # refused before it was sent: nothing committed
     assert points(django_db, "commit") == points(django_db, "close") == 0

@@ -72,6 +72,18 @@ class TransactionAborted(JobfenceError):
     caught the error): PostgreSQL would turn the COMMIT into a ROLLBACK without an error, and
     the job would look done with nothing written. It fails as a transient error instead."""
 
+    __module__ = "jobfence"
+
+
+class HandlerExited(JobfenceError):
+    """A sync (``def``) handler raised an exception that is not an ``Exception``:
+    ``SystemExit``, ``KeyboardInterrupt``, ``GeneratorExit`` or ``asyncio.CancelledError``
+    (the original is its ``__cause__``). In a worker thread it can stop nothing but the job:
+    its transaction rolls back, fence included, and the job fails with this error like with
+    any other (transient: retried, then dead-lettered), while the worker goes on."""
+
+    __module__ = "jobfence"
+
 
 class TransactionMisuse(JobfenceError, HardFailure):
     """A handler (or its SQLAlchemy session, or Django's ``transaction``) tried to end the work

@@ -54,7 +54,7 @@ from jobfence.codec import (
     unfenceable,
 )
 from jobfence.db import is_connection_loss
-from jobfence.errors import HardFailure, PoisonMessage, TransactionMisuse
+from jobfence.errors import HandlerExited, HardFailure, PoisonMessage, TransactionMisuse
 from jobfence.guard import (
     COMMITTED_IN_GROUP,
     after_handler,
@@ -378,6 +378,24 @@ def refuse_unrun(consumer: str, returned: object, *, sync: bool) -> None:
         )
 
 
+def _call_sync(job: Job, tx: object) -> object:
+    """A sync handler's call, in its worker thread. What it raises that is not an ``Exception``
+    (``SystemExit``, ``KeyboardInterrupt``, ``GeneratorExit``, ``asyncio.CancelledError``) can
+    stop nothing there but its job: it fails the job as :class:`~jobfence.HandlerExited`
+    instead of reaching the event loop, where it would stop the worker or end a processor."""
+    try:
+        return job.consumer.handler(job.payload, job.meta, tx)  # type: ignore[arg-type]
+    except Exception:
+        raise
+    except BaseException as exc:
+        text = str(exc).strip()
+        raise HandlerExited(
+            f"the sync handler of consumer {job.consumer.name!r} raised {type(exc).__name__}"
+            f"{': ' + text.splitlines()[0][:200] if text else ''}; in a worker thread it stops"
+            " nothing but its job, which fails (its transaction rolled back, fence included)"
+        ) from exc
+
+
 def _sync_work(
     jobs: list[Job],
     fenced: list[bool] | None,
@@ -398,7 +416,7 @@ def _sync_work(
                 begun = time.perf_counter()
                 try:
                     with guarded(tx) as guard:
-                        returned = job.consumer.handler(job.payload, job.meta, tx)  # type: ignore[arg-type]
+                        returned = _call_sync(job, tx)
                 finally:
                     timings.append((job.meta, time.perf_counter() - begun))
                 if returned is not None:

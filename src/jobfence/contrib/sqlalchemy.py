@@ -200,6 +200,21 @@ class FenceAsyncSession(AsyncSession):
         )
 
 
+def _end_of_block(session: Session) -> None:
+    """Leaving a ``session_for`` (or ``async_session_for``) block normally: release each
+    savepoint the handler left open (``begin_nested()`` never committed), as
+    ``Session.commit()`` does, then flush, so that all of its changes commit with the fence.
+    Closing the session would otherwise roll them back to the savepoint, and the job would
+    commit its fence without them. One a failed flush already rolled back (inactive) stays
+    rolled back."""
+    while (nested := session.get_nested_transaction()) is not None:
+        if nested.is_active:
+            nested.commit()
+        else:
+            nested.rollback()
+    session.flush()
+
+
 async def _lent_async_connection() -> psycopg.AsyncConnection[Any]:
     conn = _lent_async.get()
     if conn is None:  # pragma: no cover - only async_session_for connects this engine
@@ -248,7 +263,7 @@ async def async_session_for(
         sync_session._jobfence_open = sync_conn._jobfence_open = True
         try:
             yield session
-            await session.flush()
+            await session.run_sync(_end_of_block)
         finally:
             sync_session._jobfence_open = sync_conn._jobfence_open = False
             await session.close()
@@ -282,8 +297,9 @@ def fence_engine() -> Engine:
 def session_for(tx: psycopg.Connection[Any], **session_kwargs: Any) -> Iterator[Session]:
     """A :class:`FenceSession` on ``tx``, the connection a sync handler is given, inside its
     fence transaction. Leaving the block normally flushes the session (its changes then commit
-    with the fence, when the handler returns); an exception leaves them unflushed and the job
-    fails. ``session_kwargs`` go to the ``Session`` (``info``, ``autoflush``...)."""
+    with the fence, when the handler returns), savepoints it left open released first; an
+    exception leaves them unflushed and the job fails. ``session_kwargs`` go to the
+    ``Session`` (``info``, ``autoflush``...)."""
     if not isinstance(tx, psycopg.Connection):
         raise TypeError(
             "session_for needs the psycopg.Connection a sync handler is given (its third"
@@ -302,7 +318,7 @@ def session_for(tx: psycopg.Connection[Any], **session_kwargs: Any) -> Iterator[
         session._jobfence_open = sa_conn._jobfence_open = True
         try:
             yield session
-            session.flush()
+            _end_of_block(session)
         finally:
             session._jobfence_open = sa_conn._jobfence_open = False
             session.close()
