@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from psycopg import AsyncConnection, AsyncCursor
+from psycopg import AsyncConnection, AsyncCursor, IsolationLevel
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
@@ -34,6 +34,14 @@ MAX_DISCARD_REASON = 2000
 # What the CLI and the API say about a reason they refuse.
 BLANK_DISCARD_REASON = "a discard requires a non-blank reason"
 LONG_DISCARD_REASON = f"a discard reason is at most {MAX_DISCARD_REASON} characters"
+
+
+# A replay and a discard are written for READ COMMITTED: their UPDATE of a row a concurrent
+# replay or discard changed re-reads it after the wait and finds it no longer pending (a clear
+# conflict). At REPEATABLE READ or SERIALIZABLE, which a database may set as its default
+# (default_transaction_isolation) for the application's own code, that UPDATE fails instead
+# with a serialization failure; so they pin their level.
+RESOLVE_ISOLATION = IsolationLevel.READ_COMMITTED
 
 
 def _check_actor(resolved_by: str) -> None:
@@ -155,7 +163,9 @@ async def replay_dead_letter(
     # trips (BEGIN with the UPDATE, the publish, COMMIT). A publish that fails rolls it back.
     async with (
         pool.connection() as conn,
-        begin_with(conn, SQL["dead_letter_claim_replay"], params) as cur,
+        begin_with(
+            conn, SQL["dead_letter_claim_replay"], params, isolation=RESOLVE_ISOLATION
+        ) as cur,
     ):
         row = await cur.fetchone()
         if row is None:
@@ -225,12 +235,13 @@ async def discard_dead_letter(
     if len(reason) > MAX_DISCARD_REASON:
         raise ValueError(LONG_DISCARD_REASON)
     _check_actor(resolved_by)
-    async with pool.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
-        await cur.execute(
-            SQL["dead_letter_discard"],
-            {"id": dead_letter_id, "reason": reason, "resolved_by": resolved_by},
-        )
+    params = {"id": dead_letter_id, "reason": reason, "resolved_by": resolved_by}
+    async with (
+        pool.connection() as conn,
+        begin_with(conn, SQL["dead_letter_discard"], params, isolation=RESOLVE_ISOLATION) as cur,
+    ):
         row = await cur.fetchone()
-        if row is not None:
-            return DeadLetter(**row)
-        raise await _not_pending(cur, dead_letter_id)
+        if row is None:
+            raise await _not_pending(cur, dead_letter_id)
+        assert cur.description is not None
+        return DeadLetter(**{c.name: v for c, v in zip(cur.description, row, strict=True)})

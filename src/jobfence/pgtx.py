@@ -200,10 +200,17 @@ class Tx:
 
     @classmethod
     async def begin(
-        cls, conn: AsyncConnection[Any], query: Query, params: Mapping[str, Any]
+        cls,
+        conn: AsyncConnection[Any],
+        query: Query,
+        params: Mapping[str, Any],
+        *,
+        isolation: psycopg.IsolationLevel | None = None,
     ) -> tuple[Tx, AsyncCursor[Any]]:
         """Open a transaction on ``conn`` with ``query`` as its first statement, in one round
-        trip; if the statement fails, the transaction is rolled back and the error raised."""
+        trip; if the statement fails, the transaction is rolled back and the error raised.
+        ``isolation``: the transaction's level, whatever the connection's or the server's
+        default (``default_transaction_isolation``); None keeps the connection's."""
         tx = _Main(conn)
         cur = AsyncClientCursor(conn)
         tx.quiet = True  # psycopg's bookkeeping: begun; the query sends the BEGIN
@@ -211,7 +218,7 @@ class Tx:
         tx.quiet = False
         try:
             await cur.execute(
-                conn._get_tx_start_command() + b"; " + _query_bytes(conn, query), params
+                _begin_command(conn, isolation) + b"; " + _query_bytes(conn, query), params
             )
         except BaseException as exc:
             tx.quiet = conn.info.transaction_status == TransactionStatus.IDLE
@@ -384,14 +391,25 @@ def end_aborted_sync(conn: psycopg.Connection[Any]) -> None:
         psycopg.Connection.rollback(conn)
 
 
+def _begin_command(conn: AsyncConnection[Any], isolation: psycopg.IsolationLevel | None) -> bytes:
+    if isolation is None:
+        return conn._get_tx_start_command()
+    return b"BEGIN ISOLATION LEVEL " + isolation.name.replace("_", " ").encode()
+
+
 @asynccontextmanager
 async def begin_with(
-    conn: AsyncConnection[Any], query: Query, params: Mapping[str, Any]
+    conn: AsyncConnection[Any],
+    query: Query,
+    params: Mapping[str, Any],
+    *,
+    isolation: psycopg.IsolationLevel | None = None,
 ) -> AsyncIterator[AsyncCursor[Any]]:
     """Open a transaction on ``conn`` (an autocommit connection) with ``query`` as its first
     statement; yield that statement's cursor. Leaving the block commits; an exception rolls
-    back (a :class:`psycopg.Rollback` is swallowed, as with ``conn.transaction()``)."""
-    tx, cur = await Tx.begin(conn, query, params)
+    back (a :class:`psycopg.Rollback` is swallowed, as with ``conn.transaction()``).
+    ``isolation`` as for :meth:`Tx.begin`."""
+    tx, cur = await Tx.begin(conn, query, params, isolation=isolation)
     try:
         yield cur
     except BaseException as exc:

@@ -120,6 +120,10 @@ def _log_warning(diag: errors.Diagnostic) -> None:
 
 async def _apply(conn: AsyncConnection[Any], applied: list[Migration]) -> None:
     async with conn.transaction():
+        # READ COMMITTED whatever the database's default: after waiting for the lock, what a
+        # concurrent migrate committed is read (a snapshot taken before the wait would miss it,
+        # and apply everything again).
+        await conn.execute("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
         await conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK_KEY,))
         await conn.execute(BOOKKEEPING)
         done = await applied_versions(conn)

@@ -279,6 +279,9 @@ async def _run_chunks(
 ) -> BulkReplay:
     while True:
         async with pool.connection() as conn, conn.transaction():
+            # Taking locked items and waiting for them relies on READ COMMITTED (a row another
+            # transaction changed is re-read after the wait), whatever the database's default.
+            await conn.execute("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
             taken = await _take_chunk(conn, bulk_id, chunk_size)
             if taken is None:
                 await conn.execute(SQL["bulk_finish"], {"id": bulk_id})
