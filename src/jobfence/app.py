@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import json
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -211,17 +212,23 @@ class App:
         Raises :class:`~jobfence.JobRefused` when an identifier breaks a limit (``job_id``
         1-1,024 bytes of UTF-8, ``tenant_id`` at most 200, ``correlation_id`` at most 1,024, no
         NUL character or lone surrogate in any) or when the payload holds what PostgreSQL
-        cannot store (a NUL character or a lone surrogate in a string)."""
+        cannot store (a NUL character or a lone surrogate in a string).
+
+        What is checked is the body, as the worker will validate it: a model instance whose
+        field was given a value of another type after validation (a nested one too) raises
+        pydantic's ``ValidationError`` here, instead of becoming ``SchemaInvalid`` poison."""
         target = self._consumers.get(consumer)
         if target is None:
             raise ConfigError(f"no consumer named {consumer!r} is registered")
         validated = (
             payload if isinstance(payload, target.schema) else target.schema.model_validate(payload)
         )
+        body = checked_body(validated)
+        target.schema.model_validate(json.loads(body))
         return build_message(
             queue=target.queue,
             consumer=target.name,
-            body=checked_body(validated),
+            body=body,
             job_id=job_id,
             tenant_id=tenant_id,
             correlation_id=correlation_id,

@@ -15,13 +15,13 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Coroutine, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import psycopg
 
 from jobfence import cli_dead_letters, db, runtime, schema
 from jobfence.app import App
-from jobfence.cli_dead_letters import report_error, text_argument
+from jobfence.cli_dead_letters import report_error, text_argument, usage_error
 from jobfence.errors import ConfigError, JobfenceError
 from jobfence.limits import MAX_LEASE_SECONDS
 from jobfence.queues import add_queue_url_option
@@ -594,8 +594,16 @@ def _add_migrate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     p.set_defaults(func=_cmd_migrate)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, its usage errors redacted (:func:`cli_dead_letters.usage_error`):
+    a URL typed in the wrong place is quoted with its password as ``***``."""
+
+    def error(self, message: str) -> NoReturn:
+        super().error(usage_error(message))
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser: argparse.ArgumentParser = _Parser(
         prog="jobfence",
         description="Exactly-one-effect queue consumers on PostgreSQL. The database is "
         "JOBFENCE_DATABASE_URL (required by every command but demo), e.g. "

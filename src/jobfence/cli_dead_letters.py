@@ -41,12 +41,19 @@ FAILED_SHOWN = 20  # failed bulk items listed in the readable summary
 Command = Callable[[argparse.Namespace], Awaitable[int]]
 
 
+def usage_error(message: str) -> str:
+    """argparse's message about a usage mistake, with the secrets of any URL or
+    ``password=``-like pair it quotes (an argument typed in the wrong place) and the configured
+    secrets shown as ``***``, as in every other error line."""
+    return redact_text(message, secrets_from_env())
+
+
 class _OneLineParser(argparse.ArgumentParser):
     """Usage mistakes as one line, like every other error a person can cause."""
 
     def error(self, message: str) -> NoReturn:
         command = self.prog.removeprefix("jobfence ")
-        self.exit(2, f"jobfence: error: {command}: {message}\n")
+        self.exit(2, f"jobfence: error: {command}: {usage_error(message)}\n")
 
 
 # --- parsing ------------------------------------------------------------------------------

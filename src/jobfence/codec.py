@@ -263,10 +263,14 @@ def original_body(payload_text: str, encoding: str) -> bytes:
 
 
 def encode_payload(payload: Any) -> bytes:
-    """Serialise an application payload (a pydantic model or JSON-able value) to a body."""
+    """Serialise an application payload (a pydantic model or JSON-able value) to a body.
+
+    A model's field may hold a value its type does not describe (given after validation):
+    pydantic would warn on stderr quoting that value, a payload value, so it is told not to.
+    ``App.message`` validates the body instead, as the worker will."""
     dump = getattr(payload, "model_dump_json", None)
     if callable(dump):
-        return str(dump()).encode("utf-8")
+        return str(dump(warnings=False)).encode("utf-8")
     return json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
 
 
