@@ -12,6 +12,7 @@ import psycopg
 from psycopg import AsyncConnection
 
 from jobfence.harness import SQL
+from jobfence.pgtx import execute_read_committed
 from jobfence.ports import CleanupMetricsSink
 
 log = logging.getLogger("jobfence.cleanup")
@@ -46,7 +47,11 @@ async def cleanup_expired(
     deleted = 0
     batches = 0
     while max_batches is None or batches < max_batches:
-        cur = await conn.execute(SQL["cleanup_expired_batch"], {"batch_size": batch_size})
+        # READ COMMITTED whatever the database's default: a batch skips or re-reads the rows a
+        # concurrent cleanup took, where a stricter level would fail it (a serialization failure).
+        cur = await execute_read_committed(
+            conn, SQL["cleanup_expired_batch"], {"batch_size": batch_size}
+        )
         batches += 1
         deleted += max(cur.rowcount, 0)
         if metrics is not None:

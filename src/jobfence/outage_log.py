@@ -150,6 +150,11 @@ class OutageLog:
         return True
 
 
+READ_COMMITTED_SESSION = (
+    b"SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL READ COMMITTED"
+)
+
+
 async def stay_connected(
     conninfo: str,
     serve: Callable[[AsyncConnection[Any]], Awaitable[None]],
@@ -162,7 +167,8 @@ async def stay_connected(
     on_lost: Callable[[], None],
 ) -> None:
     """Run ``serve`` on a connection of its own to ``conninfo`` (autocommit) until ``stopping``
-    is set, connecting again whenever it fails with a database error (a relay's loop).
+    is set, connecting again whenever it fails with a database error (a relay's loop). Its
+    transactions run at READ COMMITTED, whatever the database's default isolation level.
 
     A lost or refused connection is one outage: ``WHO: database went away (...): PAUSED`` at
     its start, ``WHO: database still unreachable after Ns`` at most every 30 s, INFO ``WHO:
@@ -183,6 +189,9 @@ async def stay_connected(
             async with await psycopg.AsyncConnection.connect(
                 conninfo, autocommit=True, connect_timeout=10
             ) as conn:
+                # Everything a relay runs is jobfence's own, written for READ COMMITTED: a
+                # database's stricter default (default_transaction_isolation) is not for it.
+                await conn.execute(READ_COMMITTED_SESSION)
                 if since is not None:
                     log.info("%s: database back after %.1fs: %s", who, loop.time() - since, resumed)
                     since, backoff = None, 0.5

@@ -397,6 +397,44 @@ def _begin_command(conn: AsyncConnection[Any], isolation: psycopg.IsolationLevel
     return b"BEGIN ISOLATION LEVEL " + isolation.name.replace("_", " ").encode()
 
 
+# jobfence's own statements (a queue's fetch, completion and retry, the fence cleanup) are written
+# for READ COMMITTED: one that locks a row another worker changed since it began re-reads that row
+# and skips it. At REPEATABLE READ or SERIALIZABLE, which a database (or role) may set as its
+# default (default_transaction_isolation) for the application's own code, it fails instead with a
+# serialization failure. So on a connection whose default is another level (asked once per
+# connection, and kept on it), they run in a transaction of that level, begun and committed in
+# the same query; on the others, as they are (prepared by psycopg once used often).
+_READ_COMMITTED = b"BEGIN ISOLATION LEVEL READ COMMITTED; "
+_OTHER_DEFAULT = "_jobfence_default_isolation_is_not_read_committed"
+
+
+async def execute_read_committed(
+    conn: AsyncConnection[Any], query: Query, params: Mapping[str, Any] | None = None
+) -> AsyncCursor[Any]:
+    """Run ``query`` alone, as its own transaction at READ COMMITTED whatever the connection's
+    or the database's default, on ``conn`` (an autocommit connection, idle). The cursor holds
+    the statement's result (its rows, its ``rowcount``). If the statement fails, nothing of it
+    commits and its error is raised. Where the default is READ COMMITTED (the first call on a
+    connection asks), this is ``conn.execute``; elsewhere BEGIN, the statement and COMMIT go
+    in one round trip."""
+    other = getattr(conn, _OTHER_DEFAULT, None)
+    if other is None:
+        cur = await conn.execute("SHOW default_transaction_isolation")
+        row = await cur.fetchone()
+        other = row is None or row[0] != "read committed"
+        setattr(conn, _OTHER_DEFAULT, other)
+    if not other:
+        return await conn.execute(query, params)
+    cur = AsyncClientCursor(conn)
+    try:
+        await cur.execute(_READ_COMMITTED + _query_bytes(conn, query) + b"\n; COMMIT", params)
+    except BaseException:
+        await _end_aborted(conn)  # the failed statement left its transaction aborted
+        raise
+    cur.nextset()  # the statement's result, after BEGIN's
+    return cur
+
+
 @asynccontextmanager
 async def begin_with(
     conn: AsyncConnection[Any],

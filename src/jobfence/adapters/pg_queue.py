@@ -5,7 +5,9 @@ the lease, so a crashed worker's message comes back when the lease runs out; ``e
 forward again while the same delivery holds the row. Publishing sends a NOTIFY that wakes idle
 workers at commit; a poll interval covers scheduled retries. Because the queue shares the work
 database, ``ack`` can join a transaction (the dead-letter write uses that); finished jobs are
-acked after their commit, in batches (``ack_many``).
+acked after their commit, in batches (``ack_many``). The queue's own statements (fetch, ack,
+extend, retry, release) run at READ COMMITTED whatever the database's default isolation level
+(:func:`jobfence.pgtx.execute_read_committed`); a publish joins its caller's transaction.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from jobfence.db import RECONNECT_MAX_DELAY_SECONDS
 from jobfence.errors import ConfigError
 from jobfence.limits import checked_delay
 from jobfence.model import Delivery, Message, Outgoing
+from jobfence.pgtx import execute_read_committed
 from jobfence.ports import Clock, QueueCapabilities, QueueSize
 from jobfence.tracing import valid_traceparent, valid_tracestate
 
@@ -215,7 +218,8 @@ class PgQueue:
             if self._lost_fetches:
                 await self._give_back_lost(conn)
             try:
-                cur = await conn.execute(
+                cur = await execute_read_committed(
+                    conn,
                     SQL["receive"],
                     {
                         "queues": list(queues),
@@ -270,7 +274,8 @@ class PgQueue:
         otherwise wait out their lease. Not counted as a delivery. Raises as a fetch does; the
         fetches stay remembered until this succeeds."""
         lost = self._lost_fetches
-        cur = await conn.execute(
+        cur = await execute_read_committed(
+            conn,
             SQL["release_lost"],
             {
                 "queues": sorted({queue for _token, queues in lost for queue in queues}),
@@ -291,13 +296,14 @@ class PgQueue:
             cur = await tx.execute(SQL["ack"], params)
             return bool(cur.rowcount == 1)
         async with self._pool.connection() as conn:
-            cur = await conn.execute(SQL["ack"], params)
+            cur = await execute_read_committed(conn, SQL["ack"], params)
             return bool(cur.rowcount == 1)
 
     async def extend(self, delivery: Delivery, *, lease_seconds: float) -> bool:
         receipt = _receipt(delivery)
         async with self._pool.connection() as conn:
-            cur = await conn.execute(
+            cur = await execute_read_committed(
+                conn,
                 SQL["extend"],
                 {
                     "id": receipt.id,
@@ -313,7 +319,8 @@ class PgQueue:
             return
         receipts = [_receipt(delivery) for delivery in deliveries]
         async with self._pool.connection() as conn:
-            await conn.execute(
+            await execute_read_committed(
+                conn,
                 SQL["ack_many"],
                 {
                     "ids": [r.id for r in receipts],
@@ -324,7 +331,8 @@ class PgQueue:
     async def retry(self, delivery: Delivery, *, delay_seconds: float, error: str) -> bool:
         receipt = _receipt(delivery)
         async with self._pool.connection() as conn:
-            cur = await conn.execute(
+            cur = await execute_read_committed(
+                conn,
                 SQL["retry"],
                 {
                     "id": receipt.id,
@@ -339,7 +347,8 @@ class PgQueue:
     async def release(self, delivery: Delivery) -> None:
         receipt = _receipt(delivery)
         async with self._pool.connection() as conn:
-            await conn.execute(
+            await execute_read_committed(
+                conn,
                 SQL["release"],
                 {"id": receipt.id, "lease_token": receipt.lease_token, "now": _now(self._clock)},
             )
