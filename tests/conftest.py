@@ -117,6 +117,15 @@ async def pool(database_url: str) -> AsyncIterator[AsyncConnectionPool[Any]]:
 
 
 @pytest.fixture
+async def points(conn: psycopg.AsyncConnection[Any]) -> psycopg.AsyncConnection[Any]:
+    """``conn``, on a database that holds the sample app's tables (``pointsapp``)."""
+    import pointsapp
+
+    await conn.execute(pointsapp.SCHEMA_SQL)
+    return conn
+
+
+@pytest.fixture
 def autocommit_conn(database_url: str) -> Iterator[psycopg.Connection[Any]]:
     """A sync connection to the test's database, each statement its own transaction."""
     with psycopg.connect(database_url, autocommit=True) as c:

@@ -163,13 +163,6 @@ async def balance(conn: AsyncConnection[Any], account_id: int) -> int:
 
 
 @pytest.fixture
-async def points(conn: AsyncConnection[Any]) -> AsyncConnection[Any]:
-    """The test connection, with pointsapp's tables created."""
-    await conn.execute(pointsapp.SCHEMA_SQL)
-    return conn
-
-
-@pytest.fixture
 def workdir(tmp_path: Path) -> Path:
     return tmp_path
 

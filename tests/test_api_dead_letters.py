@@ -42,12 +42,6 @@ async def api(pool: AsyncConnectionPool[Any]) -> AsyncIterator[Api]:
         yield running
 
 
-@pytest.fixture
-async def points(conn: AsyncConnection[Any]) -> AsyncConnection[Any]:
-    await conn.execute(pointsapp.SCHEMA_SQL)
-    return conn
-
-
 async def count(conn: AsyncConnection[Any], query: str, params: Any = None) -> int:
     return int(await scalar(conn, query, params))
 

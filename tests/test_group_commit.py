@@ -43,12 +43,6 @@ CONSUMER = "award_points"
 
 
 @pytest.fixture
-async def points(conn: AsyncConnection[Any]) -> AsyncConnection[Any]:
-    await conn.execute(pointsapp.SCHEMA_SQL)
-    return conn
-
-
-@pytest.fixture
 def crashing() -> Iterator[list[WorkerProcess]]:
     started: list[WorkerProcess] = []
     yield started

@@ -37,12 +37,6 @@ CONSUMER = "award_points"
 MISUSE = "jobfence.TransactionMisuse"
 
 
-@pytest.fixture
-async def points(conn: AsyncConnection[Any]) -> AsyncConnection[Any]:
-    await conn.execute(pointsapp.SCHEMA_SQL)
-    return conn
-
-
 def app_with(handler: Any, **options: Any) -> App:
     app = App()
     app.consumer(CONSUMER, queue=pointsapp.QUEUE, schema=pointsapp.Award, **options)(handler)

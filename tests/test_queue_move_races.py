@@ -28,12 +28,6 @@ from test_api_support import PREFIX, auth, running_api
 AWARD = "award_points"
 
 
-@pytest.fixture
-async def points(conn: AsyncConnection[Any]) -> AsyncConnection[Any]:
-    await conn.execute(pointsapp.SCHEMA_SQL)
-    return conn
-
-
 async def _waits_on_lock(watcher: AsyncConnection[Any], other: AsyncConnection[Any]) -> bool:
     return bool(
         await scalar(

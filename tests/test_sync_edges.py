@@ -19,20 +19,7 @@ from jobfence.contrib.sqlalchemy import async_session_for, session_for
 from jobfence.worker import WorkerStats
 from points_orm import Account, AwardRow
 from test_acceptance_harness import awards, balance, dead_letter_ids, fences, queued, run_worker
-
-CONSUMER = "award_points"
-
-
-@pytest.fixture
-async def points(conn: AsyncConnection[Any]) -> AsyncConnection[Any]:
-    await conn.execute(pointsapp.SCHEMA_SQL)
-    return conn
-
-
-def app_with(handler: Any, **options: Any) -> App:
-    app = App()
-    app.consumer(CONSUMER, queue=pointsapp.QUEUE, schema=pointsapp.Award, **options)(handler)
-    return app
+from test_sync_handlers import CONSUMER, app_with
 
 
 def run_worker_apart(database_url: str, app: App, **kwargs: Any) -> WorkerStats:

@@ -56,12 +56,6 @@ RACE_WORKER = Path(__file__).with_name("race_worker.py")
 CONSUMER = "award_points"
 
 
-@pytest.fixture
-async def points(conn: AsyncConnection[Any]) -> AsyncConnection[Any]:
-    await conn.execute(pointsapp.SCHEMA_SQL)
-    return conn
-
-
 def app_with(handler: Any, **options: Any) -> App:
     app = App()
     app.consumer(CONSUMER, queue=pointsapp.QUEUE, schema=pointsapp.Award, **options)(handler)
