@@ -72,7 +72,7 @@ from jobfence.limits import (
     storable_text,
 )
 from jobfence.model import Delivery, JobMeta
-from jobfence.pgtx import Check, CommitRefused, NextBeginFailed, Tx
+from jobfence.pgtx import SET_READ_COMMITTED, Check, CommitRefused, NextBeginFailed, Tx
 from jobfence.ports import MetricsSink, QueuePort
 from jobfence.retry import RetryPolicy
 from jobfence.sync import FenceConnection, PsycopgRunner, SyncExecutor, SyncOpen
@@ -85,9 +85,9 @@ FENCE_HELD: Check = SQL.text("fence_held").encode()
 MAX_ERROR_CHARS = 4000
 MAX_TRACEBACK_FRAMES = 15
 # jobfence's own transactions beside a job's work (a dead letter with its ack, a retry through the
-# outbox) are written for READ COMMITTED, whatever the database's default isolation level; the
-# work transaction (fence and handler) keeps that default: it is the application's.
-READ_COMMITTED = b"SET TRANSACTION ISOLATION LEVEL READ COMMITTED"
+# outbox) are written for READ COMMITTED, whatever the database's default isolation level
+# (SET_READ_COMMITTED); the work transaction (fence and handler) keeps that default: it is the
+# application's.
 # Serialization failures and deadlocks are retried at once, without counting an attempt (D7).
 CONFLICT_RETRIES = 3
 UNKNOWN_CONSUMER_LABEL = "<unknown>"
@@ -976,14 +976,14 @@ class Harness:
         lease = self._pool.connection() if held is None else contextlib.nullcontext(held)
         async with lease as conn:
             async with conn.transaction():
-                await conn.execute(READ_COMMITTED)
+                await conn.execute(SET_READ_COMMITTED)
                 row_id = await outbox.schedule(
                     conn, delivery.message, delay, prior_attempts=delivery.attempt
                 )
             if await self._queue.ack(delivery):
                 return True
             async with conn.transaction():
-                await conn.execute(READ_COMMITTED)
+                await conn.execute(SET_READ_COMMITTED)
                 await outbox.withdraw(conn, row_id)
             return False
 
@@ -1211,7 +1211,7 @@ class Harness:
         async def write() -> bool:
             lease = self._pool.connection() if held is None else contextlib.nullcontext(held)
             async with lease as conn, conn.transaction():
-                await conn.execute(READ_COMMITTED)
+                await conn.execute(SET_READ_COMMITTED)
                 if self._transactional and not await self._queue.ack(delivery, tx=conn):
                     return False
                 cur = await conn.execute(SQL["dead_letter_insert"], params)

@@ -405,6 +405,9 @@ def _begin_command(conn: AsyncConnection[Any], isolation: psycopg.IsolationLevel
 # connection, and kept on it), they run in a transaction of that level, begun and committed in
 # the same query; on the others, as they are (prepared by psycopg once used often).
 _READ_COMMITTED = b"BEGIN ISOLATION LEVEL READ COMMITTED; "
+# The same, as the first statement of a transaction already begun (``conn.transaction()``): a
+# dead letter with its ack, a retry through the outbox, a bulk replay's chunk, a migration.
+SET_READ_COMMITTED = b"SET TRANSACTION ISOLATION LEVEL READ COMMITTED"
 _OTHER_DEFAULT = "_jobfence_default_isolation_is_not_read_committed"
 
 

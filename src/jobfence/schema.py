@@ -14,6 +14,7 @@ from psycopg.sql import SQL
 
 from jobfence._sql import Queries
 from jobfence.errors import ConfigError
+from jobfence.pgtx import SET_READ_COMMITTED
 
 log = logging.getLogger("jobfence.schema")
 
@@ -123,7 +124,7 @@ async def _apply(conn: AsyncConnection[Any], applied: list[Migration]) -> None:
         # READ COMMITTED whatever the database's default: after waiting for the lock, what a
         # concurrent migrate committed is read (a snapshot taken before the wait would miss it,
         # and apply everything again).
-        await conn.execute("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
+        await conn.execute(SET_READ_COMMITTED)
         await conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK_KEY,))
         await conn.execute(BOOKKEEPING)
         done = await applied_versions(conn)

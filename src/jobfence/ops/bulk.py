@@ -22,6 +22,7 @@ from jobfence.errors import DeadLetterNotReplayable
 from jobfence.ops.errors import BulkReplayNotFound, BulkTooLarge, InvalidRequest
 from jobfence.ops.filters import DeadLetterFilter
 from jobfence.ops.listing import count_dead_letters
+from jobfence.pgtx import SET_READ_COMMITTED
 from jobfence.ports import QueuePort
 
 SQL = Queries("jobfence.sql", "ops.sql")
@@ -281,7 +282,7 @@ async def _run_chunks(
         async with pool.connection() as conn, conn.transaction():
             # Taking locked items and waiting for them relies on READ COMMITTED (a row another
             # transaction changed is re-read after the wait), whatever the database's default.
-            await conn.execute("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
+            await conn.execute(SET_READ_COMMITTED)
             taken = await _take_chunk(conn, bulk_id, chunk_size)
             if taken is None:
                 await conn.execute(SQL["bulk_finish"], {"id": bulk_id})
