@@ -76,11 +76,12 @@ class TransactionAborted(JobfenceError):
 
 
 class HandlerExited(JobfenceError):
-    """A sync (``def``) handler raised an exception that is not an ``Exception``:
-    ``SystemExit``, ``KeyboardInterrupt``, ``GeneratorExit`` or ``asyncio.CancelledError``
-    (the original is its ``__cause__``). In a worker thread it can stop nothing but the job:
-    its transaction rolls back, fence included, and the job fails with this error like with
-    any other (transient: retried, then dead-lettered), while the worker goes on."""
+    """A handler raised an exception that is not an ``Exception``: ``SystemExit``,
+    ``KeyboardInterrupt``, ``GeneratorExit``, or an ``asyncio.CancelledError`` of its own
+    (raised while nothing cancelled the worker's task; the worker's own cancellation goes on
+    up). The original is its ``__cause__``. It stops nothing but the job: its transaction
+    rolls back, fence included, and the job fails with this error like with any other
+    (transient: retried, then dead-lettered), while the worker goes on."""
 
     __module__ = "jobfence"
 

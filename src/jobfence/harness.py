@@ -75,7 +75,7 @@ from jobfence.model import Delivery, JobMeta
 from jobfence.pgtx import SET_READ_COMMITTED, Check, CommitRefused, NextBeginFailed, Tx
 from jobfence.ports import MetricsSink, QueuePort
 from jobfence.retry import RetryPolicy
-from jobfence.sync import FenceConnection, PsycopgRunner, SyncExecutor, SyncOpen
+from jobfence.sync import RUNNING_JOB, FenceConnection, PsycopgRunner, SyncExecutor, SyncOpen
 
 log = logging.getLogger("jobfence.harness")
 
@@ -382,22 +382,41 @@ def refuse_unrun(consumer: str, returned: object, *, sync: bool) -> None:
         )
 
 
+def _handler_exited(consumer: str, exc: BaseException, *, sync: bool) -> HandlerExited:
+    """The failure of a job whose handler raised ``exc``, which is not an ``Exception``
+    (``SystemExit``, ``KeyboardInterrupt``, ``GeneratorExit``, or an ``asyncio.CancelledError``
+    of its own): it stops nothing but its job, which fails like with any other error."""
+    text = str(exc).strip()
+    own = " while its worker was not cancelled" if isinstance(exc, asyncio.CancelledError) else ""
+    return HandlerExited(
+        f"the {'sync ' if sync else ''}handler of consumer {consumer!r} raised"
+        f" {type(exc).__name__}{own}{': ' + text.splitlines()[0][:200] if text else ''}; it stops"
+        " nothing but its job, which fails (its transaction rolled back, fence included)"
+    )
+
+
+def _being_cancelled() -> bool:
+    """Whether the running task has a cancellation requested (``Task.cancelling()``): a
+    ``CancelledError`` is then the worker's own, which must go on up, not a handler's."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 def _call_sync(job: Job, tx: object) -> object:
     """A sync handler's call, in its worker thread. What it raises that is not an ``Exception``
     (``SystemExit``, ``KeyboardInterrupt``, ``GeneratorExit``, ``asyncio.CancelledError``) can
     stop nothing there but its job: it fails the job as :class:`~jobfence.HandlerExited`
-    instead of reaching the event loop, where it would stop the worker or end a processor."""
+    instead of reaching the event loop, where it would stop the worker or end a processor.
+    While it runs, :data:`jobfence.sync.RUNNING_JOB` is the job's meta."""
+    running = RUNNING_JOB.set(job.meta)
     try:
         return job.consumer.handler(job.payload, job.meta, tx)  # type: ignore[arg-type]
     except Exception:
         raise
     except BaseException as exc:
-        text = str(exc).strip()
-        raise HandlerExited(
-            f"the sync handler of consumer {job.consumer.name!r} raised {type(exc).__name__}"
-            f"{': ' + text.splitlines()[0][:200] if text else ''}; in a worker thread it stops"
-            " nothing but its job, which fails (its transaction rolled back, fence included)"
-        ) from exc
+        raise _handler_exited(job.consumer.name, exc, sync=True) from exc
+    finally:
+        RUNNING_JOB.reset(running)
 
 
 def _sync_work(
@@ -694,6 +713,12 @@ class Harness:
         try:
             with guarded(conn) as guard:
                 returned = await job.consumer.handler(job.payload, meta, conn)  # type: ignore[arg-type,misc]
+        except Exception:
+            raise
+        except BaseException as exc:
+            if isinstance(exc, asyncio.CancelledError) and _being_cancelled():
+                raise  # the worker's own cancellation (shutdown, a lost lease): not the job's
+            raise _handler_exited(meta.consumer, exc, sync=False) from exc
         finally:
             self._metrics.handler_duration(meta.queue, meta.consumer, time.perf_counter() - begun)
         if returned is not None:

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import psycopg
 from psycopg.rows import TupleRow
@@ -42,7 +42,18 @@ from jobfence.pgtx import (
     commit_then_begin_sync,
 )
 
+if TYPE_CHECKING:
+    from jobfence.model import JobMeta
+
 log = logging.getLogger("jobfence.sync")
+
+# The job whose sync handler is running in this thread, None between handlers: set by the
+# harness around each call, so that a runner can tell which job of its transaction (one job, or
+# a group) did something (the Django runner: which job registered a transaction.on_commit
+# callback).
+RUNNING_JOB: contextvars.ContextVar[JobMeta | None] = contextvars.ContextVar(
+    "jobfence_running_job", default=None
+)
 
 T = TypeVar("T")
 

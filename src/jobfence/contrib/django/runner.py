@@ -2,8 +2,10 @@
 connection: a :class:`~jobfence.sync.SyncTransactionRunner` for ``manage.py jobfence_worker``.
 
 The fence is inserted as the atomic block's first statement, then the handler runs: its ORM
-writes, raw SQL and ``transaction.on_commit`` callbacks all belong to the same transaction,
-which commits with the fence when the block exits, or not at all.
+writes and raw SQL belong to the same transaction, which commits with the fence when the block
+exits, or not at all. Its ``transaction.on_commit`` callbacks run once the block has committed,
+each job's on its own, and none of them can fail a committed job (jobfence.contrib.django.
+on_commit).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from django.db import DEFAULT_DB_ALIAS, connections, transaction
 from django.db import Error as DjangoDatabaseError
 from django.db.backends.base.base import BaseDatabaseWrapper
 
+from jobfence.contrib.django import on_commit
 from jobfence.errors import ConfigError, TransactionAborted, TransactionMisuse
 from jobfence.guard import ENDED_BY_HANDLER, check_still_open, refuse_because, refuse_on
 from jobfence.sync import Work
@@ -37,6 +40,10 @@ class DjangoRunner:
 
     Database errors reach the worker as psycopg's (the cause Django wraps), so it tells a lost
     database, a serialization failure or a deadlock from a failure of the job.
+
+    The handlers' ``transaction.on_commit`` callbacks run after the commit, in this thread,
+    before ``run`` returns (so before the job is acked); what they raise is logged, never
+    raised (:func:`jobfence.contrib.django.on_commit.run_after_commit`).
     """
 
     def __init__(self, using: str = DEFAULT_DB_ALIAS) -> None:
@@ -55,6 +62,7 @@ class DjangoRunner:
                 with _lent(wrapper, raw):
                     result = work(rows, raw)
                 _check_still_open(wrapper, raw)
+                callbacks = on_commit.take(wrapper)  # run below, once the block committed
         except DjangoDatabaseError as exc:
             _drop_abandoned(wrapper, raw)
             cause = exc.__cause__
@@ -64,6 +72,8 @@ class DjangoRunner:
         except BaseException:
             _drop_abandoned(wrapper, raw)
             raise
+        if callbacks:
+            on_commit.run_after_commit(wrapper, callbacks)
         return result
 
 
@@ -76,13 +86,16 @@ _ENDERS = ("commit", "rollback", "set_autocommit", "close")
 
 @contextmanager
 def _lent(wrapper: BaseDatabaseWrapper, raw: psycopg.Connection[Any]) -> Iterator[None]:
-    """While the handler runs, the calls that would end the transaction through Django raise
+    """While the handler runs, ``transaction.on_commit`` records which job registers each
+    callback (:mod:`jobfence.contrib.django.on_commit`), and the calls that would end the
+    transaction through Django raise
     :class:`~jobfence.TransactionMisuse` before anything is sent, recorded on the job's guard
     (jobfence.guard), so that the job fails even if the handler catches the error; so does a
     write through another of ``DATABASES``' aliases, which would commit outside the job's
     transaction (:func:`_elsewhere`)."""
     for name in _ENDERS:
         setattr(wrapper, name, _refuse(raw, name))
+    wrapper.on_commit = on_commit.registering(wrapper)  # type: ignore[method-assign]
     try:
         with ExitStack() as others:
             for alias in connections:
@@ -91,7 +104,7 @@ def _lent(wrapper: BaseDatabaseWrapper, raw: psycopg.Connection[Any]) -> Iterato
                     others.enter_context(other.execute_wrapper(_elsewhere(raw, wrapper, alias)))
             yield
     finally:
-        for name in _ENDERS:
+        for name in (*_ENDERS, "on_commit"):
             wrapper.__dict__.pop(name, None)
 
 
