@@ -82,6 +82,7 @@ try:
         AckPolicy,
         ConsumerConfig,
         DeliverPolicy,
+        DiscardPolicy,
         Header,
         RetentionPolicy,
         StorageType,
@@ -355,6 +356,51 @@ def _ack_error(error: dict[str, Any]) -> Exception:
     return APIError(description=str(error.get("description", "JetStream refused the message")))
 
 
+def _stream_dangers(config: StreamConfig) -> list[str]:
+    """What in a stream's settings can drop or strand a job that JetStream stored, each with
+    how to change it; empty when nothing can. A limit with discard ``new`` drops nothing: a
+    publish over it is refused, and its job waits in the outbox."""
+    stream = config.name
+    dangers: list[str] = []
+    # nats-py leaves the server's answer as text, where a StreamConfig made here has enums.
+    retention = RetentionPolicy(config.retention or RetentionPolicy.LIMITS)
+    if retention != RetentionPolicy.WORK_QUEUE:
+        dangers.append(
+            f"retention is {retention.value}, not workqueue (limits keeps acked jobs and"
+            " delivers them again to a consumer made again; interest drops a job published"
+            " while its queue has no consumer; retention cannot be edited: make the stream"
+            " again)"
+        )
+    if config.max_age:
+        dangers.append(
+            f"max_age is {config.max_age:g}s (a job older than that is deleted, delivered or"
+            f" not: nats stream edit {stream} --max-age=0)"
+        )
+    discard_old = DiscardPolicy(config.discard or DiscardPolicy.OLD) != DiscardPolicy.NEW
+    if discard_old and (config.max_msgs or -1) > 0:
+        dangers.append(
+            f"max_msgs is {config.max_msgs} with discard old (the oldest jobs are deleted"
+            f" to make room: nats stream edit {stream} --max-msgs=-1, or --discard new)"
+        )
+    if discard_old and (config.max_bytes or -1) > 0:
+        dangers.append(
+            f"max_bytes is {config.max_bytes} with discard old (the oldest jobs are deleted"
+            f" to make room: nats stream edit {stream} --max-bytes=-1, or --discard new)"
+        )
+    per_subject = config.max_msgs_per_subject or -1
+    if per_subject > 0 and not (not discard_old and config.discard_new_per_subject):
+        dangers.append(
+            f"max_msgs_per_subject is {per_subject} (a queue's oldest jobs are deleted to"
+            f" make room: nats stream edit {stream} --max-msgs-per-subject=-1)"
+        )
+    if config.allow_rollup_hdrs:
+        dangers.append(
+            "allow_rollup_hdrs is on (a message published with a Nats-Rollup header deletes"
+            f" the other jobs of its queue: nats stream edit {stream} --no-allow-rollup)"
+        )
+    return dangers
+
+
 def _lease_margin(lease_seconds: float) -> float:
     return max(lease_seconds * 0.1, 0.05)
 
@@ -444,6 +490,9 @@ class NatsQueue:
                         await nc.close()
                     raise
                 self._inbox = await _AckInbox.open(self._nc)
+                await self._nc.subscribe(
+                    f"$JS.EVENT.ADVISORY.STREAM.UPDATED.{self._stream}", cb=self._stream_edited
+                )
                 self._js = js
             return self._js
 
@@ -464,6 +513,14 @@ class NatsQueue:
                     await js.add_stream(config)
                     return
                 self._check_replicas(info.config.num_replicas or 1)
+                dangers = _stream_dangers(info.config)
+                if dangers:
+                    raise ConfigError(
+                        f"the NATS stream {self._stream} exists with settings that can drop a"
+                        f" job jobfence accepted, with no dead letter: {'; '.join(dangers)}."
+                        " jobfence does not use it: change them, or give jobfence a stream"
+                        " of its own (the URL's stream=)"
+                    )
                 return
             except BadRequestError as exc:
                 if exc.err_code != _STREAM_NAME_IN_USE:
@@ -531,6 +588,28 @@ class NatsQueue:
             self._unanswered.clear()
         except Exception as exc:
             log.debug("NATS stream %s not checked now (%s)", self._stream, type(exc).__name__)
+
+    async def _stream_edited(self, msg: Msg) -> None:
+        """JetStream's advisory that the stream was edited on the server (``nats stream
+        edit``): an ERROR when its settings can now drop a job. The workers go on (the jobs it
+        holds are still delivered), but a job it drops is not dead-lettered."""
+        if self._nc is None:
+            return
+        try:
+            info = await self._nc.jetstream(timeout=_RECHECK_ANSWER_SECONDS).stream_info(
+                self._stream
+            )
+        except Exception as exc:
+            log.debug("NATS stream %s not checked now (%s)", self._stream, type(exc).__name__)
+            return
+        dangers = _stream_dangers(info.config)
+        if dangers:
+            log.error(
+                "the NATS stream %s was edited on the server and can now drop a job jobfence "
+                "accepted, with no dead letter and no other log line: %s; change it back",
+                self._stream,
+                "; ".join(dangers),
+            )
 
     def _check_replicas(self, replicas: int) -> None:
         """A WARNING when the existing stream keeps fewer copies than this adapter asks for:

@@ -87,9 +87,11 @@ GROUP = "jobfence"
 _BLOCK_SLICE_SECONDS = 0.25
 
 # KEYS: stream. ARGV: group, consumer, min_idle_ms, count.
-# Returns {{id, fields, times_delivered}, ...} for the entries claimed.
+# Returns {{{id, fields, times_delivered}, ...}, {id, ...}}: the entries claimed, and the ids
+# that were pending with no entry left in the stream.
 _CLAIM = """
 local out = {}
+local gone = {}
 local cursor = '0-0'
 for _ = 1, 10 do
   local wanted = tonumber(ARGV[4]) - #out
@@ -104,10 +106,15 @@ for _ = 1, 10 do
       end
     end
   end
+  -- Redis 7: the ids pending whose entry was deleted from the stream (a trim, or XDEL by
+  -- another client); XAUTOCLAIM has dropped them from the pending list.
+  if r[3] then
+    for _, id in ipairs(r[3]) do table.insert(gone, id) end
+  end
   cursor = r[1]
   if cursor == '0-0' then break end
 end
-return out
+return {out, gone}
 """
 
 # How often a receive looks for entries pending to this consumer that none of its deliveries
@@ -118,26 +125,39 @@ _TAKE_BACK_MAX = 500  # entries looked at per stream and per look
 
 # KEYS: stream. ARGV: group, consumer, min_idle_ms, entry ids...
 # Claims each entry still idle for min_idle_ms (so not one another consumer just took), raising
-# its delivery count; returns {{id, fields, times_delivered}, ...} for those claimed.
+# its delivery count; returns {{{id, fields, times_delivered}, ...}, {id, ...}}: those claimed,
+# and those still pending to this consumer whose entry was deleted from the stream (acked here:
+# nothing is left to deliver).
 _TAKE_BACK = """
 local out = {}
+local gone = {}
 for i = 4, #ARGV do
-  local c = redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[i])
-  if #c == 1 and type(c[1]) == 'table' then
+  if #redis.call('XRANGE', KEYS[1], ARGV[i], ARGV[i]) == 0 then
     local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
-    if #p == 1 then
-      table.insert(out, {c[1][1], c[1][2], p[1][4]})
+    if #p == 1 and p[1][2] == ARGV[2] then
+      redis.call('XACK', KEYS[1], ARGV[1], ARGV[i])
+      table.insert(gone, ARGV[i])
+    end
+  else
+    local c = redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[i])
+    if #c == 1 and type(c[1]) == 'table' then
+      local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+      if #p == 1 then
+        table.insert(out, {c[1][1], c[1][2], p[1][4]})
+      end
     end
   end
 end
-return out
+return {out, gone}
 """
 
 # KEYS: stream. ARGV: group, entry id, consumer, times_delivered, mode (ack | again), prior.
 # ``again`` republishes the entry's fields into the stream with ``prior`` replaced, or added
 # when the entry has none (another producer's): the copy keeps the job's deliveries so far. An
 # empty ``prior`` (an unreadable entry's, which had none) adds nothing: the copy is the entry
-# as it was. Returns 1, or 0 (changing nothing) for a stale receipt.
+# as it was. Returns 1, or 0 (changing nothing) for a stale receipt, or -1 (changing nothing)
+# when the entry is no longer in the stream (trimmed, or deleted by another client): the caller
+# then publishes its own copy with _SETTLE_COPY.
 _SETTLE = """
 local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
 if #p == 0 or p[1][2] ~= ARGV[3] or tonumber(p[1][4]) ~= tonumber(ARGV[4]) then
@@ -145,7 +165,10 @@ if #p == 0 or p[1][2] ~= ARGV[3] or tonumber(p[1][4]) ~= tonumber(ARGV[4]) then
 end
 if ARGV[5] == 'again' then
   local e = redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[2])
-  if #e == 1 then
+  if #e == 0 then
+    return -1
+  end
+  do
     local fields = e[1][2]
     local found = false
     for i = 1, #fields, 2 do
@@ -224,14 +247,81 @@ return 1
 # KEYS: stream. ARGV: group, entry id, consumer, times_delivered.
 # Restarts the entry's idle time if it is still pending for this consumer with the delivery count
 # the receipt saw: XCLAIM with JUSTID does not raise the delivery count. Returns 1, or 0
-# (changing nothing) for a stale receipt.
+# (changing nothing) for a stale receipt, or -1 (changing nothing) when the entry is no longer
+# in the stream (an XCLAIM would drop it from the pending list).
 _EXTEND = """
 local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
 if #p == 0 or p[1][2] ~= ARGV[3] or tonumber(p[1][4]) ~= tonumber(ARGV[4]) then
   return 0
 end
+if #redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[2]) == 0 then
+  return -1
+end
 redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[3], 0, ARGV[2], 'JUSTID')
 return 1
+"""
+
+
+# KEYS: stream. ARGV: group, entry id, consumer, times_delivered, then the copy's fields and
+# values. For an entry still pending to this consumer with that delivery count but deleted from
+# the stream: adds the copy, acks the id. Returns 1, or 0 (changing nothing) for a stale receipt.
+_SETTLE_COPY = """
+local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
+if #p == 0 or p[1][2] ~= ARGV[3] or tonumber(p[1][4]) ~= tonumber(ARGV[4]) then
+  return 0
+end
+redis.call('XADD', KEYS[1], '*', unpack(ARGV, 5))
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+redis.call('XDEL', KEYS[1], ARGV[2])
+return 1
+"""
+
+# KEYS: stream. ARGV: group, consumer, the most entries to claim. What another client's commands
+# did to the group behind its back, found from the group's counters (Redis 7):
+# - entries added after the group's last-delivered id that are no longer in the stream, while
+#   nothing after that id is: deleted before any delivery (a MAXLEN or MINID trim; jobfence
+#   deletes only entries it delivered). Counted, then the group's entries-read is set right
+#   (the same last-delivered id), so that they are counted once;
+# - entries at or before the last-delivered id that are pending to nobody (XGROUP SETID past
+#   them, or the group made again at $): no read would deliver them again. Each is claimed for
+#   this consumer with a delivery count of 1 (XCLAIM ... FORCE).
+# Returns {lost, {{id, fields, 1}, ...}}.
+_AUDIT = """
+local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', KEYS[1])
+if not ok then return {0, {}} end
+local g = nil
+for _, fields in ipairs(groups) do
+  local h = {}
+  for i = 1, #fields, 2 do h[fields[i]] = fields[i + 1] end
+  if h['name'] == ARGV[1] then g = h end
+end
+if g == nil then return {0, {}} end
+local last, lag, read = g['last-delivered-id'], g['lag'], g['entries-read']
+local pending = tonumber(g['pending'])
+local lost = 0
+if lag and read and lag > 0
+    and #redis.call('XRANGE', KEYS[1], '(' .. last, '+', 'COUNT', 1) == 0 then
+  lost = lag
+  redis.call('XGROUP', 'SETID', KEYS[1], ARGV[1], last, 'ENTRIESREAD', read + lag)
+  lag = 0
+end
+local out = {}
+if lag then
+  local stranded = redis.call('XLEN', KEYS[1]) - pending - lag
+  local want = math.min(stranded, tonumber(ARGV[3]))
+  if want > 0 then
+    local entries = redis.call('XRANGE', KEYS[1], '-', last, 'COUNT', pending + want)
+    for _, e in ipairs(entries) do
+      if #out >= want then break end
+      if #redis.call('XPENDING', KEYS[1], ARGV[1], e[1], e[1], 1) == 0 then
+        redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, e[1], 'RETRYCOUNT', 1, 'FORCE',
+                   'JUSTID')
+        table.insert(out, {e[1], e[2], 1})
+      end
+    end
+  end
+end
+return {lost, out}
 """
 
 
@@ -358,6 +448,8 @@ class RedisStreamsQueue:
         self._extend = self._redis.register_script(_EXTEND)
         self._xadd_many = self._redis.register_script(_XADD_MANY)
         self._take_back_script = self._redis.register_script(_TAKE_BACK)
+        self._settle_copy = self._redis.register_script(_SETTLE_COPY)
+        self._audit = self._redis.register_script(_AUDIT)
         self._grouped: set[str] = set()
         # The entries this instance delivered and has not settled, per stream; reads in flight.
         self._held: dict[str, set[str]] = {}
@@ -528,7 +620,26 @@ class RedisStreamsQueue:
         out the lease. Runs only when no other read of this instance is in flight, whose
         entries would not be in ``_held`` yet."""
         got: list[Delivery] = []
+        stranded = 0
         for stream in streams:
+            wanted = max_messages - len(got)
+            if wanted <= 0:
+                break
+            lost, found = await self._audit(keys=[stream], args=[GROUP, self._consumer, wanted])
+            if int(lost) > 0:
+                log.error(
+                    "%d entr%s of queue %s were never delivered: deleted from stream %s by "
+                    "another client (a MAXLEN or MINID trim: XTRIM, or XADD by another "
+                    "producer); their jobs are lost, with no dead letter; do not trim "
+                    "jobfence's streams",
+                    int(lost),
+                    "y" if int(lost) == 1 else "ies",
+                    self._queue_of(stream),
+                    stream,
+                )
+            for entry_id, raw, delivered in found:
+                got.append(self._delivery(stream, entry_id, _pairs(raw), int(delivered)))
+            stranded += len(found)
             wanted = max_messages - len(got)
             if wanted <= 0:
                 break
@@ -545,19 +656,80 @@ class RedisStreamsQueue:
             ids = [i for e in pending if (i := _text_id(e["message_id"])) not in held][:wanted]
             if not ids:
                 continue
-            claimed: list[list[Any]] = await self._take_back_script(
+            claimed, gone = await self._take_back_script(
                 keys=[stream], args=[GROUP, self._consumer, _TAKE_BACK_IDLE_MS, *ids]
             )
+            self._deleted_while_pending(stream, gone)
             for entry_id, raw, delivered in claimed:
                 got.append(self._delivery(stream, entry_id, _pairs(raw), int(delivered)))
-        if got:
+        if stranded:
+            log.warning(
+                "%d entr%s of queue(s) %s were stranded behind consumer group %s's last-"
+                "delivered id, pending to nobody (XGROUP SETID past them, or the group made "
+                "again at $ by another client): delivered now",
+                stranded,
+                "y" if stranded == 1 else "ies",
+                ", ".join(self._queue_of(stream) for stream in streams),
+                GROUP,
+            )
+        if len(got) > stranded:
             log.info(
                 "took back %d entr%s pending to this consumer that no delivery of it held (a"
                 " read whose reply was lost, or an earlier process with the same consumer name)",
-                len(got),
-                "y" if len(got) == 1 else "ies",
+                len(got) - stranded,
+                "y" if len(got) - stranded == 1 else "ies",
             )
         return got
+
+    def _deleted_while_pending(self, stream: str, ids: Sequence[bytes | str]) -> None:
+        """``ids`` were pending in ``stream`` with no entry left (a trim, or XDEL by another
+        client), and nobody held them: Redis has dropped them from the pending list."""
+        if ids:
+            shown = [_text_id(i) for i in ids]
+            log.error(
+                "%d entr%s of queue %s were deleted from stream %s while pending, after "
+                "their holder let them go (a MAXLEN or MINID trim, or XDEL by another client): "
+                "their jobs are lost, with no dead letter; entry id(s) %s; do not trim "
+                "jobfence's streams",
+                len(shown),
+                "y" if len(shown) == 1 else "ies",
+                self._queue_of(stream),
+                stream,
+                ", ".join(shown[:20]) + (", ..." if len(shown) > 20 else ""),
+            )
+
+    async def _copy_deleted(
+        self, receipt: RedisReceipt, message: Message, prior: int | bytes
+    ) -> bool:
+        """The entry of ``receipt`` was deleted from its stream while this instance held it (a
+        trim, or XDEL by another client): publish the job again from this delivery's copy,
+        with ``prior``, and ack the id, in one script. False for a stale receipt."""
+        fields: dict[str, bytes | str] = dict(_fields(message, 0))
+        if isinstance(prior, bytes):  # an unreadable entry's prior field, as it was
+            del fields["prior"]
+            if prior:
+                fields["prior"] = prior
+        else:
+            fields["prior"] = str(prior)
+        args: list[bytes | str | int] = [
+            GROUP,
+            receipt.entry_id,
+            receipt.consumer,
+            receipt.times_delivered,
+        ]
+        for key, value in fields.items():
+            args += [key, value]
+        done = bool(await self._settle_copy(keys=[receipt.stream], args=args))
+        if done:
+            log.warning(
+                "entry %s of queue %s was deleted from its stream while this worker held it "
+                "(a MAXLEN or MINID trim, or XDEL by another client): its job %s was "
+                "published again from the worker's copy",
+                receipt.entry_id,
+                self._queue_of(receipt.stream),
+                message.job_id,
+            )
+        return done
 
     def _settled(self, receipt: RedisReceipt) -> None:
         """The entry of ``receipt`` is no longer this instance's to hold."""
@@ -589,9 +761,10 @@ class RedisStreamsQueue:
             wanted = max_messages - len(got)
             if wanted <= 0:
                 break
-            claimed: list[list[Any]] = await self._claim(
+            claimed, gone = await self._claim(
                 keys=[stream], args=[GROUP, self._consumer, lease_ms, wanted]
             )
+            self._deleted_while_pending(stream, gone)
             for entry_id, raw, delivered in claimed:
                 got.append(self._delivery(stream, entry_id, _pairs(raw), int(delivered)))
         if len(got) < max_messages:
@@ -650,7 +823,12 @@ class RedisStreamsQueue:
         return delivery
 
     async def _settle_entry(
-        self, receipt: RedisReceipt, *, again: bool, prior: int | bytes = 0
+        self,
+        receipt: RedisReceipt,
+        *,
+        again: bool,
+        prior: int | bytes = 0,
+        message: Message | None = None,
     ) -> bool:
         if receipt.settled:
             return False
@@ -672,6 +850,8 @@ class RedisStreamsQueue:
             self._forget_groups([receipt.stream])
             self._settled(receipt)
             return False  # the entry went with its stream: nothing left to settle
+        if done == -1 and message is not None:  # deleted from the stream while held
+            done = await self._copy_deleted(receipt, message, prior)
         # Settled, or stale (the entry is another consumer's now): not held either way.
         self._settled(receipt)
         if done:
@@ -700,6 +880,16 @@ class RedisStreamsQueue:
             if not _group_gone(exc):
                 raise
             self._forget_groups([receipt.stream])
+            return False
+        if done == -1:
+            # Deleted from the stream while held: the job is published again from this copy
+            # (counting this delivery), so it cannot be lost with the pending id; this delivery
+            # no longer holds it (as when its lease was lost: the fence settles which runs).
+            if await self._copy_deleted(
+                receipt, delivery.message, receipt.prior + receipt.times_delivered
+            ):
+                receipt.settled = True
+                self._settled(receipt)
             return False
         return bool(done)
 
@@ -737,17 +927,25 @@ class RedisStreamsQueue:
         if delay_seconds > 0:
             raise _refuse_delay("retry")
         return await self._settle_entry(
-            receipt, again=True, prior=receipt.prior + receipt.times_delivered
+            receipt,
+            again=True,
+            prior=receipt.prior + receipt.times_delivered,
+            message=delivery.message,
         )
 
     @_unavailable
     async def release(self, delivery: Delivery) -> None:
         receipt = _receipt(delivery)
         if receipt.raw_prior is not None:  # unreadable: copied as it was published
-            await self._settle_entry(receipt, again=True, prior=receipt.raw_prior)
+            await self._settle_entry(
+                receipt, again=True, prior=receipt.raw_prior, message=delivery.message
+            )
             return
         await self._settle_entry(
-            receipt, again=True, prior=receipt.prior + receipt.times_delivered - 1
+            receipt,
+            again=True,
+            prior=receipt.prior + receipt.times_delivered - 1,
+            message=delivery.message,
         )
 
     @_unavailable
