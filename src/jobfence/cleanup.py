@@ -36,6 +36,11 @@ async def cleanup_expired(
     """Delete fence rows with ``expires_at < now()`` (database clock), one short transaction
     per batch of at most ``batch_size`` rows, until a batch comes back short.
 
+    A fence whose job may still have a copy in the PostgreSQL queue is kept, expired or not:
+    every fence of a consumer written since its oldest message there that is not a job waiting
+    for its first run (a worker that died between a commit and its ack, and no worker on that
+    queue since). The next round removes them once the copies are gone.
+
     ``conn`` must be in autocommit mode so each batch commits on its own: no long lock, no table
     rewrite, and concurrent workers never wait long behind it. ``metrics`` hears the rows of
     each committed batch and, when the round ends without error, a success.
@@ -46,12 +51,16 @@ async def cleanup_expired(
         raise ValueError("cleanup needs an autocommit connection (one transaction per batch)")
     deleted = 0
     batches = 0
+    held = await (await execute_read_committed(conn, SQL["cleanup_held_since"])).fetchall()
+    params = {
+        "batch_size": batch_size,
+        "held_consumers": [consumer for consumer, _ in held],
+        "held_since": [since for _, since in held],
+    }
     while max_batches is None or batches < max_batches:
         # READ COMMITTED whatever the database's default: a batch skips or re-reads the rows a
         # concurrent cleanup took, where a stricter level would fail it (a serialization failure).
-        cur = await execute_read_committed(
-            conn, SQL["cleanup_expired_batch"], {"batch_size": batch_size}
-        )
+        cur = await execute_read_committed(conn, SQL["cleanup_expired_batch"], params)
         batches += 1
         deleted += max(cur.rowcount, 0)
         if metrics is not None:

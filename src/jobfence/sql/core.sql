@@ -92,17 +92,38 @@ RETURNING id, job_id, queue, consumer, tenant_id, payload, payload_encoding, att
 -- name: dead_letter_status
 SELECT status FROM core.dead_letters WHERE id = %(id)s;
 
+-- name: cleanup_held_since
+-- For each consumer, since when the PostgreSQL queue may hold a copy of a job that committed:
+-- the oldest of its messages that is not a job waiting for its first run (never delivered,
+-- not yet due). Such a copy is a job whose worker died between its commit and its ack, and no
+-- worker has taken that queue since; when one does, the job's fence makes the copy a
+-- duplicate, so cleanup keeps every fence of that consumer written since then. Read once per
+-- cleanup round (one scan of the queue table): a message enqueued later is younger than any
+-- fence that can expire during the round.
+SELECT consumer, min(created_at) AS since
+FROM jobfence_queue.messages
+WHERE attempts > 0 OR lease_token IS NOT NULL OR run_at <= now()
+GROUP BY consumer;
+
 -- name: cleanup_expired_batch
--- Deletes at most %(batch_size)s expired fence rows by the database clock. SKIP LOCKED keeps
--- two cleanups (or a cleanup and a worker) from waiting on each other; the outer re-check of
--- expires_at means a row is never removed unless it is expired at delete time.
+-- Deletes at most %(batch_size)s expired fence rows by the database clock, but none that a
+-- copy of its job may still need (cleanup_held_since: %(held_consumers)s, %(held_since)s).
+-- SKIP LOCKED keeps two cleanups (or a cleanup and a worker) from waiting on each other; the
+-- outer re-check of expires_at means a row is never removed unless it is expired at delete
+-- time.
 WITH doomed AS (
-    SELECT job_id, consumer
-    FROM core.processed_jobs
-    WHERE expires_at < now()
-    ORDER BY expires_at
+    SELECT p.job_id, p.consumer
+    FROM core.processed_jobs p
+    WHERE p.expires_at < now()
+      AND NOT EXISTS (
+          SELECT 1
+          FROM unnest(%(held_consumers)s::text[], %(held_since)s::timestamptz[])
+              AS h (consumer, since)
+          WHERE h.consumer = p.consumer AND h.since <= p.processed_at
+      )
+    ORDER BY p.expires_at
     LIMIT %(batch_size)s
-    FOR UPDATE SKIP LOCKED
+    FOR UPDATE OF p SKIP LOCKED
 )
 DELETE FROM core.processed_jobs p
 USING doomed
