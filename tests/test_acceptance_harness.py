@@ -372,16 +372,15 @@ async def test_acceptance_2_crash_between_work_and_fence_leaves_neither(  # noqa
     assert metrics.count("succeeded") == 1
 
 
-async def test_crash_after_commit_before_the_batched_ack_redelivers_as_a_duplicate(
+async def kill_after_a_commit_before_its_ack(
     database_url: str,
-    pool: AsyncConnectionPool[Any],
     points: AsyncConnection[Any],
     workdir: Path,
     processes: list[WorkerProcess],
 ) -> None:
-    """Acks go out after the commit, in batches: a worker SIGKILLed while a committed job's ack
-    is still waiting leaves the effect, the fence and the message. The message comes back when
-    its 1 s lease ends and the fence makes it a duplicate: acked, counted, no second effect."""
+    """Jobs "late-ack" (3 points to account 3) and "z-block": a worker process commits
+    "late-ack", then is SIGKILLed inside "z-block"'s handler while "late-ack"'s ack waits in
+    its batch. Left: "late-ack"'s effect, its fence and its message."""
     app = pointsapp.build_app()
     await app.enqueue(points, "award_points", {"account_id": 3, "points": 5}, job_id="late-ack")
     await app.enqueue(points, "award_points", {"account_id": 4, "points": 1}, job_id="z-block")
@@ -396,6 +395,19 @@ async def test_crash_after_commit_before_the_batched_ack_redelivers_as_a_duplica
 
     proc.proc.send_signal(signal.SIGKILL)
     assert await proc.wait_exit() == -signal.SIGKILL
+
+
+async def test_crash_after_commit_before_the_batched_ack_redelivers_as_a_duplicate(
+    database_url: str,
+    pool: AsyncConnectionPool[Any],
+    points: AsyncConnection[Any],
+    workdir: Path,
+    processes: list[WorkerProcess],
+) -> None:
+    """Acks go out after the commit, in batches: a worker SIGKILLed while a committed job's ack
+    is still waiting leaves the effect, the fence and the message. The message comes back when
+    its 1 s lease ends and the fence makes it a duplicate: acked, counted, no second effect."""
+    await kill_after_a_commit_before_its_ack(database_url, points, workdir, processes)
 
     metrics = PrometheusMetrics()
     seen = await run_recording_attempts(pool, "empty", metrics)

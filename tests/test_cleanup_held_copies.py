@@ -6,7 +6,6 @@ back. Real PostgreSQL, a real worker process SIGKILLed, the real ``jobfence clea
 
 from __future__ import annotations
 
-import signal
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ from test_acceptance_harness import (
     awards,
     balance,
     fences,
+    kill_after_a_commit_before_its_ack,
     processes,  # noqa: F401 (a fixture)
     queued,
     run_recording_attempts,
@@ -55,20 +55,11 @@ async def test_cleanup_keeps_the_fence_of_a_committed_job_whose_message_is_still
     (the TTL is 7); ``jobfence cleanup`` runs. It keeps that job's fence, and removes the
     expired fences whose jobs are no longer queued. When a worker comes back, the copy is a
     duplicate: acked, no second effect."""
-    app = pointsapp.build_app()
-    await points.execute(  # a job done before these were enqueued
+    await points.execute(  # a job done before the two below were enqueued
         "INSERT INTO core.processed_jobs (job_id, consumer, processed_at, expires_at)"
         " VALUES ('long-done', 'award_points', now(), now() + interval '7 days')"
     )
-    await app.enqueue(points, "award_points", {"account_id": 3, "points": 5}, job_id="late-ack")
-    await app.enqueue(points, "award_points", {"account_id": 4, "points": 1}, job_id="z-block")
-    proc = WorkerProcess("unacked", database_url, workdir)
-    processes.append(proc)
-    _, job_id, _ = await proc.wait_in_handler()
-    assert job_id == "z-block"  # so "late-ack" has committed, and its ack is held back
-    proc.proc.send_signal(signal.SIGKILL)
-    assert await proc.wait_exit() == -signal.SIGKILL
-    assert (await fences(points, "late-ack"), await queued(points)) == (1, 2)
+    await kill_after_a_commit_before_its_ack(database_url, points, workdir, processes)
 
     await days_pass(points, 8)
     done = run_jobfence(database_url, "cleanup")

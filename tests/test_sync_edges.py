@@ -57,24 +57,34 @@ EXITS: list[type[BaseException]] = [
 ]
 
 
+@pytest.mark.parametrize("flavour", ["sync", "async"])
 @pytest.mark.parametrize("per_transaction", [1, 5])
 @pytest.mark.parametrize("raised", EXITS, ids=lambda exc: exc.__name__)
-async def test_a_sync_handler_raising_a_base_exception_is_one_dead_letter_and_the_jobs_behind_run(
+async def test_a_handler_raising_a_base_exception_is_one_dead_letter_and_the_jobs_behind_run(
     database_url: str,
     points: AsyncConnection[Any],
     raised: type[BaseException],
     per_transaction: int,
+    flavour: str,
 ) -> None:
-    """In a worker thread, SystemExit, KeyboardInterrupt, GeneratorExit or CancelledError from
-    a handler stops nothing but its job: its transaction rolls back, fence included, the job
-    fails like any other error (here with no retry left: one dead letter naming what was
+    """SystemExit, KeyboardInterrupt, GeneratorExit or CancelledError raised by a handler (a
+    ``def`` one in its worker thread; an ``async def`` one with no cancellation of the worker's
+    task requested) stops nothing but its job: its transaction rolls back, fence included, the
+    job fails like any other error (here with no retry left: one dead letter naming what was
     raised), and the worker runs the jobs behind it. In a group (``jobs_per_transaction``)
     the group rolls back and its jobs run one transaction each, the same way."""
 
-    def award(payload: pointsapp.Award, job: JobMeta, tx: psycopg.Connection[Any]) -> None:
+    def exits(payload: pointsapp.Award, job: JobMeta, tx: psycopg.Connection[Any]) -> None:
         pointsapp.apply_award_sync(payload, job, tx)
         if job.job_id == "exits":
             raise raised("bye")
+
+    async def exits_async(payload: pointsapp.Award, job: JobMeta, tx: AsyncConnection[Any]) -> None:
+        await pointsapp.apply_award(payload, job, tx)
+        if job.job_id == "exits":
+            raise raised("bye")
+
+    award: Any = exits if flavour == "sync" else exits_async
 
     app = app_with(
         award,
