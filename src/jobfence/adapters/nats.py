@@ -35,7 +35,14 @@ shared by every worker of that queue.
   enqueue waits in the PostgreSQL outbox instead).
 - **max_deliver**: unlimited by default. The harness dead-letters a job itself when the retry
   policy's attempts run out (D1), counting the server's deliveries; a finite ``max_deliver``
-  would make JetStream stop delivering a message silently, which jobfence never does.
+  would make JetStream stop delivering a message silently, which jobfence never does. A
+  consumer edited on the server (``nats consumer edit``: max_deliver, ack_wait, backoff, the
+  filter) is found by a worker within ``_CONSUMER_CHECK_SECONDS`` and put back, with a log
+  line; a message that reached an edited max_deliver meanwhile (JetStream's advisory) is
+  published again with its deliveries counted, and the stranded one deleted.
+- **A full stream** (a limit with discard new): a publish is ``QueueUnavailable`` (every
+  message would be refused alike, so the relay backs off) saying the stream is full and which
+  limit, not that NATS is unreachable.
 
 Not transactional: ``publish`` and ``ack`` refuse a database transaction.
 """
@@ -156,12 +163,28 @@ _NO_WAIT_ANSWER_SECONDS = 5.0
 # The JetStream error code of a create whose stream exists with another configuration.
 _STREAM_NAME_IN_USE = 10058
 _MESSAGE_TOO_LARGE = 10054  # "message size exceeds maximum allowed" (the stream's max_msg_size)
+# A publish the stream cannot store (503): "maximum messages exceeded", "maximum bytes exceeded"
+# or "maximum messages per subject exceeded" under a limit with discard new (each setting named
+# below), or a failure of the server's store; JetStream's storage exhausted (the server's or the
+# account's limit) is "insufficient resources".
+_STORE_FAILED = 10077
+_INSUFFICIENT_RESOURCES = 10047
+_FULL_LIMITS = {
+    "maximum messages exceeded": "max_msgs",
+    "maximum bytes exceeded": "max_bytes",
+    "maximum messages per subject exceeded": "max_msgs_per_subject",
+}
 # After a publish or a pull that nothing answered ("no responders": no stream took the subject,
 # no consumer took the pull), whether the stream and the consumer still exist is asked, at most
 # this often, each question given this long: a stream or consumer deleted on the server is made
 # again, while a cluster electing a leader costs at most one unanswered question per interval.
 _RECHECK_SECONDS = 5.0
 _RECHECK_ANSWER_SECONDS = 1.0
+# A worker compares the settings of the consumers of the queues it receives from with
+# jobfence's at most this often (one consumer info per queue), and puts back an edit made on the
+# server (``nats consumer edit``) since: a lowered max_deliver, a filter subject edited away,
+# would otherwise strand jobs in the stream.
+_CONSUMER_CHECK_SECONDS = 5.0
 
 
 async def _client_error(exc: Exception) -> None:
@@ -257,10 +280,43 @@ _NAMES = FieldNames(
 )
 
 
-def _as_unavailable(exc: BaseException) -> Exception:
+def _stream_full(exc: BaseException, stream: str) -> QueueUnavailable | None:
+    """A publish the stream refused because it cannot store it (a limit with discard new
+    reached, JetStream's storage exhausted), as ``QueueUnavailable`` that says so: every
+    message would be refused the same way, so the relay backs off as for an outage, but an
+    operator must not go looking for one. None for any other error."""
+    if not isinstance(exc, APIError) or exc.err_code not in (
+        _STORE_FAILED,
+        _INSUFFICIENT_RESOURCES,
+    ):
+        return None
+    description = str(exc.description or "").strip()
+    limit = _FULL_LIMITS.get(description.lower())
+    if limit is not None:
+        text = (
+            f"NATS stream {stream} is full: its {limit} limit (discard new) refuses new messages"
+            f" ({description}); they wait in the outbox until its jobs are consumed, or the"
+            f" limit is raised (nats stream edit {stream} --{limit.replace('_', '-')} ...)"
+        )
+    elif exc.err_code == _INSUFFICIENT_RESOURCES:
+        text = (
+            f"NATS stream {stream} is full: JetStream has no storage left for it"
+            f" ({description or 'insufficient resources'}: the server's or the account's"
+            " JetStream storage limit); the messages wait in the outbox"
+        )
+    else:
+        text = f"NATS stream {stream} cannot store a message now: {description}"
+    full = QueueUnavailable(text)
+    full.__cause__ = exc
+    return full
+
+
+def _as_unavailable(exc: BaseException, stream: str) -> Exception:
     """A JetStream ack's error as the port reports it: a lost connection, a timeout or a
-    cluster without a leader is ``QueueUnavailable``; anything else (an API error: no stream,
-    a limit) as it is."""
+    cluster without a leader is ``QueueUnavailable``, and so is a full stream (saying so);
+    anything else (an API error: no stream, a limit) as it is."""
+    if (full := _stream_full(exc, stream)) is not None:
+        return full
     if isinstance(exc, _CONNECTION_ERRORS) or _no_leader(exc):
         unavailable = QueueUnavailable(f"NATS unreachable: {type(exc).__name__}: {exc}")
         unavailable.__cause__ = exc
@@ -358,8 +414,9 @@ def _ack_error(error: dict[str, Any]) -> Exception:
 
 def _stream_dangers(config: StreamConfig) -> list[str]:
     """What in a stream's settings can drop or strand a job that JetStream stored, each with
-    how to change it; empty when nothing can. A limit with discard ``new`` drops nothing: a
-    publish over it is refused, and its job waits in the outbox."""
+    how to change it; empty when nothing can. ``max_msgs`` (or ``max_msgs_per_subject`` with
+    discard new per subject) with discard ``new`` drops nothing: a publish over it is refused,
+    and its job waits in the outbox; ``max_bytes`` drops the oldest even with discard new."""
     stream = config.name
     dangers: list[str] = []
     # nats-py leaves the server's answer as text, where a StreamConfig made here has enums.
@@ -382,10 +439,15 @@ def _stream_dangers(config: StreamConfig) -> list[str]:
             f"max_msgs is {config.max_msgs} with discard old (the oldest jobs are deleted"
             f" to make room: nats stream edit {stream} --max-msgs=-1, or --discard new)"
         )
-    if discard_old and (config.max_bytes or -1) > 0:
+    if (config.max_bytes or -1) > 0:
+        # Discard new does not protect max_bytes: the server checks a new message's payload
+        # against the limit, then stores it with its subject and overhead, and deletes the
+        # oldest message when that goes over (measured on nats-server 2.9.10: every publish
+        # acked, one job kept; nats-server issue 4771, open, seen on 2.9 and 2.10 too).
         dangers.append(
-            f"max_bytes is {config.max_bytes} with discard old (the oldest jobs are deleted"
-            f" to make room: nats stream edit {stream} --max-bytes=-1, or --discard new)"
+            f"max_bytes is {config.max_bytes} (the oldest jobs are deleted to make room, with"
+            f" discard new too: nats stream edit {stream} --max-bytes=-1; use max_msgs with"
+            " discard new to bound the stream)"
         )
     per_subject = config.max_msgs_per_subject or -1
     if per_subject > 0 and not (not discard_old and config.discard_new_per_subject):
@@ -399,6 +461,52 @@ def _stream_dangers(config: StreamConfig) -> list[str]:
             f" the other jobs of its queue: nats stream edit {stream} --no-allow-rollup)"
         )
     return dangers
+
+
+def _consumer_changes(
+    found: ConsumerConfig, wanted: ConsumerConfig
+) -> tuple[list[str], bool, bool]:
+    """What differs in a consumer's settings ``found`` on the server from jobfence's
+    ``wanted``, each with what it does; whether one can strand a job; whether the consumer must
+    be made again (a setting JetStream does not edit, or a filter that skipped jobs)."""
+    changes: list[str] = []
+    strands = remake = False
+    max_deliver = found.max_deliver or -1
+    if max_deliver > 0:
+        changes.append(
+            f"max_deliver is {max_deliver} (a job delivered that often is never delivered"
+            " again: it stays in the stream, with no dead letter)"
+        )
+        strands = True
+    if found.backoff:
+        changes.append(
+            f"backoff is {found.backoff} (a lost lease's job waits those delays, not the lease)"
+        )
+        strands = True
+    if found.filter_subject != wanted.filter_subject or found.filter_subjects:
+        shown = found.filter_subjects or found.filter_subject
+        changes.append(
+            f"filter_subject is {shown}, not {wanted.filter_subject} (the queue's jobs published"
+            " meanwhile are skipped, for good)"
+        )
+        strands = remake = True
+    for setting in ("ack_policy", "deliver_policy", "deliver_subject"):
+        value, own = getattr(found, setting), getattr(wanted, setting)
+        if setting == "deliver_subject" and not value:
+            continue
+        if str(getattr(value, "value", value)) != str(getattr(own, "value", own)):
+            changes.append(f"{setting} is {getattr(value, 'value', value)}")
+            strands = remake = True
+    # ack_wait is left alone: the workers of a queue set it to their lease when they start,
+    # and workers started with different leases (a deploy changing it) would set it back and
+    # forth every check. Put back with the others, it becomes this worker's lease.
+    max_ack_pending = found.max_ack_pending or -1
+    if max_ack_pending > 0:
+        changes.append(
+            f"max_ack_pending is {max_ack_pending} (at most that many of the queue's jobs run at"
+            " once)"
+        )
+    return changes, strands, remake
 
 
 def _lease_margin(lease_seconds: float) -> float:
@@ -447,6 +555,8 @@ class NatsQueue:
         self._ack_wait: dict[str, float] = {}  # queue -> the AckWait its consumer has
         self._unanswered: set[str] = set()  # queues whose publish or pull nothing answered
         self._recheck_at = 0.0
+        self._leased: set[str] = set()  # queues received from here: their lease is known
+        self._consumers_checked_at = 0.0
         self._closed = False
 
     # -- connection, stream and consumers ------------------------------------------------
@@ -492,6 +602,10 @@ class NatsQueue:
                 self._inbox = await _AckInbox.open(self._nc)
                 await self._nc.subscribe(
                     f"$JS.EVENT.ADVISORY.STREAM.UPDATED.{self._stream}", cb=self._stream_edited
+                )
+                await self._nc.subscribe(
+                    f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{self._stream}.*",
+                    cb=self._max_delivered,
                 )
                 self._js = js
             return self._js
@@ -645,6 +759,8 @@ class NatsQueue:
         durable = self._durable(queue)
         wanted = lease_seconds if lease_seconds is not None else self._ack_wait.get(queue)
         if queue in self._ack_wait and (wanted is None or wanted == self._ack_wait[queue]):
+            if lease_seconds is not None:
+                self._leased.add(queue)  # its settings are checked (_check_consumers)
             return durable
         if wanted is None:
             # A publisher (the outbox relay, a replay) has no lease of its own: it keeps the
@@ -654,20 +770,162 @@ class NatsQueue:
                 self._ack_wait[queue] = float(info.config.ack_wait or self._default_lease)
                 return durable
         ack_wait = wanted if wanted is not None else self._default_lease
-        await js.add_consumer(
-            self._stream,
-            ConsumerConfig(
-                durable_name=durable,
-                filter_subject=self._subject(queue),
-                ack_policy=AckPolicy.EXPLICIT,
-                deliver_policy=DeliverPolicy.ALL,
-                ack_wait=ack_wait,
-                max_deliver=-1,
-                max_ack_pending=-1,
-            ),
-        )
+        await js.add_consumer(self._stream, self._consumer_config(queue, ack_wait))
         self._ack_wait[queue] = ack_wait
+        if lease_seconds is not None:
+            self._leased.add(queue)
         return durable
+
+    def _consumer_config(self, queue: str, ack_wait: float) -> ConsumerConfig:
+        """jobfence's settings for the consumer of ``queue``."""
+        return ConsumerConfig(
+            durable_name=self._durable(queue),
+            filter_subject=self._subject(queue),
+            ack_policy=AckPolicy.EXPLICIT,
+            deliver_policy=DeliverPolicy.ALL,
+            ack_wait=ack_wait,
+            max_deliver=-1,
+            max_ack_pending=-1,
+        )
+
+    async def _check_consumers(self, queues: Sequence[str]) -> None:
+        """At most every ``_CONSUMER_CHECK_SECONDS``: the consumers of ``queues`` that this
+        adapter made or set (at its first receive) still have jobfence's settings, or are put
+        back (:meth:`_put_back`). No answer leaves things as they are until the next time."""
+        if self._nc is None:
+            return
+        self._consumers_checked_at = time.monotonic() + _CONSUMER_CHECK_SECONDS
+        js = self._nc.jetstream(timeout=_RECHECK_ANSWER_SECONDS)
+        for queue in queues:
+            if queue not in self._leased:
+                continue  # set to jobfence's settings by this receive
+            try:
+                info = await js.consumer_info(self._stream, self._durable(queue))
+            except NotFoundError:
+                self._unanswered.add(queue)  # made again by _recheck, with its WARNING
+                self._recheck_at = 0.0
+                continue
+            except Exception as exc:
+                log.debug("NATS consumers not checked now (%s)", type(exc).__name__)
+                return
+            await self._put_back(js, queue, info.config)
+
+    async def _put_back(self, js: JetStreamContext, queue: str, config: ConsumerConfig) -> None:
+        """The consumer of ``queue``, found with ``config``, put back to jobfence's settings
+        when someone changed them on the server, with one log line naming each: an ERROR when
+        the change can strand a job (max_deliver, backoff, the filter subject, the ack or
+        deliver policy, a push subject), else a WARNING. A consumer whose filter subject (or
+        policy) changed is deleted and made again: one that pulled while filtered elsewhere
+        skipped the queue's jobs published meanwhile, and goes on skipping them under its old
+        filter too; made again, it delivers every job in the stream (those held now a second
+        time: the fence absorbs them)."""
+        ack_wait = self._ack_wait.get(queue) if queue in self._leased else None
+        if ack_wait is None:  # a publisher: it does not know the workers' lease
+            ack_wait = float(config.ack_wait or self._default_lease)
+        wanted = self._consumer_config(queue, ack_wait)
+        changes, strands, remake = _consumer_changes(config, wanted)
+        if not changes:
+            return
+        durable = self._durable(queue)
+        try:
+            if remake:
+                with contextlib.suppress(NotFoundError):
+                    await js.delete_consumer(self._stream, durable)
+            await js.add_consumer(self._stream, wanted)
+        except Exception as exc:
+            log.error(
+                "the NATS consumer %s of queue %s on stream %s was changed on the server: %s;"
+                " it could not be put back (%s: %s): change it back",
+                durable,
+                queue,
+                self._stream,
+                "; ".join(changes),
+                type(exc).__name__,
+                exc,
+            )
+            return
+        log.log(
+            logging.ERROR if strands else logging.WARNING,
+            "the NATS consumer %s of queue %s on stream %s was changed on the server: %s; %s",
+            durable,
+            queue,
+            self._stream,
+            "; ".join(changes),
+            "made again with jobfence's settings (every job in the stream is delivered; those"
+            " held now once more)"
+            if remake
+            else "put back to jobfence's settings",
+        )
+
+    async def _max_delivered(self, msg: Msg) -> None:
+        """JetStream's advisory that a message of a consumer reached its ``max_deliver``: the
+        server will never deliver it again, and it stays in the work-queue stream for ever (a
+        jobfence consumer has none, so someone set one on the server). The job is published
+        again from the stored copy, its deliveries counted in ``Jobfence-Prior`` (its next
+        delivery is the attempt after them; the retry policy dead-letters it when they run
+        out), the stranded one deleted, and the consumer's settings put back, with an ERROR.
+        Every process of the stream hears the advisory: the copy's ``Nats-Msg-Id`` lets the
+        stream keep one, and only the process whose copy was stored logs it."""
+        if self._nc is None or self._closed:
+            return
+        try:
+            advisory = json.loads(msg.data)
+            seq, deliveries = int(advisory["stream_seq"]), int(advisory["deliveries"])
+            durable = str(advisory["consumer"])
+        except (ValueError, TypeError, KeyError):
+            return
+        prefix = f"{self._subject_prefix}."
+        js = self._nc.jetstream(timeout=_RECHECK_ANSWER_SECONDS)
+        try:
+            try:
+                stored = await js.get_msg(self._stream, seq)
+            except NotFoundError:
+                return  # published again by another process already (or acked meanwhile)
+            subject = stored.subject or ""
+            queue = subject[len(prefix) :] if subject.startswith(prefix) else ""
+            if not queue or self._durable(queue) != durable:
+                return  # not a jobfence queue's message, or not its consumer
+            headers = dict(stored.headers or {})
+            prior = headers.get(_H_PRIOR)
+            if prior is None or prior.isdigit():  # else unreadable: copied as it is
+                headers[_H_PRIOR] = str(int(prior or 0) + deliveries)
+            headers[_H_MSG_ID] = f"jobfence-max-deliver-{seq}"
+            # The consumer's settings first, so that the copy is not stopped the same way.
+            await self._put_back(js, queue, (await js.consumer_info(self._stream, durable)).config)
+            ack = await js.publish(
+                subject, stored.data or b"", stream=self._stream, headers=headers
+            )
+            with contextlib.suppress(NotFoundError):
+                await js.delete_msg(self._stream, seq)
+            if not ack.duplicate:
+                log.error(
+                    "the NATS consumer %s of queue %s on stream %s stopped delivering job %s"
+                    " (stream sequence %d) after %d deliveries: its max_deliver was set on the"
+                    " server; the job was published again with its deliveries counted",
+                    durable,
+                    queue,
+                    self._stream,
+                    headers.get(_H_JOB_ID, "?"),
+                    seq,
+                    deliveries,
+                )
+        except Exception as exc:
+            log.error(
+                "the NATS consumer %s on stream %s stopped delivering the message of stream"
+                " sequence %d after %d deliveries (its max_deliver was set on the server), and"
+                " it could not be published again (%s: %s): it stays in the stream, not"
+                " delivered (setting max_deliver back does not deliver it); delete the"
+                " consumer (nats consumer rm %s %s): the workers make it again, and it"
+                " delivers every job in the stream",
+                durable,
+                self._stream,
+                seq,
+                deliveries,
+                type(exc).__name__,
+                exc,
+                self._stream,
+                durable,
+            )
 
     # -- the port -----------------------------------------------------------------------
 
@@ -725,7 +983,7 @@ class NatsQueue:
                     raise
                 acks[n] = ack
             except Exception as exc:
-                results[n] = _as_unavailable(exc)
+                results[n] = _as_unavailable(exc, self._stream)
         pending = await self._acks(list(acks.values()))
         for n, future in acks.items():
             if future in pending:
@@ -736,7 +994,7 @@ class NatsQueue:
             elif (error := future.exception()) is not None:
                 if isinstance(error, NoStreamResponseError):
                     self._unanswered.add(outgoing[n].message.queue)
-                results[n] = _as_unavailable(error)
+                results[n] = _as_unavailable(error, self._stream)
         return results
 
     async def _acks(self, futures: list[asyncio.Future[Any]]) -> set[asyncio.Future[Any]]:
@@ -768,7 +1026,7 @@ class NatsQueue:
                 try:
                     await self._consumer(queue, None)
                 except Exception as exc:
-                    if isinstance(_as_unavailable(exc), QueueUnavailable):
+                    if isinstance(_as_unavailable(exc, self._stream), QueueUnavailable):
                         raise
                     refused[queue] = exc
         return refused
@@ -814,6 +1072,11 @@ class NatsQueue:
             )
         except NoStreamResponseError:
             self._unanswered.add(message.queue)
+            raise
+        except APIError as exc:
+            full = _stream_full(exc, self._stream)
+            if full is not None:
+                raise full from exc
             raise
 
     def _headers_of(
@@ -862,6 +1125,8 @@ class NatsQueue:
         try:
             await self._recheck()
             durables = [(q, await self._consumer(q, lease_seconds)) for q in queues]
+            if time.monotonic() >= self._consumers_checked_at:
+                await self._check_consumers(queues)
             got: list[Delivery] = []
             for queue, durable in durables:
                 got += await self._pull(queue, durable, max_messages - len(got), None)
