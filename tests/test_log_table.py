@@ -13,6 +13,7 @@ WORKER_MODULES = [
     "src/jobfence/worker.py",
     "src/jobfence/acks.py",
     "src/jobfence/leases.py",
+    "src/jobfence/blocked_loop.py",
     "src/jobfence/harness.py",
     "src/jobfence/outage_log.py",
     "src/jobfence/outbox.py",  # the relay every worker on a broker runs

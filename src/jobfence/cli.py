@@ -21,6 +21,12 @@ import psycopg
 
 from jobfence import cli_dead_letters, db, runtime, schema
 from jobfence.app import App
+from jobfence.blocked_loop import (
+    DEFAULT_BLOCKED_LOOP_SECONDS,
+    MAX_BLOCKED_LOOP_SECONDS,
+    MIN_BLOCKED_LOOP_SECONDS,
+    checked_blocked_loop_seconds,
+)
 from jobfence.cli_dead_letters import report_error, text_argument, usage_error
 from jobfence.errors import ConfigError, JobfenceError
 from jobfence.limits import MAX_LEASE_SECONDS
@@ -186,6 +192,7 @@ async def _cmd_worker(args: argparse.Namespace) -> int:
                 lease_seconds=args.lease_seconds,
                 max_handler_seconds=args.max_handler_seconds,
                 shutdown_grace_seconds=args.grace_seconds,
+                blocked_loop_seconds=args.blocked_loop_seconds,
                 metrics=metrics,
                 outbox_relay=args.outbox_relay,
                 outbox_metrics=PrometheusOutboxMetrics(metrics.registry),
@@ -431,6 +438,21 @@ def _seconds(high: float) -> Callable[[str], float]:
     return parse
 
 
+def _blocked_loop_seconds(text: str) -> float:
+    """``--blocked-loop-seconds``: 0 (off) or seconds from 0.1 to 86400, as ``Worker`` takes."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    try:
+        return checked_blocked_loop_seconds(value)
+    except ConfigError:
+        raise argparse.ArgumentTypeError(
+            f"must be 0 (off) or a number of seconds from {MIN_BLOCKED_LOOP_SECONDS:g} to"
+            f" {MAX_BLOCKED_LOOP_SECONDS:g}, got {text!r}"
+        ) from None
+
+
 def _duration_arg(text: str) -> float:
     from jobfence.config import parse_duration
 
@@ -655,6 +677,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="on SIGTERM or SIGINT, time running jobs get to finish; a second signal stops at"
         " once (30)",
+    )
+    p.add_argument(
+        "--blocked-loop-seconds",
+        type=_blocked_loop_seconds,
+        default=DEFAULT_BLOCKED_LOOP_SECONDS,
+        metavar="S",
+        help="log a WARNING when the event loop has not run for S seconds (an async handler"
+        " running blocking code), naming the job and where; 0: off (1)",
     )
     p.add_argument(
         "--until",

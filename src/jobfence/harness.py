@@ -46,6 +46,7 @@ from jobfence._sql import Queries
 from jobfence.acks import AckBatcher
 from jobfence.alerts.outbox import record_dead_letter_alerts
 from jobfence.app import App, Consumer
+from jobfence.blocked_loop import RUNNING_HANDLERS
 from jobfence.codec import (
     decode_body,
     describe_validation_error,
@@ -710,9 +711,13 @@ class Harness:
         transaction it ended or doomed, fails the job whatever the handler did afterwards."""
         meta = job.meta
         begun = time.perf_counter()
+        running = None
         try:
             with guarded(conn) as guard:
-                returned = await job.consumer.handler(job.payload, meta, conn)  # type: ignore[arg-type,misc]
+                running = job.consumer.handler(job.payload, meta, conn)  # type: ignore[arg-type]
+                # Names the job to the blocked-loop watchdog while the handler runs.
+                RUNNING_HANDLERS[id(running)] = (running, meta)
+                returned = await running  # type: ignore[misc]
         except Exception:
             raise
         except BaseException as exc:
@@ -720,6 +725,7 @@ class Harness:
                 raise  # the worker's own cancellation (shutdown, a lost lease): not the job's
             raise _handler_exited(meta.consumer, exc, sync=False) from exc
         finally:
+            RUNNING_HANDLERS.pop(id(running), None)
             self._metrics.handler_duration(meta.queue, meta.consumer, time.perf_counter() - begun)
         if returned is not None:
             refuse_unrun(meta.consumer, returned, sync=False)

@@ -190,6 +190,19 @@ class LeaseMetricsSink(Protocol):
         """A handler ran past ``max_handler_seconds``: its lease is no longer extended."""
 
 
+class LoopMetricsSink(Protocol):
+    """Where the worker reports its event loop blocked past ``blocked_loop_seconds``
+    (:mod:`jobfence.blocked_loop`): ``queue`` and ``consumer`` are those of the async handler
+    that held it, both empty when none did. Labels stay bounded: never job ids."""
+
+    def event_loop_blocked(self, queue: str, consumer: str) -> None:
+        """A block was noticed (once per block, while it lasts). Called from the watchdog's
+        own thread, not from the event loop (which is blocked)."""
+
+    def event_loop_unblocked(self, queue: str, consumer: str, seconds: float) -> None:
+        """The loop runs again after a block noticed, ``seconds`` long in all (on the loop)."""
+
+
 class CleanupMetricsSink(Protocol):
     """Where the fence cleanup reports: rows removed (per committed batch), each success and
     each failed round."""

@@ -16,6 +16,8 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 from jobfence.acks import AckBatcher
 from jobfence.adapters.prometheus import PrometheusMetrics
 from jobfence.app import App
+from jobfence.blocked_loop import DEFAULT_BLOCKED_LOOP_SECONDS, checked_blocked_loop_seconds
+from jobfence.blocked_loop import watch as watch_loop
 from jobfence.db import RECONNECT_MAX_DELAY_SECONDS, is_connection_loss, looks_broken
 from jobfence.errors import ConfigError
 from jobfence.guard import retired
@@ -36,7 +38,7 @@ from jobfence.outbox import (
     OutboxRelayStats,
     outbox_counts,
 )
-from jobfence.ports import LeaseMetricsSink, MetricsSink, QueuePort
+from jobfence.ports import LeaseMetricsSink, LoopMetricsSink, MetricsSink, QueuePort
 from jobfence.schema import autovacuum_warning, ensure_migrated
 from jobfence.sync import PsycopgRunner, SyncExecutor, SyncTransactionRunner
 
@@ -97,6 +99,11 @@ class Worker:
     With OpenTelemetry (``jobfence[otel]``, docs/observability.md) each job runs under a
     ``process`` span linked to its producer's context; ``trace_parent="child"`` makes it that
     context's child instead (one trace from the request to the job's effect).
+
+    While it runs, the worker logs one WARNING each time its event loop does not run for longer
+    than ``blocked_loop_seconds`` (1 s; 0: off), naming the job whose ``async def`` handler held
+    it and where (:mod:`jobfence.blocked_loop`), and one INFO line when it runs again; counted
+    through ``loop_metrics`` (``metrics`` when it is a :class:`PrometheusMetrics`).
     """
 
     def __init__(
@@ -122,6 +129,8 @@ class Worker:
         max_handler_seconds: float | None = None,
         lease_metrics: LeaseMetricsSink | None = None,
         trace_parent: str = "link",
+        blocked_loop_seconds: float = DEFAULT_BLOCKED_LOOP_SECONDS,
+        loop_metrics: LoopMetricsSink | None = None,
     ) -> None:
         if concurrency < 1:
             raise ConfigError(f"concurrency must be >= 1, got {concurrency}")
@@ -167,9 +176,16 @@ class Worker:
             trace_child=_trace_child(trace_parent),
         )
         self.max_handler_seconds = max_handler_seconds
-        if lease_metrics is None and isinstance(self.metrics, PrometheusMetrics):
-            lease_metrics = self.metrics  # it is one, on the same registry
-        self._leases = _lease_keeper(queue, lease_seconds, max_handler_seconds, lease_metrics)
+        # A PrometheusMetrics is also the lease and loop sinks, on the same registry.
+        own = self.metrics if isinstance(self.metrics, PrometheusMetrics) else None
+        self._leases = _lease_keeper(
+            queue,
+            lease_seconds,
+            max_handler_seconds,
+            lease_metrics if lease_metrics is not None else own,
+        )
+        self.blocked_loop_seconds = checked_blocked_loop_seconds(blocked_loop_seconds)
+        self._loop_metrics = loop_metrics if loop_metrics is not None else own
         self.stats = WorkerStats()
         self._pool = pool
         self._sync_runner = sync_runner
@@ -273,6 +289,15 @@ class Worker:
 
     async def run(self, *, until: RunUntil = "stopped") -> WorkerStats:
         self.check()
+        # A WARNING when an async handler (or anything else) blocks the event loop.
+        watching = watch_loop(self.blocked_loop_seconds, self._loop_metrics)
+        try:
+            return await self._run(until)
+        finally:
+            if watching is not None:
+                watching.close()
+
+    async def _run(self, until: RunUntil) -> WorkerStats:
         async with self._pool.connection() as conn:  # unmigrated: refuse now, not spin on errors
             await ensure_migrated(conn)
             if (warning := await autovacuum_warning(conn)) is not None:

@@ -23,6 +23,9 @@ DURATION_BUCKETS = (
     30.0,
 )
 
+# Blocks of the event loop (blocked_loop_seconds is 1 s by default, 0.1 s at the least).
+LOOP_BLOCKED_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+
 
 class PrometheusMetrics:
     """The harness's counters and histogram.
@@ -38,7 +41,11 @@ class PrometheusMetrics:
     ``max_handler_seconds`` (it is also a :class:`~jobfence.ports.LeaseMetricsSink`),
     ``jobfence_lease_extensions_total{queue, consumer, result}`` counts lease extensions
     (``extended``, ``lost``, ``failed``) and ``jobfence_handlers_over_limit_total{queue,
-    consumer}`` the handlers that ran past it. Successes are metrics, never rows (D10).
+    consumer}`` the handlers that ran past it. As the worker's
+    :class:`~jobfence.ports.LoopMetricsSink`, ``jobfence_event_loop_blocked_total{queue,
+    consumer}`` counts the blocks of its event loop past ``blocked_loop_seconds`` and
+    ``jobfence_event_loop_blocked_seconds{queue, consumer}`` times them (the async handler that
+    held the loop; both labels empty when none did). Successes are metrics, never rows (D10).
     """
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
@@ -85,6 +92,22 @@ class PrometheusMetrics:
             registry=self.registry,
         )
 
+        self.loop_blocked = Counter(
+            "jobfence_event_loop_blocked",
+            "Times the worker's event loop did not run for longer than blocked_loop_seconds"
+            " (counted when noticed, once per block), by the async handler that held it (queue"
+            " and consumer empty: none did).",
+            ("queue", "consumer"),
+            registry=self.registry,
+        )
+        self.loop_blocked_seconds = Histogram(
+            "jobfence_event_loop_blocked_seconds",
+            "How long each of those blocks of the event loop lasted in all, in seconds.",
+            ("queue", "consumer"),
+            buckets=LOOP_BLOCKED_BUCKETS,
+            registry=self.registry,
+        )
+
         # The labelled children, looked up once per label set: the job path calls both methods
         # for every job, and the labels are bounded (registered queues and consumers).
         self._job_children: dict[tuple[str, str, str], Counter] = {}
@@ -114,6 +137,12 @@ class PrometheusMetrics:
 
     def handler_over_limit(self, queue: str, consumer: str) -> None:
         self.handlers_over_limit.labels(queue, consumer).inc()
+
+    def event_loop_blocked(self, queue: str, consumer: str) -> None:
+        self.loop_blocked.labels(queue, consumer).inc()
+
+    def event_loop_unblocked(self, queue: str, consumer: str, seconds: float) -> None:
+        self.loop_blocked_seconds.labels(queue, consumer).observe(seconds)
 
     def count(self, outcome: str, *, consumer: str | None = None) -> float:
         """Sum of ``jobfence_jobs_total`` for ``outcome`` (over all consumers unless named)."""

@@ -22,6 +22,7 @@ WORKER_FLAGS: dict[str, tuple[str, type | tuple[type, ...]]] = {
     "LEASE_SECONDS": ("--lease-seconds", (int, float)),
     "MAX_HANDLER_SECONDS": ("--max-handler-seconds", (int, float)),
     "GRACE_SECONDS": ("--grace-seconds", (int, float)),
+    "BLOCKED_LOOP_SECONDS": ("--blocked-loop-seconds", (int, float)),
 }
 # What Django's postgresql backend adds for its own connections, none of it libpq's.
 _NOT_LIBPQ = ("cursor_factory", "context", "prepare_threshold")
