@@ -23,7 +23,7 @@ from psycopg import AsyncConnection
 from psycopg_pool import AsyncConnectionPool
 from pydantic import BaseModel
 
-from jobfence import App, JobMeta, PgQueue, PrometheusMetrics
+from jobfence import App, JobMeta, PgQueue, PrometheusMetrics, blocked_loop
 from jobfence.cli import build_parser
 from jobfence.errors import ConfigError
 from jobfence.worker import Worker
@@ -431,3 +431,60 @@ def test_the_django_worker_setting_becomes_the_flag() -> None:
     assert argv == ["--blocked-loop-seconds", "0"]
     args = build_parser().parse_args(["worker", "m:app", *argv])
     assert args.blocked_loop_seconds == 0
+
+
+@pytest.mark.parametrize("loop_kind", ["uvloop", "asyncio"])
+def test_a_paused_idle_loop_is_not_reported_as_a_blocked_one(
+    loop_kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A process paused (SIGSTOP, a suspended container or VM) while its loop waited for work,
+    as the watchdog finds it when the process runs again before the loop does: the loop has not
+    run for longer than the threshold, but nothing held it. The watchdog looks at the loop
+    thread's stack at that moment: waiting in uvloop's C code (under ``Runner.run``) or in
+    asyncio's selector, it is idle, and no WARNING is logged. (The pause is made by holding
+    the loop's beat and moving its last beat into the past.)"""
+    if loop_kind == "uvloop":
+        pytest.importorskip("uvloop")
+    caplog.set_level(logging.INFO, LOGGER)
+    found: list[str] = []
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        watching = blocked_loop.watch(1.0)
+        assert watching is not None
+        dog = blocked_loop._WATCHDOGS[loop]
+        dog._stopped.set()  # its thread and beat stop: this test plays both
+        if dog._timer is not None:
+            dog._timer.cancel()
+        done = asyncio.Event()
+        loop_thread = threading.get_ident()
+
+        def paused_then_checked() -> None:
+            try:
+                deadline = time.monotonic() + 10
+                while True:  # until the loop waits for I/O, idle
+                    frame = sys._current_frames()[loop_thread]
+                    if frame.f_code.co_name in ("run", "select"):
+                        break
+                    assert time.monotonic() < deadline, "the loop never went idle"
+                    time.sleep(0.01)
+                dog._stopped.clear()
+                dog._ran = time.monotonic() - 5.0  # the pause: 5 s without a beat
+                dog._check()
+                dog._stopped.set()
+                found.append(frame.f_code.co_name)
+            finally:
+                loop.call_soon_threadsafe(done.set)
+
+        threading.Thread(target=paused_then_checked).start()
+        await asyncio.wait_for(done.wait(), 20)
+        watching.close()
+
+    if loop_kind == "uvloop":
+        import uvloop
+
+        uvloop.run(main())
+    else:
+        asyncio.run(main())
+    assert found == ["run" if loop_kind == "uvloop" else "select"]
+    assert [r.getMessage() for r in caplog.records if r.name == LOGGER] == []

@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from inspect import CO_COROUTINE, CO_ITERABLE_COROUTINE
 from types import FrameType
 
 from jobfence.errors import ConfigError
@@ -109,7 +110,7 @@ def watch(seconds: float, metrics: LoopMetricsSink | None = None) -> Watching | 
     with _WATCHDOGS_LOCK:
         dog = _WATCHDOGS.get(loop)
         if dog is None:
-            dog = _WATCHDOGS[loop] = _Watchdog(loop)
+            dog = _WATCHDOGS[loop] = _Watchdog(loop, _runner_frame(sys._getframe(1)))
         dog.add(token, seconds, metrics)
     return Watching(dog, token)
 
@@ -117,9 +118,10 @@ def watch(seconds: float, metrics: LoopMetricsSink | None = None) -> Watching | 
 class _Watchdog:
     """The watchdog of one event loop (see the module's docstring)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, runner: FrameType | None) -> None:
         self._loop = loop
         self._loop_thread = threading.get_ident()
+        self._runner = runner  # the loop thread's innermost frame while uvloop waits
         self._watchers: dict[object, tuple[float, LoopMetricsSink | None]] = {}
         self._threshold = DEFAULT_BLOCKED_LOOP_SECONDS
         self._lock = threading.Lock()  # the last beat and the episode, between the two threads
@@ -223,7 +225,7 @@ class _Watchdog:
             if blocked <= self._threshold:
                 return
             frame = sys._current_frames().get(self._loop_thread)
-            if frame is None or _waiting_for_io(frame):
+            if frame is None or frame is self._runner or _waiting_for_io(frame):
                 return  # not blocked: the whole process was paused, or starved of CPU
             job, where = _inspect(frame)
             del frame
@@ -244,6 +246,19 @@ class _Watchdog:
                 sink.event_loop_blocked(queue, consumer)
             except Exception:
                 log.debug("the blocked event loop could not be counted", exc_info=True)
+
+
+def _runner_frame(frame: FrameType | None) -> FrameType | None:
+    """The frame below the coroutines that ``frame`` (a coroutine's, on the loop) is called
+    from: the code that runs the loop (``asyncio.Runner.run``, say). A loop written in C
+    (uvloop) waits for I/O in C, called from that frame: it is then the loop thread's innermost
+    Python frame. None under asyncio's own loop, which waits in :func:`_waiting_for_io`'s
+    frame instead (and runs each callback from a frame of its own)."""
+    while frame is not None and frame.f_code.co_flags & (CO_COROUTINE | CO_ITERABLE_COROUTINE):
+        frame = frame.f_back
+    if frame is None or os.path.basename(frame.f_code.co_filename) == "events.py":
+        return None  # asyncio's own Handle._run: a frame of one callback's run
+    return frame
 
 
 def _waiting_for_io(frame: FrameType) -> bool:
