@@ -235,7 +235,7 @@ async def broker_queues(conn: AsyncConnection[Any]) -> list[str]:
 # one whose publishes kept failing (the broker answered each time, so it is not an outage).
 PUBLISH_REFUSED = "PublishRefused"
 PUBLISH_FAILED = "PublishFailed"
-_STILL_DOWN_EVERY = 30.0  # seconds between two "broker still unreachable" lines
+_STILL_DOWN_EVERY = 30.0  # seconds between two "broker still unavailable" lines
 _UNRECORDED = object()
 
 
@@ -802,12 +802,12 @@ class OutboxRelay:
         if loop_time >= outage.next_still_down:
             outage.next_still_down = loop_time + _STILL_DOWN_EVERY
             log.warning(
-                "outbox relay: broker still unreachable after %.0fs (%s); probing",
+                "outbox relay: broker still unavailable after %.0fs (%s); probing",
                 loop_time - outage.since,
                 _error_text(exc),
             )
         else:
-            log.debug("outbox relay: broker still unreachable: %s", _error_text(exc))
+            log.debug("outbox relay: broker still unavailable: %s", _error_text(exc))
 
     def _back(self) -> None:
         outage, self._outage = self._outage, None

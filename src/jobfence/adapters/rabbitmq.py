@@ -80,7 +80,7 @@ from jobfence.adapters._shared import (
     refuse_tx,
 )
 from jobfence.adapters._unavailable import as_unavailable, hold_back, unavailable_on
-from jobfence.errors import ConfigError, PublishRefused
+from jobfence.errors import ConfigError, PublishRefused, QueueUnavailable
 from jobfence.limits import checked_delay, shown_value
 from jobfence.model import Delivery, Message, Outgoing
 from jobfence.ports import QueueCapabilities, QueueSize
@@ -96,6 +96,7 @@ try:
         ChannelClosed,
         ChannelNotFoundEntity,
         ChannelPreconditionFailed,
+        DeliveryError,
         InvalidFrameError,
         ProtocolSyntaxError,
     )
@@ -115,18 +116,30 @@ log = logging.getLogger("jobfence.adapters.rabbitmq")
 # connection is as lost, and the calls waiting on it fail with that error.
 _CONNECTION_ERRORS = (AMQPConnectionError, ConnectionError, TimeoutError, ProtocolSyntaxError)
 _unavailable = unavailable_on("RabbitMQ", _CONNECTION_ERRORS)
+# aiormq handles RabbitMQ's connection.blocked and connection.unblocked (a resource alarm) in
+# these methods of its Connection, and logs each with the connection's repr; the adapter wraps
+# them on its connections (_watch_blocking) to say what the alarm means for jobs instead.
+_BLOCKED_HANDLER = "_Connection__handle_connection_blocked"
+_UNBLOCKED_HANDLER = "_Connection__handle_connection_unblocked"
+_UNBLOCKED_EVENT = "_Connection__connection_unblocked"
+_CAN_WATCH_BLOCKING = all(
+    callable(getattr(aiormq.Connection, name, None))
+    for name in (_BLOCKED_HANDLER, _UNBLOCKED_HANDLER)
+)
 # aiormq logs a refused or failed connection at ERROR before raising it, and with every lost
 # connection and failed reconnection its ERROR "Unexpected connection close from remote" and
 # WARNING "Cancelling cause reader exited abnormally"; the adapter raises each as its own error
 # (one line at start-up, or the worker's and the relay's outage lines), so the client's lines
-# are held back (shown with `jobfence -v`).
+# are held back (shown with `jobfence -v`); and so are its lines for a blocked connection when
+# the adapter says it itself.
 hold_back(
     "aiormq.connection",
     (
         "error when creating transport",
         "Unexpected connection close from remote",
         "Cancelling cause reader",
-    ),
+    )
+    + (("Connection %r was blocked", "Connection %r was unblocked") if _CAN_WATCH_BLOCKING else ()),
 )
 
 _H_CONSUMER = "x-jobfence-consumer"
@@ -186,7 +199,7 @@ async def _connect(url: str) -> AbstractConnection:
     content header pamqp cannot decode as unreadable instead of dying (:func:`tolerant_headers`)."""
     try:
         with tolerant_headers():
-            return await aio_pika.connect(url)
+            conn = await aio_pika.connect(url)
     except InvalidFrameError as exc:
         if "Connection.Close" not in str(exc) or "OpenOk" not in str(exc):
             raise
@@ -199,6 +212,56 @@ async def _connect(url: str) -> AbstractConnection:
             f"set_permissions -p {vhost} {user} '.*' '.*' '.*'); the vhost is the URL's path, "
             "percent-encoded: amqp://HOST:5672/%2F for the default one"
         ) from None
+    _watch_blocking(conn)
+    return conn
+
+
+def _watch_blocking(conn: AbstractConnection) -> None:
+    """Say what RabbitMQ's ``connection.blocked`` means for jobs: while a resource alarm is
+    raised (memory over ``vm_memory_high_watermark``, free disk under ``disk_free_limit``) the
+    broker stops reading from every publishing connection, so a publish waits (its confirm
+    with it) until the alarm clears; nothing is lost, and nothing is unreachable. One WARNING
+    naming the alarm when blocked, one INFO when unblocked. Wraps aiormq's own handlers of the
+    two frames on this connection (only when the frames come, never per message); on an aiormq
+    without them, aiormq's own lines stand."""
+    transport = conn.transport
+    raw = None if transport is None else transport.connection
+    if raw is None or not _CAN_WATCH_BLOCKING:
+        return
+    on_blocked = getattr(raw, _BLOCKED_HANDLER)
+    on_unblocked = getattr(raw, _UNBLOCKED_HANDLER)
+    since: list[float] = []  # when the broker blocked it, while it is
+
+    def went_blocked(reason: object) -> None:
+        if since:
+            return
+        since.append(time.monotonic())
+        log.warning(
+            "RabbitMQ blocked publishing on this connection: a resource alarm is raised (%s);"
+            " publishes wait, unconfirmed, until it clears, and nothing is lost (the outbox"
+            " keeps the jobs); rabbitmqctl status lists the alarm: free memory (over"
+            " vm_memory_high_watermark) or disk (under disk_free_limit)",
+            reason if isinstance(reason, str) and reason else "alarm not named",
+        )
+
+    async def blocked(frame: spec.Connection.Blocked) -> None:
+        await on_blocked(frame)
+        went_blocked(frame.reason)
+
+    async def unblocked(frame: spec.Connection.Unblocked) -> None:
+        await on_unblocked(frame)
+        if since:
+            log.info(
+                "RabbitMQ unblocked publishing on this connection after %.1fs: the resource"
+                " alarm cleared; publishing resumed",
+                time.monotonic() - since.pop(),
+            )
+
+    setattr(raw, _BLOCKED_HANDLER, blocked)
+    setattr(raw, _UNBLOCKED_HANDLER, unblocked)
+    event = getattr(raw, _UNBLOCKED_EVENT, None)
+    if isinstance(event, asyncio.Event) and not event.is_set():
+        went_blocked(None)  # blocked before the wrappers were in place
 
 
 def _short(value: str | None) -> str | None:
@@ -243,6 +306,25 @@ def _forget(raw: aiormq.Channel, message_id: str, tag: int) -> Callable[[Any], N
 
 def _as_unavailable(exc: Exception) -> Exception:
     return as_unavailable("RabbitMQ", _CONNECTION_ERRORS, exc)
+
+
+def _nacked(exc: Exception, name: str) -> QueueUnavailable | None:
+    """A publisher confirm that came back as ``basic.nack`` as ``QueueUnavailable`` saying so.
+    RabbitMQ nacks a publish when the queue is full under ``overflow: reject-publish`` (or
+    ``reject-publish-dlx``), a policy's or an argument's, or when the queue's process failed:
+    either way the next message would be refused alike, so the relay backs off as for an
+    outage (never a dead letter: the job is fine) and the text says what it is."""
+    if not isinstance(exc, DeliveryError) or not isinstance(exc.frame, spec.Basic.Nack):
+        return None
+    full = QueueUnavailable(
+        f"RabbitMQ queue {name} is full or cannot take messages now: the broker nacked the"
+        " publish (basic.nack), as it does under a max-length or max-length-bytes limit with"
+        " overflow reject-publish (a policy or a queue argument); the messages wait in the"
+        " outbox until the queue has room (its jobs consumed, or the limit raised: rabbitmqctl"
+        " list_queues name policy messages)"
+    )
+    full.__cause__ = exc
+    return full
 
 
 def _headers(message: Message, prior: int) -> dict[str, Any]:
@@ -652,7 +734,9 @@ class RabbitMQQueue:
             if isinstance(answer, BaseException) and not isinstance(answer, Exception):
                 raise answer
             if isinstance(answer, Exception):
-                results[n] = _as_unavailable(answer)
+                results[n] = _nacked(answer, self._name(outgoing[n].message.queue)) or (
+                    _as_unavailable(answer)
+                )
             elif not isinstance(answer, spec.Basic.Ack):
                 results[n] = _NotConfirmed(
                     f"RabbitMQ did not confirm the message ({type(answer).__name__})"

@@ -30,6 +30,12 @@ Each jobfence queue is one stream, ``<prefix>:{<queue>}:stream``, read by one co
   stream holds only live entries and never needs a ``MAXLEN`` trim that could drop an unacked
   one. Run Redis with AOF (``appendonly yes``) so an acked job never comes back after a restart
   and a published one is not lost.
+- **The server's settings** are read once per instance, before its first use of a stream
+  (``INFO memory`` and ``INFO persistence``, which work where ``CONFIG`` is disabled): a
+  ``maxmemory-policy`` that evicts any key (``allkeys-*``) with a ``maxmemory`` set is refused
+  (Redis would delete a whole stream under memory pressure, every job in it lost with no dead
+  letter); AOF off is one WARNING per process. A Redis out of memory (``noeviction``: ``OOM``
+  on a write) is ``QueueUnavailable`` saying so: every publish would be refused alike.
 
 The keys of one queue share the hash tag ``{<queue>}``, so on Redis Cluster they live in one
 slot and each Lua script touches one node.
@@ -41,13 +47,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import socket
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, ParamSpec, TypeVar
 
 from psycopg import AsyncConnection
 
@@ -59,8 +66,8 @@ from jobfence.adapters._shared import (
     refuse_delay,
     refuse_tx,
 )
-from jobfence.adapters._unavailable import unavailable_on
-from jobfence.errors import ConfigError, PublishRefused
+from jobfence.adapters._unavailable import as_unavailable
+from jobfence.errors import ConfigError, PublishRefused, QueueUnavailable
 from jobfence.limits import checked_delay
 from jobfence.model import Delivery, Message, Outgoing
 from jobfence.ports import QueueCapabilities, QueueSize
@@ -68,18 +75,68 @@ from jobfence.ports import QueueCapabilities, QueueSize
 try:
     import redis.asyncio as aioredis
     from redis.exceptions import ConnectionError as RedisConnectionError
-    from redis.exceptions import NoScriptError, ResponseError
+    from redis.exceptions import NoScriptError, OutOfMemoryError, ResponseError
     from redis.exceptions import TimeoutError as RedisTimeoutError
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "jobfence.adapters.redis_streams needs redis: pip install 'jobfence[redis]'"
     ) from exc
 
+log = logging.getLogger("jobfence.adapters.redis_streams")
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
 # redis-py's ConnectionError and TimeoutError (a dropped, refused or timed-out connection): the
 # broker is unreachable (D7).
-_unavailable = unavailable_on("Redis", (RedisConnectionError, RedisTimeoutError, ConnectionError))
+_UNREACHABLE = (RedisConnectionError, RedisTimeoutError, ConnectionError)
 
-log = logging.getLogger("jobfence.adapters.redis_streams")
+
+def _out_of_memory(exc: BaseException) -> QueueUnavailable | None:
+    """``exc`` as ``QueueUnavailable`` when it is Redis's refusal of a write at its
+    ``maxmemory`` (``OOM command not allowed when used memory > 'maxmemory'``, under
+    ``noeviction``): every message would be refused alike until memory is freed, so the relay
+    backs off as for an outage, and the text says what it is (Redis is not unreachable)."""
+    if not isinstance(exc, ResponseError):
+        return None
+    if not isinstance(exc, OutOfMemoryError) and not str(exc).startswith("OOM"):
+        return None
+    full = QueueUnavailable(
+        f"Redis is out of memory: it refuses new entries at its maxmemory ({exc}); the"
+        " messages wait in the outbox until memory is freed (workers acking the queued jobs)"
+        " or maxmemory is raised (CONFIG SET maxmemory, or your provider's setting)"
+    )
+    full.__cause__ = exc
+    return full
+
+
+def _as_unavailable(exc: Exception) -> Exception:
+    """``exc`` as the port reports it: a lost connection or a timeout is ``QueueUnavailable``
+    (``Redis unreachable: ...``), and so is Redis out of memory (saying so)."""
+    return _out_of_memory(exc) or as_unavailable("Redis", _UNREACHABLE, exc)
+
+
+def _unavailable(method: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
+    """Decorate a port method: its errors as :func:`_as_unavailable` says."""
+
+    @functools.wraps(method)
+    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
+        try:
+            return await method(*args, **kwargs)
+        except Exception as exc:
+            raised = _as_unavailable(exc)
+            if raised is exc:
+                raise
+            raise raised from exc
+
+    return wrapper
+
+
+# maxmemory-policy values that evict any key, a stream included; the volatile-* ones evict only
+# keys with a TTL, which jobfence's keys never have.
+_EVICTING = ("allkeys-lru", "allkeys-lfu", "allkeys-random")
+_WARNED: set[str] = set()  # the once-per-process WARNINGs given ("aof")
+
 
 GROUP = "jobfence"
 # The longest a waiting receive blocks in one XREADGROUP before it looks at expired leases
@@ -457,6 +514,7 @@ class RedisStreamsQueue:
         self._next_take_back = 0.0
         self._lease_ms: int | None = None
         self._closed = False
+        self._server_checked = False  # _check_server passed
 
     # -- keys ---------------------------------------------------------------------------
 
@@ -471,12 +529,65 @@ class RedisStreamsQueue:
     async def _ensure_group(self, stream: str) -> None:
         if stream in self._grouped:
             return
+        if not self._server_checked:
+            await self._check_server()
         try:
             await self._redis.xgroup_create(stream, GROUP, id="0", mkstream=True)
         except ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
         self._grouped.add(stream)
+
+    def _where(self) -> str:
+        """The server's address, for people (never a password)."""
+        kwargs = self._redis.connection_pool.connection_kwargs
+        if kwargs.get("path"):
+            return str(kwargs["path"])
+        return f"{kwargs.get('host', '127.0.0.1')}:{kwargs.get('port', 6379)}"
+
+    async def _check_server(self) -> None:
+        """The server's settings that can lose jobs, read once per instance (before its first
+        use of a stream) with ``INFO``, which works where ``CONFIG`` is disabled (managed
+        Redis):
+
+        - ``maxmemory-policy`` ``allkeys-*`` with a ``maxmemory``: refused (``ConfigError``).
+          At its ``maxmemory`` such a Redis deletes keys to make room, a stream as any other,
+          and every job in it is lost with no dead letter. With ``maxmemory`` 0 it never
+          evicts; the ``volatile-*`` policies evict only keys with a TTL, and jobfence's have
+          none.
+        - AOF off (``aof_enabled:0``): one WARNING per process. A restart loses what was
+          published since the last RDB snapshot (everything, without one), and brings back
+          jobs acked since; some run RDB alone knowingly, so it is not refused.
+
+        A server that answers ``INFO`` with an error (a command renamed away) is not checked."""
+        try:
+            memory = await self._redis.info("memory")
+            persistence = await self._redis.info("persistence")
+        except ResponseError as exc:
+            log.debug("Redis INFO refused (%s): its settings are not checked", exc)
+            self._server_checked = True
+            return
+        policy = str(memory.get("maxmemory_policy", ""))
+        maxmemory = int(memory.get("maxmemory", 0) or 0)
+        if policy in _EVICTING and maxmemory > 0:
+            raise ConfigError(
+                f"Redis at {self._where()} can evict jobfence's streams: its maxmemory-policy is"
+                f" {policy} with maxmemory {maxmemory:,} bytes, so at that limit it deletes keys"
+                " to make room, a whole stream with every job in it, lost with no dead letter."
+                " Set maxmemory-policy noeviction (CONFIG SET maxmemory-policy noeviction and"
+                " in redis.conf, or your provider's parameter; a full Redis then refuses new"
+                " jobs, which wait in the outbox), or give jobfence a Redis of its own"
+            )
+        if "aof" not in _WARNED and str(persistence.get("aof_enabled", "1")) == "0":
+            _WARNED.add("aof")
+            log.warning(
+                "Redis at %s runs without AOF (appendonly no): a restart of Redis loses every"
+                " job published since its last RDB snapshot (all of them, without snapshots),"
+                " with no dead letter, and brings back jobs acked since; set appendonly yes"
+                " (appendfsync everysec) unless you accept that",
+                self._where(),
+            )
+        self._server_checked = True
 
     # -- the port -----------------------------------------------------------------------
 
@@ -506,9 +617,20 @@ class RedisStreamsQueue:
             return []
         try:
             replies = await self._xadd_all(outgoing)
+        except ConfigError as exc:
+            if self._server_checked:
+                return [exc] * len(outgoing)
+            # The server's settings refused (_check_server): every message alike, for as long
+            # as the setting stays; an outage that names it (nothing is dead-lettered for it).
+            # Set right, the next probe publishes.
+            refused = QueueUnavailable(str(exc))
+            refused.__cause__ = exc
+            return [refused] * len(outgoing)
         except Exception as exc:
             return [exc] * len(outgoing)
-        return [reply if isinstance(reply, Exception) else None for reply in replies]
+        return [
+            _as_unavailable(reply) if isinstance(reply, Exception) else None for reply in replies
+        ]
 
     @_unavailable
     async def _xadd_all(self, outgoing: Sequence[Outgoing]) -> list[Any]:
@@ -1020,7 +1142,8 @@ def _pairs(raw: Sequence[Any]) -> dict[bytes, bytes]:
 
 async def open_queue(url: str) -> RedisStreamsQueue:
     """The factory ``JOBFENCE_QUEUE_URL=redis://...`` uses (``jobfence.queues``): the adapter,
-    with the server answering a PING, so a bad or unreachable URL fails here. The URL's
+    with the server answering a PING and its settings checked, so a bad or unreachable URL,
+    or a Redis that can evict the streams, fails here. The URL's
     ``prefix`` parameter sets the adapter's (:func:`jobfence.queues.parse_queue_url` reads it)."""
     from jobfence.queues import parse_queue_url
 
@@ -1029,6 +1152,7 @@ async def open_queue(url: str) -> RedisStreamsQueue:
     queue = RedisStreamsQueue(target.client_url, prefix=target.settings.prefix)
     try:
         await queue._redis.ping()
+        await queue._check_server()
     except BaseException:
         await queue.close()
         raise
