@@ -843,6 +843,12 @@ def main(
     except JobfenceError as exc:
         return report_error(str(exc), 2, as_json=as_json)
     except psycopg.Error as exc:
+        if db.is_read_only(exc):  # a standby, or default_transaction_read_only: try again later
+            return report_error(
+                f"the database is read-only ({type(exc).__name__}: {exc}; {db.READ_ONLY_HINT})",
+                1,
+                as_json=as_json,
+            )
         # Permission denied, a lost connection...: one line, never the password.
         return report_error(f"database error ({type(exc).__name__}): {exc}", 1, as_json=as_json)
     except BrokenPipeError:

@@ -3,6 +3,7 @@ embedded PostgreSQL, pgserver, an optional extra imported only then)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import select
@@ -170,9 +171,18 @@ async def grow_read_buffer(conn: psycopg.AsyncConnection[Any]) -> None:
 _CONNECTION_SQLSTATES = frozenset({"57P01", "57P02", "57P03"})
 
 
+# A write refused because the session is read-only: the server is a standby (hot standby, after
+# a failover the name still points at), or default_transaction_read_only is on for the
+# database, the role or the server (a maintenance window). psycopg raises it as an
+# InternalError (ReadOnlySqlTransaction), not as an OperationalError.
+READ_ONLY_SQLSTATE = "25006"
+READ_ONLY_HINT = "a standby, or default_transaction_read_only is on; SQLSTATE 25006"
+
+
 def is_connection_loss(exc: BaseException, conn: psycopg.AsyncConnection[Any] | None) -> bool:
-    """True when ``exc`` means the database or the queue's broker is unreachable rather than
-    that the job failed."""
+    """True when ``exc`` means the database or the queue's broker cannot be used rather than
+    that the job failed: unreachable, or refusing writes (:func:`is_read_only`), which is an
+    outage for writing."""
     if isinstance(exc, (PoolTimeout, QueueUnavailable)):
         return True
     if isinstance(exc, psycopg.OperationalError):
@@ -183,7 +193,59 @@ def is_connection_loss(exc: BaseException, conn: psycopg.AsyncConnection[Any] | 
             or state in _CONNECTION_SQLSTATES
             or (conn is not None and conn.broken)
         )
-    return False
+    return is_read_only(exc, conn)
+
+
+def is_read_only(exc: BaseException, conn: Any = None) -> bool:
+    """True when ``exc`` is a write the database refused as read-only (SQLSTATE 25006) because
+    of the server, not of the statement's own transaction: with ``conn`` (the connection it was
+    raised on), only when that session reports itself read-only (:func:`session_read_only`;
+    a handler's ``SET TRANSACTION READ ONLY`` on a writable session is its own failure).
+    Without ``conn`` (jobfence's own statements, which never make a transaction read-only),
+    always."""
+    if not isinstance(exc, psycopg.Error) or exc.sqlstate != READ_ONLY_SQLSTATE:
+        return False
+    return conn is None or session_read_only(conn) is not False
+
+
+def session_read_only(conn: Any) -> bool | None:
+    """Whether the server says ``conn``'s session is read-only, from what it reported, without
+    a round trip: ``in_hot_standby`` (a standby) or ``default_transaction_read_only`` (set on
+    the database, the role or the server) ``on``. None when the server reports neither
+    (PostgreSQL before 14) or the connection cannot say."""
+    try:
+        pgconn = conn.pgconn
+        standby = pgconn.parameter_status(b"in_hot_standby")
+        default = pgconn.parameter_status(b"default_transaction_read_only")
+    except Exception:
+        return None
+    if standby is None and default is None:
+        return None
+    return bool(standby == b"on" or default == b"on")
+
+
+class DatabaseReadOnly(psycopg.errors.ReadOnlySqlTransaction):
+    """A probe found the database refusing writes (``transaction_read_only`` on)."""
+
+
+async def check_writable(conn: psycopg.AsyncConnection[Any]) -> None:
+    """One round trip: raise :class:`DatabaseReadOnly` when ``conn``'s transactions are
+    read-only (a standby, or default_transaction_read_only on), after closing ``conn``, so
+    that its pool replaces it with a new connection, which resolves the host again."""
+    cur = await conn.execute("SELECT current_setting('transaction_read_only')")
+    row = await cur.fetchone()
+    if row is not None and row[0] == "on":
+        await conn.close()
+        raise DatabaseReadOnly("the database refuses writes: transaction_read_only is on")
+
+
+async def drop_read_only_connections(pool: Any) -> None:
+    """After a read-only outage: replace the connections ``pool`` holds idle (psycopg_pool's
+    ``drain()``, where it has one), since a session opened while the database was read-only
+    stays so after it is writable again, and one to an old primary keeps talking to it."""
+    drain = getattr(pool, "drain", None)
+    if drain is not None:
+        await drain()
 
 
 def looks_broken(conn: psycopg.AsyncConnection[Any] | psycopg.Connection[Any]) -> bool:
@@ -255,6 +317,17 @@ class ReconnectingPool(AsyncConnectionPool[psycopg.AsyncConnection[Any]]):
         self, attempt: AttemptWithBackoff | None, growing: bool = False
     ) -> None:
         await super()._add_connection(attempt or reconnect_attempt(self.reconnect_timeout), growing)
+
+    async def putconn(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        """Take ``conn`` back, closing it first when its session is read-only
+        (:func:`session_read_only`): the pool replaces it with a new connection, which resolves
+        the host again (after a failover, not the old primary) and takes the database's
+        settings as they are then (a session opened during a read-only window stays so)."""
+        if not conn.closed and session_read_only(conn):
+            log.debug("pool %s: closing a read-only connection", self.name)
+            with contextlib.suppress(Exception):
+                await conn.close()
+        await super().putconn(conn)
 
 
 class CheckedPool(ReconnectingPool):

@@ -54,7 +54,7 @@ from jobfence.codec import (
     stored_payload,
     unfenceable,
 )
-from jobfence.db import is_connection_loss
+from jobfence.db import is_connection_loss, is_read_only
 from jobfence.errors import HandlerExited, HardFailure, PoisonMessage, TransactionMisuse
 from jobfence.guard import (
     COMMITTED_IN_GROUP,
@@ -605,7 +605,7 @@ class Harness:
                 return await self._sync_transaction(jobs, fenced)
             return await self._group_transaction(jobs, conn, fenced)
         except Exception as exc:
-            if is_connection_loss(exc, conn):
+            if is_connection_loss(exc, conn) or (jobs[0].consumer.sync and is_read_only(exc)):
                 raise InfrastructureError(str(exc)) from exc
             if isinstance(exc, TransactionMisuse):
                 # A handler may have committed the group's transaction itself, fences included:
@@ -798,7 +798,10 @@ class Harness:
                 async with self._pool.connection() as conn:
                     fresh = await self._transaction(job, conn, None, None)
         except Exception as exc:
-            if is_connection_loss(exc, conn):
+            # A sync handler's transaction ran on a connection of the sync pool, not on
+            # ``conn``: a read-only refusal there is judged without it (jobfence's fence insert
+            # is the transaction's first write, so on a read-only server it is refused first).
+            if is_connection_loss(exc, conn) or (job.consumer.sync and is_read_only(exc)):
                 raise InfrastructureError(str(exc)) from exc
             raise
         if in_group and not fresh:

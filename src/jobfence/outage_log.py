@@ -19,7 +19,13 @@ from typing import Any
 import psycopg
 from psycopg import AsyncConnection
 
-from jobfence.db import RECONNECT_MAX_DELAY_SECONDS, is_connection_loss
+from jobfence.db import (
+    READ_ONLY_HINT,
+    RECONNECT_MAX_DELAY_SECONDS,
+    check_writable,
+    is_connection_loss,
+    is_read_only,
+)
 from jobfence.errors import QueueUnavailable
 from jobfence.redact import redact_text
 
@@ -70,6 +76,19 @@ def subject(exc: BaseException) -> str:
     return "database"
 
 
+def read_only(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what it came from) is a write the database refused as read-only
+    (:func:`jobfence.db.is_read_only`): an outage for writing, not a lost connection."""
+    cause: BaseException | None = exc
+    seen: set[int] = set()
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if is_read_only(cause):
+            return True
+        cause = cause.__cause__ or cause.__context__
+    return False
+
+
 class OutageLog:
     """The log lines of one worker's outages; also a :class:`logging.Filter` for psycopg's
     loggers (see :meth:`filter`)."""
@@ -86,6 +105,7 @@ class OutageLog:
         self._clock = clock
         self._since: float | None = None
         self._what = "database"  # what went away: database or broker
+        self._read_only = False  # the outage is the database refusing writes
         self._next_still_down = 0.0
         self._held_back = 0
 
@@ -93,16 +113,34 @@ class OutageLog:
     def down(self) -> bool:
         return self._since is not None
 
+    @property
+    def read_only(self) -> bool:
+        """The outage under way is the database refusing writes (a standby, or
+        default_transaction_read_only on)."""
+        return self._since is not None and self._read_only
+
     def went_away(self, exc: BaseException) -> None:
-        """The database or the broker is unreachable: one WARNING for the outage, DEBUG for the
-        rest."""
+        """The database or the broker is unreachable, or the database refuses writes: one
+        WARNING for the outage, DEBUG for the rest."""
         what = subject(exc)
+        refused = what == "database" and read_only(exc)
         if self._since is not None:
-            self._log.debug("%s unreachable: %s", what, reason(exc))
+            self._log.debug(
+                "%s %s: %s", what, "read-only" if refused else "unreachable", reason(exc)
+            )
             return
         self._since = self._clock()
         self._what = what
+        self._read_only = refused
         self._next_still_down = self._since + self._every
+        if refused:
+            self._log.warning(
+                "database is read-only (%s; %s): pausing; the jobs in hand go back to the queue"
+                " when it accepts writes again",
+                reason(exc),
+                READ_ONLY_HINT,
+            )
+            return
         self._log.warning(
             "%s went away (%s): pausing; the jobs in hand go back to the queue when it is back",
             what,
@@ -114,27 +152,29 @@ class OutageLog:
         now = self._clock()
         since = now if self._since is None else self._since
         what = subject(exc)
+        state = "read-only" if what == "database" and read_only(exc) else "unreachable"
         if now < self._next_still_down:
-            self._log.debug("%s still unreachable: %s", what, reason(exc))
+            self._log.debug("%s still %s: %s", what, state, reason(exc))
             return
         self._next_still_down = now + self._every
         self._log.warning(
-            "%s still unreachable after %.0fs (%s); retrying", what, now - since, reason(exc)
+            "%s still %s after %.0fs (%s); retrying", what, state, now - since, reason(exc)
         )
 
     def back(self, released: int) -> None:
-        """The database and the broker answer again and ``released`` held jobs were given
-        back."""
+        """The database and the broker answer again (the database accepts writes) and
+        ``released`` held jobs were given back."""
         gone = 0.0 if self._since is None else self._clock() - self._since
         held_back, self._held_back = self._held_back, 0
         self._since = None
         self._log.info(
-            "%s back after %.1fs, %d job(s) released: resuming%s",
-            self._what,
+            "%s after %.1fs, %d job(s) released: resuming%s",
+            "database writable again" if self._read_only else f"{self._what} back",
             gone,
             released,
             f" ({held_back} psycopg warning(s) held back)" if held_back else "",
         )
+        self._read_only = False
 
     def filter(self, record: logging.LogRecord) -> bool:
         """For the ``psycopg`` and ``psycopg.pool`` loggers: hold back their WARNINGs during an
@@ -182,6 +222,7 @@ async def stay_connected(
     backoff = 0.5
     loop = asyncio.get_running_loop()
     since: float | None = None  # the database's outage, while it lasts
+    refused = False  # that outage is the database refusing writes
     next_still_down = 0.0
     while not stopping.is_set():
         started = loop.time()
@@ -193,8 +234,16 @@ async def stay_connected(
                 # database's stricter default (default_transaction_isolation) is not for it.
                 await conn.execute(READ_COMMITTED_SESSION)
                 if since is not None:
-                    log.info("%s: database back after %.1fs: %s", who, loop.time() - since, resumed)
-                    since, backoff = None, 0.5
+                    if refused:  # back only once it accepts writes (else: still read-only)
+                        await check_writable(conn)
+                    log.info(
+                        "%s: database %s after %.1fs: %s",
+                        who,
+                        "writable again" if refused else "back",
+                        loop.time() - since,
+                        resumed,
+                    )
+                    since, backoff, refused = None, 0.5, False
                 await serve(conn)
         except psycopg.Error as exc:
             on_lost()
@@ -203,26 +252,33 @@ async def stay_connected(
                 backoff = 0.5
             delay = backoff
             if is_connection_loss(exc, None):
+                # A read-only refusal too: the connection is closed, and the next one resolves
+                # the host again (after a failover, the new primary's address).
                 delay = min(backoff, RECONNECT_MAX_DELAY_SECONDS)
+                state = "read-only" if is_read_only(exc) else "unreachable"
                 if since is None:
                     since, next_still_down = now, now + STILL_DOWN_EVERY
+                    refused = state == "read-only"
                     log.warning(
-                        "%s: database went away (%s): %s; reconnecting at least every %.1fs",
+                        "%s: database %s (%s%s): %s; reconnecting at least every %.1fs",
                         who,
+                        "is read-only" if refused else "went away",
                         _one_line(exc),
+                        f"; {READ_ONLY_HINT}" if refused else "",
                         paused,
                         RECONNECT_MAX_DELAY_SECONDS,
                     )
                 elif now >= next_still_down:
                     next_still_down = now + STILL_DOWN_EVERY
                     log.warning(
-                        "%s: database still unreachable after %.0fs (%s); reconnecting",
+                        "%s: database still %s after %.0fs (%s); reconnecting",
                         who,
+                        state,
                         now - since,
                         _one_line(exc),
                     )
                 else:
-                    log.debug("%s: database still unreachable: %s", who, _one_line(exc))
+                    log.debug("%s: database still %s: %s", who, state, _one_line(exc))
             else:
                 log.warning(
                     "%s: database error (%s); retrying in %.1fs", who, _one_line(exc), backoff

@@ -32,7 +32,7 @@ from psycopg.rows import TupleRow
 from psycopg_pool import ConnectionPool
 
 from jobfence import tracing
-from jobfence.db import looks_broken, reconnect_attempt
+from jobfence.db import looks_broken, reconnect_attempt, session_read_only
 from jobfence.guard import check_still_open, refuse_on, retire, session_changed
 from jobfence.pgtx import (
     Check,
@@ -218,7 +218,7 @@ class PsycopgRunner:
             try:
                 tx, rows = begin_sync(conn, fence_sql, params)
             except BaseException:
-                pool.putconn(conn)
+                _put_back(pool, conn)
                 raise
         following: SyncOpen | None = None
         changed: list[str] = []
@@ -243,8 +243,18 @@ class PsycopgRunner:
                 following = SyncOpen(pool, conn, *begun)
         finally:
             if following is None:
-                pool.putconn(conn)
+                _put_back(pool, conn)
         return result, following, changed
+
+
+def _put_back(pool: ConnectionPool[FenceConnection], conn: FenceConnection) -> None:
+    """Return ``conn`` to ``pool``, closed first when its session is read-only (a standby, or
+    default_transaction_read_only on): the pool replaces it with a new connection, which
+    resolves the host again and is writable once the database is (D7)."""
+    if not conn.closed and session_read_only(conn):
+        with suppress(Exception):
+            conn.close()
+    pool.putconn(conn)
 
 
 class SyncOpen:

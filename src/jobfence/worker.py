@@ -18,7 +18,15 @@ from jobfence.adapters.prometheus import PrometheusMetrics
 from jobfence.app import App
 from jobfence.blocked_loop import DEFAULT_BLOCKED_LOOP_SECONDS, checked_blocked_loop_seconds
 from jobfence.blocked_loop import watch as watch_loop
-from jobfence.db import RECONNECT_MAX_DELAY_SECONDS, is_connection_loss, looks_broken
+from jobfence.db import (
+    RECONNECT_MAX_DELAY_SECONDS,
+    DatabaseReadOnly,
+    check_writable,
+    drop_read_only_connections,
+    is_connection_loss,
+    looks_broken,
+    session_read_only,
+)
 from jobfence.errors import ConfigError
 from jobfence.guard import retired
 from jobfence.harness import (
@@ -689,13 +697,23 @@ class Worker:
         released = self.stats.released
         while not self._stopping.is_set():
             self._drain_buffer_to_unreleased()
+            if self._outage_log.read_only and not self.queue.capabilities.transactional:
+                # The database refuses writes but the broker answers: what this worker holds
+                # goes back now, not when its lease runs out (which would count a delivery).
+                await self._release_held()
             try:
                 async with self._pool.connection(timeout=5.0) as conn:
-                    await conn.execute("SELECT 1")
+                    # Not only reachable: accepting writes (a standby or a read-only window
+                    # answers SELECT 1 and refuses every job's fence).
+                    await check_writable(conn)
                 # The outage may be the broker's: probe it too, with a cheap call.
                 await self.queue.size(self.queues)
             except Exception as exc:
                 self._outage_log.still_down(exc)
+                if isinstance(exc, DatabaseReadOnly):
+                    # Its other idle sessions were opened alike: new ones for the next probe.
+                    with contextlib.suppress(Exception):
+                        await drop_read_only_connections(self._pool)
                 await self._wait_or_stop(asyncio.sleep(backoff), None)
                 # Not further apart: once the database is back, jobs resume within seconds.
                 backoff = min(backoff * 2, RECONNECT_MAX_DELAY_SECONDS)
@@ -704,6 +722,11 @@ class Worker:
             # by the next fetch, which would fail on one as a second outage.
             with contextlib.suppress(Exception):
                 await self._pool.check()
+            if self._outage_log.read_only:
+                # The sessions opened while it refused writes stay read-only (and after a
+                # failover talk to the old primary): new ones, which resolve the host again.
+                with contextlib.suppress(Exception):
+                    await drop_read_only_connections(self._pool)
             # Cleared before giving back, not after: a job lost from now on sets it again.
             self._outage.clear()
             await self._release_held()
@@ -816,10 +839,11 @@ def _on_a_cut_connection(exc: Exception) -> bool:
 async def _close_if_cut(conn: Any) -> None:
     """After the database went away during a job, close the connection the processor held if
     it looks broken (:func:`~jobfence.db.looks_broken`, no round trip), so that the pool it
-    goes back to replaces it instead of lending it again after the recovery. A sync handler's
+    goes back to replaces it instead of lending it again after the recovery; the same for a
+    session the server made read-only (:func:`~jobfence.db.session_read_only`). A sync handler's
     job ran on the sync pool, leaving this one idle: cut with the others, it is not yet known
     to be broken."""
-    if not conn.closed and looks_broken(conn):
+    if not conn.closed and (looks_broken(conn) or session_read_only(conn)):
         with contextlib.suppress(Exception):
             await conn.close()
 

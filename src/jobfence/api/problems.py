@@ -264,6 +264,25 @@ def install(app: FastAPI) -> None:
             ),
         )
 
+    @app.exception_handler(psycopg.errors.ReadOnlySqlTransaction)
+    async def _read_only(
+        request: Request, exc: psycopg.errors.ReadOnlySqlTransaction
+    ) -> ProblemResponse:
+        # A standby, or default_transaction_read_only on: an outage for writing, not a bug.
+        # The pool closed the read-only connection when it came back (jobfence.db.open_pool's
+        # pools do): the next request is on a new one, writable once the database is.
+        log.warning("database read-only for %s: %s", request.url.path, type(exc).__name__)
+        return respond(
+            request,
+            problem(
+                503,
+                "the database is read-only (a standby, or default_transaction_read_only is on);"
+                " try again",
+                type_=TYPE_UNAVAILABLE,
+            ),
+            headers={"Retry-After": "5"},
+        )
+
     @app.exception_handler(PoolTimeout)
     @app.exception_handler(psycopg.OperationalError)
     async def _unavailable(request: Request, exc: Exception) -> ProblemResponse:
