@@ -33,7 +33,7 @@ from inspect import CO_COROUTINE, CO_ITERABLE_COROUTINE
 from types import FrameType
 
 from jobfence.errors import ConfigError
-from jobfence.limits import shown_value
+from jobfence.limits import job_log_fields, shown_value
 from jobfence.model import JobMeta
 from jobfence.ports import LoopMetricsSink
 
@@ -321,12 +321,5 @@ def _labels(job: JobMeta | None) -> tuple[str, str]:
 def _fields(job: JobMeta | None, seconds: float) -> dict[str, object]:
     fields: dict[str, object] = {"blocked_seconds": round(seconds, 3)}
     if job is not None:
-        fields.update(
-            job_id=shown_value(job.job_id),
-            consumer=shown_value(job.consumer),
-            queue=shown_value(job.queue),
-            tenant_id=shown_value(job.tenant_id),
-            correlation_id=shown_value(job.correlation_id),
-            attempt=job.attempt,
-        )
+        fields.update(job_log_fields(job))
     return fields

@@ -36,7 +36,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from psycopg.pq import TransactionStatus
 
 from jobfence.harness import error_class_of, first_line
-from jobfence.limits import shown_value
+from jobfence.limits import job_log_fields, shown_value
 from jobfence.model import JobMeta
 from jobfence.sync import RUNNING_JOB
 
@@ -129,14 +129,7 @@ def _whose(job: JobMeta | None) -> str:
 def _fields(job: JobMeta | None, func: object, **more: object) -> dict[str, object]:
     fields: dict[str, object] = {"callback": callback_name(func)}
     if job is not None:
-        fields.update(
-            job_id=shown_value(job.job_id),
-            consumer=shown_value(job.consumer),
-            queue=shown_value(job.queue),
-            tenant_id=shown_value(job.tenant_id),
-            correlation_id=shown_value(job.correlation_id),
-            attempt=job.attempt,
-        )
+        fields.update(job_log_fields(job))
     fields.update(more)
     return fields
 
