@@ -29,6 +29,7 @@ from jobfence import App, PgQueue, PrometheusMetrics, Worker
 from jobfence.alerts import alert_counts
 from support import scalar, wait_until
 from tcp_proxy import TcpProxy
+from test_read_only_database import read_only_switch
 
 JOBS = 80
 HARD_EVERY = 8  # 10 of the 80 jobs fail for good
@@ -161,4 +162,43 @@ async def test_the_alert_relay_logs_a_database_outage_as_two_lines_and_resumes_w
     assert len([line for line in lines if "database back after" in line]) == 1, lines
     assert not [line for line in lines if "database error" in line or "still" in line], lines
     assert recovered < 4.0, recovered
+    assert len(server.incident_list()) == 1
+
+
+async def test_the_alert_relay_pauses_once_on_a_read_only_database_and_alerts_once_writable(
+    database_url: str,
+    conn: AsyncConnection[Any],
+    server: FakeBetterStack,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The relay's database becomes read-only (a failover to a standby, its other sessions
+    ended) while a dead letter waits for its alert: one WARNING naming it read-only, no line
+    per refused try, and the alert goes out once writes work again (the relay drops the
+    sessions opened while it refused them)."""
+    caplog.set_level(logging.INFO, logger="jobfence")
+    relay = make_relay(database_url, server)
+    with read_only_switch(database_url, keep=[conn.info.backend_pid]) as switch:
+        async with running(relay):
+
+            async def active() -> bool:
+                return relay.active
+
+            await wait_until(active, message="the relay to be active")
+            switch(True)
+            # The test's own session, opened before, still writes: the dead letter and its
+            # alert row, which the relay cannot claim (a write) while the database refuses it.
+            await write_dead_letter(conn, "during-the-window")
+
+            async def refused() -> bool:
+                return "alert relay: database is read-only (" in caplog.text
+
+            await wait_until(refused, timeout=20, message="the relay to find it read-only")
+            assert server.incident_list() == []
+            switch(False)
+            await wait_for_alerts(conn, "sent", 1, timeout=30)
+    lines = [r.getMessage() for r in caplog.records if r.name == "jobfence.alerts"]
+    went = [line for line in lines if line.startswith("alert relay: database is read-only (")]
+    assert len(went) == 1 and "SQLSTATE 25006" in went[0], lines
+    assert any("database writable again after" in line for line in lines), lines
+    assert not [line for line in lines if "database error" in line], lines
     assert len(server.incident_list()) == 1
