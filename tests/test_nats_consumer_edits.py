@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -107,13 +108,16 @@ def _errors(caplog: pytest.LogCaptureFixture, *words: str, level: int = logging.
 
 
 async def test_a_job_that_reaches_a_max_deliver_set_on_the_server_is_delivered_again_with_its_count(
-    env: Env, caplog: pytest.LogCaptureFixture
+    env: Env, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """max_deliver lowered to 2 on the server while a worker runs: the job's second failed
     attempt would be its last delivery, left in the work-queue stream for ever, with no dead
     letter. JetStream's MAX_DELIVERIES advisory makes the adapter publish it again from its
     copy with its deliveries so far (attempt 3 next), delete the stranded one, put max_deliver
     back, and log an ERROR naming the setting."""
+    # The settings check (every 5 s) would put max_deliver back before the job reaches it in
+    # some runs: this test is about the advisory alone.
+    monkeypatch.setattr(nats_adapter, "_CONSUMER_CHECK_SECONDS", 3600.0)
     await env.queue.publish(message("strand-me"))
     (first,) = await env.queue.receive([QUEUE], max_messages=1, lease_seconds=30)
     await env.edit(max_deliver=2)
@@ -127,15 +131,52 @@ async def test_a_job_that_reaches_a_max_deliver_set_on_the_server_is_delivered_a
     assert third.attempt == 3
     assert third.message == first.message
     assert (await env.config()).max_deliver == -1
-    assert _errors(caplog, "stopped delivering job strand-me", "after 2 deliveries", env.name), (
-        caplog.text
-    )
+
+    async def logged() -> bool:  # the copy can be delivered before its publisher logs it
+        return bool(_errors(caplog, "stopped delivering job strand-me", "after 2 deliveries"))
+
+    await wait_until(logged, timeout=5, message="the ERROR line naming the job")
+    assert _errors(caplog, "stopped delivering job strand-me", env.name), caplog.text
     assert await env.queue.ack(third)
 
     async def empty() -> bool:
         return (await env.js.stream_info(env.name)).state.messages == 0
 
     await wait_until(empty, timeout=5, message="the stream to be empty (the original deleted)")
+
+
+async def test_a_forged_max_deliveries_advisory_moves_no_job_and_logs_no_raw_id(
+    env: Env, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The advisory's subject is one any client allowed to publish there can write to: an
+    advisory whose delivery count or stream sequence is out of range, or not a number, is
+    ignored (the message stays where it is), and the job id of a message published by hand
+    reaches the ERROR line only as its bounded stand-in, as in every other line."""
+    await env.queue.publish(message("kept"))
+    assert await env.queue.receive([QUEUE], max_messages=1, lease_seconds=30)  # subscribed now
+    kept_seq = (await env.js.stream_info(env.name)).state.last_seq
+    normal = await env.js.get_msg(env.name, kept_seq)
+    hostile = {**(normal.headers or {}), "Jobfence-Job-Id": "e" * 300}
+    await env.js.publish(normal.subject or "", normal.data or b"", headers=hostile)
+    hostile_seq = (await env.js.stream_info(env.name)).state.last_seq
+    subject = f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{env.name}.{DURABLE}"
+    nc = env.js._nc
+    for seq, deliveries in ((kept_seq, -5), (kept_seq, 10**15), (-1, 2), (kept_seq, "2")):
+        advisory = {"stream_seq": seq, "deliveries": deliveries, "consumer": DURABLE}
+        await nc.publish(subject, json.dumps(advisory).encode())
+    # In order on the same subscription: once this one is handled, so were those before it.
+    await nc.publish(
+        subject,
+        json.dumps({"stream_seq": hostile_seq, "deliveries": 2, "consumer": DURABLE}).encode(),
+    )
+
+    async def handled() -> bool:
+        return bool(_errors(caplog, "stopped delivering job"))
+
+    await wait_until(handled, timeout=10, message="the valid advisory to be handled")
+    assert (await env.js.get_msg(env.name, kept_seq)).data == normal.data
+    [line] = _errors(caplog, "stopped delivering job")
+    assert "e" * 201 not in line and "[300 bytes, sha256 " in line, line  # its stand-in
 
 
 @pytest.mark.parametrize(

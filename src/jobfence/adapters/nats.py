@@ -75,7 +75,7 @@ from jobfence.adapters._shared import (
 )
 from jobfence.adapters._unavailable import unavailable_on
 from jobfence.errors import ConfigError, PublishRefused, QueueUnavailable
-from jobfence.limits import checked_delay
+from jobfence.limits import MAX_PRIOR_ATTEMPTS, checked_delay, shown_value
 from jobfence.model import Delivery, Message, Outgoing
 from jobfence.ports import QueueCapabilities, QueueSize
 
@@ -185,6 +185,7 @@ _RECHECK_ANSWER_SECONDS = 1.0
 # server (``nats consumer edit``) since: a lowered max_deliver, a filter subject edited away,
 # would otherwise strand jobs in the stream.
 _CONSUMER_CHECK_SECONDS = 5.0
+_MAX_STREAM_SEQ = 2**64 - 1  # a JetStream stream sequence is an unsigned 64-bit number
 
 
 async def _client_error(exc: Exception) -> None:
@@ -868,11 +869,21 @@ class NatsQueue:
         stream keep one, and only the process whose copy was stored logs it."""
         if self._nc is None or self._closed:
             return
+        # Any client allowed to publish on the advisory's subject can write one: a field of
+        # another type or out of range is not the server's, and moves nothing.
         try:
             advisory = json.loads(msg.data)
-            seq, deliveries = int(advisory["stream_seq"]), int(advisory["deliveries"])
-            durable = str(advisory["consumer"])
+            seq, deliveries = advisory["stream_seq"], advisory["deliveries"]
+            durable = advisory["consumer"]
         except (ValueError, TypeError, KeyError):
+            return
+        if not (
+            type(seq) is int
+            and type(deliveries) is int
+            and isinstance(durable, str)
+            and 1 <= seq <= _MAX_STREAM_SEQ
+            and 1 <= deliveries <= MAX_PRIOR_ATTEMPTS
+        ):
             return
         prefix = f"{self._subject_prefix}."
         js = self._nc.jetstream(timeout=_RECHECK_ANSWER_SECONDS)
@@ -905,7 +916,7 @@ class NatsQueue:
                     durable,
                     queue,
                     self._stream,
-                    headers.get(_H_JOB_ID, "?"),
+                    shown_value(headers.get(_H_JOB_ID)) or "?",
                     seq,
                     deliveries,
                 )
@@ -917,14 +928,14 @@ class NatsQueue:
                 " delivered (setting max_deliver back does not deliver it); delete the"
                 " consumer (nats consumer rm %s %s): the workers make it again, and it"
                 " delivers every job in the stream",
-                durable,
+                shown_value(durable),
                 self._stream,
                 seq,
                 deliveries,
                 type(exc).__name__,
                 exc,
                 self._stream,
-                durable,
+                shown_value(durable),
             )
 
     # -- the port -----------------------------------------------------------------------
