@@ -68,7 +68,7 @@ from jobfence.adapters._shared import (
 )
 from jobfence.adapters._unavailable import as_unavailable
 from jobfence.errors import ConfigError, PublishRefused, QueueUnavailable
-from jobfence.limits import checked_delay
+from jobfence.limits import checked_delay, shown_value
 from jobfence.model import Delivery, Message, Outgoing
 from jobfence.ports import QueueCapabilities, QueueSize
 
@@ -849,7 +849,7 @@ class RedisStreamsQueue:
                 "published again from the worker's copy",
                 receipt.entry_id,
                 self._queue_of(receipt.stream),
-                message.job_id,
+                shown_value(message.job_id),
             )
         return done
 
