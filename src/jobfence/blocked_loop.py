@@ -33,8 +33,8 @@ from inspect import CO_COROUTINE, CO_ITERABLE_COROUTINE
 from types import FrameType
 
 from jobfence.errors import ConfigError
-from jobfence.limits import job_log_fields, shown_value
-from jobfence.model import JobMeta
+from jobfence.limits import shown_value
+from jobfence.model import JobMeta, job_log_fields
 from jobfence.ports import LoopMetricsSink
 
 log = logging.getLogger("jobfence.blocked_loop")

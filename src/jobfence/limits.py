@@ -24,12 +24,8 @@ from __future__ import annotations
 import hashlib
 import math
 import re
-from typing import TYPE_CHECKING
 
 from jobfence.errors import JobRefused
-
-if TYPE_CHECKING:
-    from jobfence.model import JobMeta
 
 MAX_JOB_ID_BYTES = 1024
 MAX_CORRELATION_ID_BYTES = 1024
@@ -193,16 +189,3 @@ def message_size_problem(size: int, max_bytes: int, broker: str) -> str:
         f" ({max_bytes:,} bytes, its max_payload, headers included): it would be refused at"
         " publish; send a smaller payload (a reference to the data) or raise the broker's limit"
     )
-
-
-def job_log_fields(job: JobMeta) -> dict[str, object]:
-    """The structured fields of a log line about ``job`` (pass as ``extra=``): job_id,
-    consumer, queue, tenant_id, correlation_id (each as :func:`shown_value`) and attempt."""
-    return {
-        "job_id": shown_value(job.job_id),
-        "consumer": shown_value(job.consumer),
-        "queue": shown_value(job.queue),
-        "tenant_id": shown_value(job.tenant_id),
-        "correlation_id": shown_value(job.correlation_id),
-        "attempt": job.attempt,
-    }

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from jobfence.limits import shown_value
+
 
 @dataclass(frozen=True, slots=True)
 class Message:
@@ -70,3 +72,16 @@ class JobMeta:
     tenant_id: str | None
     correlation_id: str | None
     attempt: int
+
+
+def job_log_fields(job: JobMeta) -> dict[str, object]:
+    """The structured fields of a log line about ``job`` (pass as ``extra=``): job_id,
+    consumer, queue, tenant_id, correlation_id (each as :func:`shown_value`) and attempt."""
+    return {
+        "job_id": shown_value(job.job_id),
+        "consumer": shown_value(job.consumer),
+        "queue": shown_value(job.queue),
+        "tenant_id": shown_value(job.tenant_id),
+        "correlation_id": shown_value(job.correlation_id),
+        "attempt": job.attempt,
+    }

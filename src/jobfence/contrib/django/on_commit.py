@@ -36,8 +36,8 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from psycopg.pq import TransactionStatus
 
 from jobfence.harness import error_class_of, first_line
-from jobfence.limits import job_log_fields, shown_value
-from jobfence.model import JobMeta
+from jobfence.limits import shown_value
+from jobfence.model import JobMeta, job_log_fields
 from jobfence.sync import RUNNING_JOB
 
 log = logging.getLogger("jobfence.django")
