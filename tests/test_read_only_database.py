@@ -252,25 +252,55 @@ async def test_a_broker_worker_burns_no_attempt_and_writes_no_dead_letter_while_
     assert not _lines(caplog, "jobfence.harness", logging.ERROR)
 
 
+@pytest.mark.parametrize("per_transaction", [1, 5])
+@pytest.mark.parametrize("made_read_only", ["transaction", "session"])
+@pytest.mark.parametrize("flavour", ["async", "sync"])
 async def test_a_handler_that_makes_its_own_transaction_read_only_fails_as_a_transient_failure(
     pool: AsyncConnectionPool[Any],
     conn: psycopg.AsyncConnection[Any],
     caplog: pytest.LogCaptureFixture,
+    flavour: str,
+    made_read_only: str,
+    per_transaction: int,
 ) -> None:
-    """A 25006 from a writable database (the handler ran ``SET TRANSACTION READ ONLY``) is the
-    handler's failure, not an outage: retried, then dead-lettered."""
+    """A 25006 raised after the transaction's fence insert succeeded is the handler's failure,
+    not an outage: retried, then dead-lettered, and the job behind it runs. The handler made
+    its transaction read-only itself (``SET TRANSACTION READ ONLY``), or its session
+    (``SET default_transaction_read_only``, which the server then reports for the session, as
+    it does for a standby). A session's read-only state cannot change inside a transaction, so
+    the fence insert (its first write) is where a read-only server refuses it: an ``async def``
+    or a ``def`` handler, and a server that reports nothing about it (before PostgreSQL 14),
+    are judged alike. In a group (``jobs_per_transaction``) the group rolls back and its jobs
+    run one transaction each, the same way."""
     await conn.execute(pointsapp.SCHEMA_SQL)
     app = App()
     policy = RetryPolicy(max_retries=1, base_seconds=0.01, cap_seconds=0.01, rationale="quick")
+    options: dict[str, Any] = {"retry": policy, "jobs_per_transaction": per_transaction}
+    statements = ["SET TRANSACTION READ ONLY"]
+    if made_read_only == "session":
+        statements = ["SET default_transaction_read_only = on", *statements]
+    write = "INSERT INTO public.awards (job_id, account_id, points) VALUES (%s, 1, 1)"
 
-    @app.consumer("award", queue=pointsapp.QUEUE, schema=Award, retry=policy)
-    async def award(payload: Award, job: JobMeta, tx: psycopg.AsyncConnection[Any]) -> None:
-        await tx.execute("SET TRANSACTION READ ONLY")
-        await tx.execute(
-            "INSERT INTO public.awards (job_id, account_id, points) VALUES ('x', 1, 1)"
-        )
+    if flavour == "async":
+
+        @app.consumer("award", queue=pointsapp.QUEUE, schema=Award, **options)
+        async def award(payload: Award, job: JobMeta, tx: psycopg.AsyncConnection[Any]) -> None:
+            if job.job_id == "own":
+                for statement in statements:
+                    await tx.execute(statement)
+            await tx.execute(write, (job.job_id,))
+
+    else:
+
+        @app.consumer("award", queue=pointsapp.QUEUE, schema=Award, **options)
+        def award_sync(payload: Award, job: JobMeta, tx: psycopg.Connection[Any]) -> None:
+            if job.job_id == "own":
+                for statement in statements:
+                    tx.execute(statement)
+            tx.execute(write, (job.job_id,))
 
     await app.enqueue(conn, "award", {"account_id": 1}, job_id="own")
+    await app.enqueue(conn, "award", {"account_id": 1}, job_id="behind")
     metrics = PrometheusMetrics()
     queue = PgQueue(pool, poll_interval_seconds=0.05)
     worker = Worker(app, pool, queue, concurrency=1, poll_seconds=0.05, metrics=metrics)
@@ -281,6 +311,7 @@ async def test_a_handler_that_makes_its_own_transaction_read_only_fails_as_a_tra
     assert await scalar(conn, "SELECT error_class FROM core.dead_letters") == (
         "psycopg.errors.ReadOnlySqlTransaction"
     )
+    assert await scalar(conn, "SELECT string_agg(job_id, ',') FROM public.awards") == "behind"
     assert metrics.count("retried") == 1
     assert not [m for m in _lines(caplog, "jobfence.worker") if "read-only" in m]
 

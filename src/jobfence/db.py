@@ -202,10 +202,26 @@ def is_read_only(exc: BaseException, conn: Any = None) -> bool:
     raised on), only when that session reports itself read-only (:func:`session_read_only`;
     a handler's ``SET TRANSACTION READ ONLY`` on a writable session is its own failure).
     Without ``conn`` (jobfence's own statements, which never make a transaction read-only),
-    always."""
+    always. Never for a refusal :func:`refused_after_first_write` marked."""
     if not isinstance(exc, psycopg.Error) or exc.sqlstate != READ_ONLY_SQLSTATE:
         return False
+    if getattr(exc, _TRANSACTIONS_OWN, False):
+        return False
     return conn is None or session_read_only(conn) is not False
+
+
+_TRANSACTIONS_OWN = "_jobfence_transactions_own"
+
+
+def refused_after_first_write(exc: BaseException) -> None:
+    """Record that ``exc``, when it is a read-only refusal (SQLSTATE 25006), came after its
+    transaction's first write (jobfence's fence insert) succeeded: :func:`is_read_only` is
+    then False. A session's read-only state cannot change inside a transaction (a standby
+    and ``default_transaction_read_only`` take effect when one begins), so the transaction
+    made itself read-only (a handler's ``SET TRANSACTION READ ONLY``): the job's failure,
+    not an outage, whatever the server reports, or does not report (before PostgreSQL 14)."""
+    if isinstance(exc, psycopg.Error) and exc.sqlstate == READ_ONLY_SQLSTATE:
+        setattr(exc, _TRANSACTIONS_OWN, True)
 
 
 def session_read_only(conn: Any) -> bool | None:

@@ -31,7 +31,7 @@ import os
 import random
 import time
 import traceback
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -54,7 +54,7 @@ from jobfence.codec import (
     stored_payload,
     unfenceable,
 )
-from jobfence.db import is_connection_loss, is_read_only
+from jobfence.db import is_connection_loss, is_read_only, refused_after_first_write
 from jobfence.errors import HandlerExited, HardFailure, PoisonMessage, TransactionMisuse
 from jobfence.guard import (
     COMMITTED_IN_GROUP,
@@ -420,6 +420,18 @@ def _call_sync(job: Job, tx: object) -> object:
         RUNNING_JOB.reset(running)
 
 
+@contextlib.contextmanager
+def _after_fence_insert() -> Iterator[None]:
+    """Around what follows a transaction's fence insert, its first write: a read-only refusal
+    raised there is the transaction's own doing, not an outage
+    (:func:`jobfence.db.refused_after_first_write`)."""
+    try:
+        yield
+    except BaseException as exc:
+        refused_after_first_write(exc)
+        raise
+
+
 def _sync_work(
     jobs: list[Job],
     fenced: list[bool] | None,
@@ -630,19 +642,20 @@ class Harness:
         """Fences, handlers, commit, for a group; which jobs ran (the others are duplicates),
         also put in ``fenced`` as soon as the fences are inserted."""
         tx, cur = await Tx.begin(conn, SQL["fence_insert_group"], _group_params(jobs))
-        try:
-            fresh = _group_fresh(jobs, await cur.fetchall())
-            fenced[:] = fresh
-            for job, ran in zip(jobs, fresh, strict=True):
-                if ran:
-                    await self._run_handler(job, conn)
-        except BaseException as exc:
-            await tx.rollback(exc)
-            raise
-        try:
-            await tx.commit(_held_check(fresh))
-        except CommitRefused:
-            raise not_held() from None
+        with _after_fence_insert():
+            try:
+                fresh = _group_fresh(jobs, await cur.fetchall())
+                fenced[:] = fresh
+                for job, ran in zip(jobs, fresh, strict=True):
+                    if ran:
+                        await self._run_handler(job, conn)
+            except BaseException as exc:
+                await tx.rollback(exc)
+                raise
+            try:
+                await tx.commit(_held_check(fresh))
+            except CommitRefused:
+                raise not_held() from None
         if any(fresh):
             self._keep_session(jobs, conn)
         return fresh
@@ -673,6 +686,8 @@ class Harness:
         else:
             fence_sql, params = SQL.text("fence_insert_group"), _group_params(jobs)
         timings: list[tuple[JobMeta, float]] = []
+        if fenced is None:
+            fenced = []  # filled when the work begins: the fence insert was done
         # PsycopgRunner sends the fence_held check with its COMMIT; another runner commits on
         # its own, so the check runs at the end of the work, a round trip more.
         work = _sync_work(jobs, fenced, timings, isinstance(self.sync.runner, PsycopgRunner))
@@ -690,7 +705,9 @@ class Harness:
                 assert ahead is not None
                 ahead.hold(following.delivery)  # nothing committed; it starts on its own
             raise not_held() from None
-        except BaseException:
+        except BaseException as exc:
+            if fenced:
+                refused_after_first_write(exc)
             if following is not None:
                 assert ahead is not None
                 ahead.hold(following.delivery)
@@ -842,6 +859,13 @@ class Harness:
         else:
             tx, cur = await Tx.begin(conn, SQL["fence_insert"], _fence_params(job))
             fresh = await cur.fetchone() is not None
+        with _after_fence_insert():
+            return await self._handle_and_commit(job, conn, ahead, tx, fresh)
+
+    async def _handle_and_commit(
+        self, job: Job, conn: AsyncConnection[Any], ahead: Lookahead | None, tx: Tx, fresh: bool
+    ) -> bool:
+        """:meth:`_transaction` once the fence insert is done: the handler, then the commit."""
         try:
             if fresh:
                 await self._run_handler(job, conn)
