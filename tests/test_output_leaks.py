@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -186,3 +187,161 @@ def test_a_url_typed_on_the_command_line_shows_no_password_in_a_usage_error(
     assert shown in done.stderr, done.stderr
     if "--json" in argv:
         assert shown in json.loads(done.stdout)["error"], done.stdout
+
+
+class Note(BaseModel):
+    account_id: int
+    note: str
+
+
+# A handler sends a payload value to PostgreSQL, which refuses it with a data exception
+# (SQLSTATE class 22) whose message quotes it: each statement, and the SQLSTATE it raises.
+DATA_ERRORS = {
+    "invalid-text": ("SELECT CAST(%s AS int)", "22P02"),
+    "out-of-range": ("SELECT CAST(%s AS int)", "22003"),
+    "bad-json": ("SELECT CAST(%s AS jsonb)", "22P02"),
+    "bad-date": ("SELECT CAST(%s AS date)", "22007"),
+}
+VALUES = {
+    "invalid-text": "alice@example.com",
+    "out-of-range": "4111111111",
+    "bad-json": '{"ssn": 123-45-6789}',
+    "bad-date": "born 1984-13-45 Zq9",
+}
+
+
+CASES = [
+    *((kind, "psycopg", n) for kind in DATA_ERRORS for n in (1, 5)),
+    ("invalid-text", "sqlalchemy", 1),
+    ("invalid-text", "sqlalchemy", 5),
+    ("out-of-range", "sqlalchemy-async", 1),
+]
+
+
+def _note_handler(flavour: str, statement: str) -> Any:
+    """A consumer's handler that sends job ``refused``'s note to PostgreSQL with
+    ``statement``: on the psycopg connection it is given, through a SQLAlchemy session on it
+    (a ``def`` handler), or through an async SQLAlchemy session (SQLAlchemy wraps the error, and
+    its message quotes the statement's parameters)."""
+    from sqlalchemy import text
+
+    from jobfence import JobMeta
+    from jobfence.contrib.sqlalchemy import async_session_for, session_for
+
+    bound = text(statement.replace("%s", ":v"))
+    if flavour == "psycopg":
+
+        async def on_psycopg(payload: Note, job: JobMeta, tx: psycopg.AsyncConnection[Any]) -> None:
+            if job.job_id == "refused":
+                await tx.execute(statement, (payload.note,))
+
+        return on_psycopg
+    if flavour == "sqlalchemy":
+
+        def on_session(payload: Note, job: JobMeta, tx: psycopg.Connection[Any]) -> None:
+            with session_for(tx) as session:
+                if job.job_id == "refused":
+                    session.execute(bound, {"v": payload.note})
+
+        return on_session
+
+    async def on_async_session(
+        payload: Note, job: JobMeta, tx: psycopg.AsyncConnection[Any]
+    ) -> None:
+        async with async_session_for(tx) as session:
+            if job.job_id == "refused":
+                await session.execute(bound, {"v": payload.note})
+
+    return on_async_session
+
+
+@pytest.mark.parametrize(("kind", "flavour", "per_transaction"), CASES)
+async def test_a_value_the_database_refuses_reaches_no_log_line_dead_letter_error_or_incident(
+    database_url: str,
+    conn: psycopg.AsyncConnection[Any],
+    caplog: pytest.LogCaptureFixture,
+    *,
+    kind: str,
+    flavour: str,
+    per_transaction: int,
+) -> None:
+    """PostgreSQL's message for a data exception quotes the value it refused
+    (``invalid input syntax for type integer: "alice@example.com"``). A handler that sends a
+    payload value there fails its job like any error (retried, then one dead letter), and the
+    value reaches no log line (the retry's, the dead letter's, a rolled-back group's), no
+    ``last_error`` and no Better Stack incident: the message is told with the value as
+    ``<value>``, and the SQLSTATE. The dead letter's payload keeps it, as it keeps the whole
+    job. The same through SQLAlchemy, whose error quotes the statement's parameters too."""
+    from alert_helpers import TOKEN, make_relay, running, wait_for_alerts
+    from fake_betterstack import FakeBetterStack
+    from jobfence import PgQueue, RetryPolicy, Worker, open_pool
+
+    statement, sqlstate = DATA_ERRORS[kind]
+    value = VALUES[kind]
+    app = App()
+    policy = RetryPolicy(max_retries=1, base_seconds=0.01, cap_seconds=0.01, rationale="quick")
+
+    app.consumer(
+        "note", queue="notes", schema=Note, retry=policy, jobs_per_transaction=per_transaction
+    )(_note_handler(flavour, statement))
+    await app.enqueue(conn, "note", {"account_id": 1, "note": value}, job_id="refused")
+    await app.enqueue(conn, "note", {"account_id": 2, "note": "fine"}, job_id="behind")
+    pool = await open_pool(database_url, max_size=4)
+    queue = PgQueue(pool, poll_interval_seconds=0.05)
+    try:
+        worker = Worker(app, pool, queue, concurrency=1, poll_seconds=0.05)
+        await asyncio.wait_for(worker.run(until="empty"), 30)
+    finally:
+        await queue.close()
+        await pool.close()
+    row = await (
+        await conn.execute("SELECT error_class, last_error, payload FROM core.dead_letters")
+    ).fetchall()
+    assert len(row) == 1, row
+    error_class, last_error, payload = row[0]
+    assert error_class.startswith(("psycopg.errors.", "sqlalchemy.exc.")), error_class
+    assert f"SQLSTATE {sqlstate}" in last_error.splitlines()[0], last_error
+    assert value not in last_error, last_error
+    assert payload["note"] == value, "the dead letter keeps the whole job"
+    assert await scalar(conn, "SELECT count(*) FROM core.processed_jobs") == 1  # "behind"
+
+    server = FakeBetterStack(TOKEN).start()
+    try:
+        async with running(make_relay(database_url, server)):
+            await wait_for_alerts(conn, "sent", 1)
+        [post] = server.posts()
+    finally:
+        server.close()
+    description = post.json()["description"]
+    assert f"SQLSTATE {sqlstate}" in description, description
+    assert value not in json.dumps(post.json()), description
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(f"SQLSTATE {sqlstate}" in line for line in lines), lines
+    leaked = [line for line in lines if value in line or "alice@" in line]
+    assert not leaked, leaked
+
+
+async def test_a_data_exception_an_orm_wraps_is_told_without_its_value(
+    conn: psycopg.AsyncConnection[Any],
+) -> None:
+    """Django raises its own ``DataError`` with the psycopg error's message, ``from`` it
+    (``__cause__``); SQLAlchemy keeps it as ``orig``. Either is told as the data exception it
+    wraps, without the value."""
+    from jobfence.harness import describe_error, first_line
+
+    value = "alice@example.com"
+    with pytest.raises(psycopg.errors.InvalidTextRepresentation) as refused:
+        await conn.execute("SELECT CAST(%s AS int)", (value,))
+    await conn.rollback()
+
+    class DataError(Exception):  # django.db.utils.DataError, as Django raises it
+        pass
+
+    try:
+        raise DataError(*refused.value.args) from refused.value
+    except DataError as exc:
+        wrapped = exc
+    assert value in str(wrapped)
+    told = "(psycopg.errors.InvalidTextRepresentation) invalid input syntax for type integer:"
+    assert first_line(wrapped) == f"{told} <value> [SQLSTATE 22P02]"
+    assert value not in describe_error(wrapped)

@@ -259,6 +259,7 @@ async def test_a_handler_that_makes_its_own_transaction_read_only_fails_as_a_tra
     pool: AsyncConnectionPool[Any],
     conn: psycopg.AsyncConnection[Any],
     caplog: pytest.LogCaptureFixture,
+    *,
     flavour: str,
     made_read_only: str,
     per_transaction: int,

@@ -29,6 +29,7 @@ import inspect
 import logging
 import os
 import random
+import re
 import time
 import traceback
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -166,11 +167,39 @@ def error_class_of(exc: BaseException) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+# A data exception (SQLSTATE class 22): PostgreSQL refused a value, and its message quotes it
+# (``invalid input syntax for type integer: "alice@example.com"``), often a payload's.
+_DATA_EXCEPTION = "22"
+_QUOTED = re.compile(r'".*"', re.DOTALL)
+_BYTES = re.compile(r"0x[0-9a-fA-F]{2}(?: 0x[0-9a-fA-F]{2})*")
+
+
+def told_message(exc: BaseException) -> str:
+    """An exception's message as jobfence tells it (log lines, a dead letter's ``last_error``,
+    the incidents quoting it), never quoting a value of the job: a pydantic ValidationError by
+    its fields and errors (:func:`~jobfence.codec.describe_validation_error`); a psycopg data
+    exception by its primary message with the value it quotes as ``<value>`` (from the first
+    double quote to the last; bytes as ``<bytes>``) and its SQLSTATE, without the detail and
+    context lines that quote it too, also when an ORM wraps it (SQLAlchemy's ``orig``, whose
+    message quotes the statement's parameters; Django's ``__cause__``). Any other as
+    ``str(exc)``."""
+    if isinstance(exc, ValidationError):
+        return describe_validation_error(exc)
+    if isinstance(exc, psycopg.Error):
+        if (exc.sqlstate or "").startswith(_DATA_EXCEPTION):
+            primary = _BYTES.sub("<bytes>", _QUOTED.sub("<value>", exc.diag.message_primary or ""))
+            return f"{' '.join(primary.split())} [SQLSTATE {exc.sqlstate}]"
+        return str(exc)
+    wrapped = getattr(exc, "orig", None) or exc.__cause__
+    if isinstance(wrapped, psycopg.Error) and (wrapped.sqlstate or "").startswith(_DATA_EXCEPTION):
+        return f"({error_class_of(wrapped)}) {told_message(wrapped)}"
+    return str(exc)
+
+
 def first_line(exc: BaseException, limit: int = 200) -> str:
-    """The first line of an exception's message, at most ``limit`` characters, for a log line."""
-    text = (
-        describe_validation_error(exc) if isinstance(exc, ValidationError) else str(exc)
-    ).strip()
+    """The first line of an exception's message (:func:`told_message`), at most ``limit``
+    characters, for a log line."""
+    text = told_message(exc).strip()
     line = text.splitlines()[0] if text else ""
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
@@ -180,9 +209,8 @@ def describe_error(exc: BaseException) -> str:
 
     The traceback starts at the first frame outside jobfence (the handler's own code), unless
     every frame is jobfence's."""
-    # A ValidationError (a handler may raise one) is told without the values it rejected.
-    message = describe_validation_error(exc) if isinstance(exc, ValidationError) else exc
-    head = f"{error_class_of(exc)}: {message}"
+    # Told without the values it quotes (a ValidationError, a data exception): told_message.
+    head = f"{error_class_of(exc)}: {told_message(exc)}"
     frames: list[traceback.FrameSummary] = list(traceback.extract_tb(exc.__traceback__))
     skip = 0
     while skip < len(frames) and frames[skip].filename.startswith(_PACKAGE_DIR):
@@ -626,12 +654,11 @@ class Harness:
                     if ran:
                         self._committed_in_group[id(job.delivery)] = job.delivery
             self._metrics.job_group(first.queue, first.consumer, "rolled_back")
-            text = str(exc).strip()
             log.info(
                 "a group of %d jobs rolled back (%s: %s); running them one transaction each",
                 len(jobs),
                 error_class_of(exc),
-                text.splitlines()[0][:300] if text else "",
+                first_line(exc, 300),
                 extra={"group_size": len(jobs), "error_class": error_class_of(exc)},
             )
             return None
