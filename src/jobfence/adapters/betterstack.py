@@ -107,8 +107,27 @@ def _origin(url: str) -> str:
     return f"{parts.scheme}://{host}{port}" if parts.scheme else "<invalid URL>"
 
 
-def parse_retry_after(value: str | None, *, now: float | None = None) -> float | None:
-    """Seconds to wait from a ``Retry-After`` header (delta-seconds or an HTTP date)."""
+def _http_date(text: str | None) -> float | None:
+    """An HTTP date as seconds since the epoch (None when absent or not a date)."""
+    if text is None or not text.strip():
+        return None
+    try:
+        when = email.utils.parsedate_to_datetime(text.strip())
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return when.timestamp()
+
+
+def parse_retry_after(
+    value: str | None, *, now: float | None = None, date: str | None = None
+) -> float | None:
+    """Seconds to wait from a ``Retry-After`` header (delta-seconds or an HTTP date).
+
+    An HTTP date is the server's clock: it is measured from the response's ``Date`` header
+    (``date``, the same clock) when that is a date, so that this host's clock being off plays
+    no part; only without one from ``now`` (this host's clock by default)."""
     if value is None or not value.strip():
         return None
     text = value.strip()
@@ -116,14 +135,13 @@ def parse_retry_after(value: str | None, *, now: float | None = None) -> float |
         return max(float(text), 0.0)
     except ValueError:
         pass
-    try:
-        when = email.utils.parsedate_to_datetime(text)
-    except (TypeError, ValueError):
+    when = _http_date(text)
+    if when is None:
         return None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=UTC)
-    current = time.time() if now is None else now
-    return max(when.timestamp() - current, 0.0)
+    current = _http_date(date)
+    if current is None:
+        current = time.time() if now is None else now
+    return max(when - current, 0.0)
 
 
 def _error_detail(response: httpx.Response) -> str:
@@ -145,7 +163,11 @@ def _failure(what: str, response: httpx.Response) -> DeliveryError:
     status = response.status_code
     detail = _error_detail(response)
     retryable = status in {408, 429} or status >= 500
-    retry_after = parse_retry_after(response.headers.get("Retry-After")) if retryable else None
+    retry_after = (
+        parse_retry_after(response.headers.get("Retry-After"), date=response.headers.get("Date"))
+        if retryable
+        else None
+    )
     return DeliveryError(
         f"{what}: HTTP {status}: {detail}",
         retryable=retryable,

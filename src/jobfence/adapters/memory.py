@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -39,8 +40,16 @@ _lease_tokens = itertools.count(1)
 
 
 class _SystemClock:
+    """UTC time that never steps: read once from the wall clock, then moved on by
+    ``time.monotonic``, so that a wall clock that steps (an NTP correction, a resumed VM) moves
+    no lease and no delay."""
+
+    def __init__(self) -> None:
+        self._start = datetime.now(UTC)
+        self._started = time.monotonic()
+
     def now(self) -> datetime:
-        return datetime.now(UTC)
+        return self._start + timedelta(seconds=time.monotonic() - self._started)
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,9 @@ A token is accepted when its signature verifies with ``JOBFENCE_JWT_SECRET`` (HS
 (``exp`` is required), and its ``iss`` and ``aud`` match ``JOBFENCE_JWT_ISSUER`` and
 ``JOBFENCE_JWT_AUDIENCE`` when those are set. Its time claims (``exp``, ``nbf``, ``iat``) are
 RFC 7519 NumericDates: JSON numbers (integer or not), finite, from 0 to :data:`MAX_NUMERIC_DATE`
-(the year 3000); anything else (a string, ``1e300``, ``NaN``) is refused. The shared secret must
+(the year 3000); anything else (a string, ``1e300``, ``NaN``) is refused. A token is refused from
+its ``exp`` on, and while its ``nbf`` or ``iat`` is more than :data:`NOT_BEFORE_LEEWAY_SECONDS`
+ahead of this host's clock (the issuer's clock may run that much ahead). The shared secret must
 pass :func:`secret_problem`. ``sub`` names the caller (recorded as
 ``resolved_by`` and ``requested_by``) and ``permissions`` is a list of strings.
 
@@ -52,6 +54,9 @@ MIN_SECRET_BITS = 80
 #: The latest time a token's ``exp``, ``nbf`` or ``iat`` may name: 3000-01-01T00:00:00Z.
 MAX_NUMERIC_DATE = 32_503_680_000
 TIME_CLAIMS = ("exp", "nbf", "iat")
+#: How far ahead of this host's clock a token's ``nbf`` or ``iat`` may be: an issuer whose clock
+#: runs a little ahead stamps a fresh token with its own now, and the client uses it at once.
+NOT_BEFORE_LEEWAY_SECONDS = 60.0
 MAX_SUBJECT_CHARS = 500
 DEFAULT_ITEM_CACHE_BYTES = 64 * 1024 * 1024  # about 60,000 items of the benchmark's size
 _NO_KEY = (
@@ -279,7 +284,7 @@ class TokenVerifier:
             raise InvalidToken("the token has expired")
         for name in ("nbf", "iat"):
             value = times[name]
-            if value is not None and value > now:
+            if value is not None and value > now + NOT_BEFORE_LEEWAY_SECONDS:
                 raise InvalidToken(f"the token is not valid yet (its {name} is in the future)")
         subject = claims.get("sub")
         if (
