@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 
 from jobfence.model import Delivery
@@ -36,6 +37,10 @@ class AckBatcher:
         self._task: asyncio.Task[None] | None = None
         self._flushing = asyncio.Lock()
         self._failures = 0
+        # The context the batcher is made in (the worker's), not that of the job whose ack
+        # starts the task: a job's trace context (its process span) ends with the job, and
+        # the acks the task sends later are not part of it.
+        self._context = contextvars.copy_context()
 
     @property
     def pending(self) -> int:
@@ -44,7 +49,9 @@ class AckBatcher:
     def add(self, delivery: Delivery) -> None:
         self._pending.append(delivery)
         if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self._run(), name="jobfence-acks")
+            self._task = asyncio.create_task(
+                self._run(), name="jobfence-acks", context=self._context.copy()
+            )
         if len(self._pending) >= self._max_batch:
             self._due.set()
 

@@ -170,6 +170,25 @@ def _tracer() -> Any:
     return _TRACERS[0]
 
 
+@contextlib.contextmanager
+def _current(span: Span) -> Iterator[Span]:
+    """``span`` current while the block runs, and ended after it. An exception out of the block
+    sets the span's status to ERROR and ``error.type`` to the exception's class, and records
+    nothing else of it: its text may quote what the statement carried (SQLAlchemy adds the
+    parameters, the job's body among them; a PostgreSQL ``DETAIL`` quotes the row), and the
+    application that catches it decides where that text goes."""
+    with _trace.use_span(
+        span, end_on_exit=True, record_exception=False, set_status_on_exception=False
+    ):
+        try:
+            yield span
+        except Exception as exc:
+            if span.is_recording():
+                span.set_attribute(ERROR_TYPE, type(exc).__name__)
+                span.set_status(_trace.StatusCode.ERROR)
+            raise
+
+
 def _message_attributes(message: Message, operation: str, kind: str) -> dict[str, Any]:
     attributes: dict[str, Any] = {
         SYSTEM: "jobfence",
@@ -203,7 +222,7 @@ def _producer(
         current = _trace.get_current_span().get_span_context() if parent is None else None
         if current is not None and current.is_valid:
             traceparent, tracestate = _format(current)
-            message = replace(message, traceparent=traceparent, tracestate=tracestate)
+            message = replace(message, traceparent=traceparent, tracestate=_new_job(tracestate))
         yield message
         return
     if span.is_recording():
@@ -213,12 +232,24 @@ def _producer(
         for link in links:
             span.add_link(link)
     traceparent, tracestate = _format(ctx)
+    tracestate = _new_job(tracestate)
     if member is not None:  # W3C: a vendor's member goes first
         tracestate = valid_tracestate(member + ("," + tracestate if tracestate else "")) or (
             tracestate
         )
-    with _trace.use_span(span, end_on_exit=True):
+    with _current(span):
         yield replace(message, traceparent=traceparent, tracestate=tracestate)
+
+
+def _new_job(tracestate: str | None) -> str | None:
+    """The ``tracestate`` a new job carries: the context's, less its ``jobfence`` member. That
+    member names the failed attempt a replayed job's process span links to; a span in that
+    context (the replayed job's, with ``trace_parent="child"``) passes it on to its children,
+    and a job its handler enqueues is not a replay."""
+    if tracestate is None or _STATE_KEY not in tracestate:
+        return tracestate
+    kept = [m for m in tracestate.split(",") if m.strip(" \t").partition("=")[0] != _STATE_KEY]
+    return valid_tracestate(",".join(kept))
 
 
 def create(message: Message) -> AbstractContextManager[Message]:
@@ -319,7 +350,7 @@ def process(delivery: Delivery, *, child: bool) -> AbstractContextManager[Span |
             span.add_link(_remote(message.traceparent, message.tracestate))
         if message.tracestate is not None and _STATE_KEY in message.tracestate:
             _link_replayed_from(span, message.tracestate)
-    return _trace.use_span(span, end_on_exit=True)
+    return _current(span)
 
 
 def _link_replayed_from(span: Span, tracestate: str) -> None:
@@ -353,7 +384,7 @@ def process_group(deliveries: Sequence[Delivery]) -> AbstractContextManager[Span
             remote = _remote(message.traceparent, message.tracestate)
             if remote is not None:
                 span.add_link(remote, {MESSAGE_ID: _text(message.job_id)})
-    return _trace.use_span(span, end_on_exit=True)
+    return _current(span)
 
 
 _FINE = frozenset(("succeeded", "duplicate", "committed"))
