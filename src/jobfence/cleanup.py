@@ -11,6 +11,7 @@ from typing import Any
 import psycopg
 from psycopg import AsyncConnection
 
+from jobfence.db import connect_options
 from jobfence.harness import SQL
 from jobfence.pgtx import execute_read_committed
 from jobfence.ports import CleanupMetricsSink
@@ -91,7 +92,7 @@ async def cleanup_every(
     while not stop.is_set():
         try:
             async with await psycopg.AsyncConnection.connect(
-                conninfo, autocommit=True, connect_timeout=10
+                conninfo, autocommit=True, connect_timeout=10, **connect_options()
             ) as conn:
                 result = await cleanup_expired(conn, batch_size=batch_size, metrics=metrics)
         except psycopg.Error as exc:

@@ -101,13 +101,22 @@ async def _cmd_migrate(args: argparse.Namespace) -> int:
     if args.from_queue_url is not None:
         parse_queue_url(args.from_queue_url)
     url = db.resolve_database_url()
-    await db.check_connection(url)
+    # Its advisory lock and lifted timeouts are held by the session, across transactions.
+    await db.check_connection(url, needs_session="jobfence migrate")
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
-        applied = await schema.migrate(conn)
-        if applied:
-            for m in applied:
-                print(f"applied {m.version:04d}_{m.name}")
-        else:
+        try:
+            # Each migration is said as soon as it is committed: should a later one fail, the
+            # lines printed are what the database holds.
+            applied = await schema.migrate(
+                conn,
+                lock_timeout=args.lock_timeout,
+                lock_attempts=args.lock_attempts,
+                on_applied=lambda m: print(f"applied {m.version:04d}_{m.name}", flush=True),
+            )
+        except schema.MigrationLockTimeout as exc:
+            # Try again later: exit status 1, like the database's other refusals.
+            return report_error(str(exc), 1, as_json=False)
+        if not applied:
             print(f"already up to date (version {schema.latest_version():04d})")
         if target is None:
             return 0
@@ -173,6 +182,11 @@ async def _cmd_worker(args: argparse.Namespace) -> int:
         lease_seconds=args.lease_seconds, max_handler_seconds=args.max_handler_seconds
     )
     url = db.resolve_database_url()
+    if args.outbox_relay and db.transaction_pooling() and _on_a_broker():
+        raise JobfenceError(
+            db.transaction_pooling_refused("the outbox relay a worker runs on a broker")
+            + "; or pass --no-outbox-relay, and run jobfence outbox-relay with such a URL"
+        )
     # One more connection for the outbox relay's own, on a broker.
     pool = await db.open_pool(url, max_size=args.concurrency + 2, name="jobfence-worker")
     server: MetricsServer | None = None
@@ -226,6 +240,13 @@ async def _cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def _on_a_broker() -> bool:
+    """Whether the queue (JOBFENCE_QUEUE_URL, which --queue-url sets) is a broker's."""
+    from jobfence.queues import parse_queue_url, queue_url_from_env
+
+    return parse_queue_url(queue_url_from_env()).external
+
+
 def _stop_worker(worker: Worker, sig: signal.Signals, stopped_by: list[signal.Signals]) -> None:
     """SIGTERM or SIGINT: the first lets running jobs finish (within the grace period), a second
     stops at once. Either way every job held is given back: nothing is lost."""
@@ -265,7 +286,8 @@ async def _cmd_outbox_relay(args: argparse.Namespace) -> int:
             " outbox to relay)"
         )
     url = db.resolve_database_url()
-    await db.check_connection(url)
+    # Its session advisory lock (one active relay), its LISTEN and its session settings.
+    await db.check_connection(url, needs_session="jobfence outbox-relay")
     pool = await db.open_pool(url, max_size=2, name="jobfence-outbox-relay")
     server: MetricsServer | None = None
     try:
@@ -300,7 +322,9 @@ async def _cmd_cleanup(args: argparse.Namespace) -> int:
     server = _start_metrics_server(args, metrics.registry, database=None, app=None)
     sink = _cleanup_heartbeat(metrics)  # + the Better Stack heartbeat after each success
     try:
-        async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        async with await psycopg.AsyncConnection.connect(
+            url, autocommit=True, **db.connect_options()
+        ) as conn:
             await schema.ensure_migrated(conn)
             if (warning := await schema.autovacuum_warning(conn)) is not None:
                 logging.getLogger("jobfence.cleanup").warning(warning)
@@ -358,7 +382,8 @@ async def _cmd_alert_relay(args: argparse.Namespace) -> int:
     relay = AlertRelay.from_config(url, config, poll_seconds=args.poll_seconds, metrics=metrics)
     server = None
     try:
-        await db.check_connection(url)
+        # Its session advisory lock (one active relay) and its session settings.
+        await db.check_connection(url, needs_session="jobfence alert-relay")
         server = _start_metrics_server(args, metrics.registry, database=None, app=None)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -496,6 +521,20 @@ _jobs = _whole(1, 1_000_000)
 _duplicates = _whole(0, 1_000_000)
 _item_cache_mb = _whole(0, 1_048_576)
 _alert_bound = _whole(1, 1_000_000)
+_lock_attempts = _whole(1, 1000)
+
+
+def _lock_timeout(text: str) -> float:
+    """``migrate --lock-timeout``: 0 (wait as long as it takes) or seconds up to 3600."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value <= 3600:  # NaN and inf fail too
+        raise argparse.ArgumentTypeError(
+            f"must be 0 (no limit) or a number of seconds up to 3600, got {text!r}"
+        )
+    return value
 
 
 def _add_alert_relay_parser(sub: Any) -> None:
@@ -612,6 +651,23 @@ def _add_migrate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]
         action="store_true",
         help="confirm a move to another address of the broker kind the database is on"
         " (another host, port, virtual host, database number or prefix)",
+    )
+    p.add_argument(
+        "--lock-timeout",
+        type=_lock_timeout,
+        default=schema.DEFAULT_LOCK_TIMEOUT,
+        metavar="SECONDS",
+        help="how long a migration's statement waits for a table's lock before the migration is"
+        " rolled back and tried again later: the statements queued behind it wait at most"
+        f" that long (0: no limit; default {schema.DEFAULT_LOCK_TIMEOUT:g})",
+    )
+    p.add_argument(
+        "--lock-attempts",
+        type=_lock_attempts,
+        default=schema.DEFAULT_LOCK_ATTEMPTS,
+        metavar="N",
+        help="tries per migration before giving up with exit status 1, paused 1 s, 2 s, 4 s..."
+        f" (at most 30 s) apart (default {schema.DEFAULT_LOCK_ATTEMPTS})",
     )
     p.set_defaults(func=_cmd_migrate)
 

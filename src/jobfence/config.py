@@ -21,6 +21,29 @@ EMBEDDED = "embedded"
 EXAMPLE_DATABASE_URL = "postgresql://user@127.0.0.1:5432/dbname"
 
 
+# How JOBFENCE_DATABASE_URL reaches PostgreSQL when a connection pooler (PgBouncer) sits in
+# between: its pool mode. Unset: PostgreSQL directly (a pooler found at start-up is refused).
+ENV_DATABASE_POOL_MODE = "JOBFENCE_DATABASE_POOL_MODE"
+POOL_MODE_SESSION = "session"
+POOL_MODE_TRANSACTION = "transaction"
+POOL_MODES = (POOL_MODE_SESSION, POOL_MODE_TRANSACTION)
+
+
+def database_pool_mode_from_env(environ: Mapping[str, str] | None = None) -> str | None:
+    """JOBFENCE_DATABASE_POOL_MODE: ``session`` or ``transaction`` (any case), None when unset
+    or blank; anything else is a :class:`ConfigError`."""
+    env = os.environ if environ is None else environ
+    value = env.get(ENV_DATABASE_POOL_MODE, "").strip().lower()
+    if not value:
+        return None
+    if value not in POOL_MODES:
+        raise ConfigError(
+            f"{ENV_DATABASE_POOL_MODE} must be {' or '.join(POOL_MODES)} (the pool mode of the"
+            f" PgBouncer that {ENV_DATABASE_URL} goes through), or unset for PostgreSQL directly"
+        )
+    return value
+
+
 # The queue (``jobfence.queues``): unset for the PostgreSQL queue, else a broker's URL.
 ENV_QUEUE_URL = "JOBFENCE_QUEUE_URL"
 

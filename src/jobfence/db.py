@@ -24,8 +24,11 @@ except ImportError:  # pragma: no cover - another psycopg_pool layout: its own b
 
 from jobfence.config import (
     EMBEDDED,
+    ENV_DATABASE_POOL_MODE,
     ENV_DATABASE_URL,
     EXAMPLE_DATABASE_URL,
+    POOL_MODE_TRANSACTION,
+    database_pool_mode_from_env,
     database_url_from_env,
     embedded_dir_from_env,
     is_embedded,
@@ -135,8 +138,16 @@ def resolve_database_url(*, embedded_when_unset: bool = False) -> str:
     return validate_url(url)
 
 
-async def check_connection(url: str, *, connect_timeout: int = 5) -> None:
-    """Connect once; turn failure into one clear line without the password."""
+async def check_connection(
+    url: str, *, connect_timeout: int = 5, needs_session: str | None = None
+) -> None:
+    """Connect once; turn failure into one clear line without the password. Then refuse, with
+    a :class:`ConfigError`, a connection pooler (PgBouncer) that JOBFENCE_DATABASE_POOL_MODE
+    does not declare (:func:`behind_pooler`), and, under ``transaction`` pooling, a part that
+    ``needs_session`` (named by it: a session advisory lock, LISTEN, session settings)."""
+    mode = database_pool_mode_from_env()
+    if mode == POOL_MODE_TRANSACTION and needs_session is not None:
+        raise ConfigError(transaction_pooling_refused(needs_session))
     try:
         conn = await psycopg.AsyncConnection.connect(url, connect_timeout=connect_timeout)
     except psycopg.OperationalError as exc:
@@ -144,7 +155,49 @@ async def check_connection(url: str, *, connect_timeout: int = 5) -> None:
         raise DatabaseUnavailable(
             f"cannot connect to the database at {redact_url(url)}: {reason}"
         ) from None
-    await conn.close()
+    try:
+        if mode is None and await behind_pooler(conn):
+            raise ConfigError(
+                f"{ENV_DATABASE_URL} reaches PostgreSQL through a connection pooler (PgBouncer):"
+                f" set {ENV_DATABASE_POOL_MODE} to its pool mode, session or transaction"
+                " (operations.md, Behind PgBouncer)"
+            )
+    finally:
+        await conn.close()
+
+
+def transaction_pooling() -> bool:
+    """Whether JOBFENCE_DATABASE_POOL_MODE says ``transaction``: each transaction may run on
+    another server connection, so nothing may rely on the session (prepared statements,
+    LISTEN, session advisory locks, session settings)."""
+    return database_pool_mode_from_env() == POOL_MODE_TRANSACTION
+
+
+def connect_options() -> dict[str, Any]:
+    """Keyword arguments for the psycopg connections jobfence opens: under transaction pooling,
+    ``prepare_threshold=None`` (a statement prepared on one server connection does not exist
+    on the next one, and a statement of another client's of the same name may); else none."""
+    return {"prepare_threshold": None} if transaction_pooling() else {}
+
+
+def transaction_pooling_refused(what: str) -> str:
+    """The one line refusing ``what`` (a part that needs a session) under transaction
+    pooling."""
+    return (
+        f"{what} needs a database session of its own, which a pooler in transaction mode does"
+        f" not keep ({ENV_DATABASE_POOL_MODE}=transaction): run it with {ENV_DATABASE_URL}"
+        " pointing at PostgreSQL directly or at a pool in session mode, and"
+        f" {ENV_DATABASE_POOL_MODE} unset or session"
+    )
+
+
+async def behind_pooler(conn: psycopg.AsyncConnection[Any]) -> bool:
+    """Whether ``conn`` reaches PostgreSQL through a connection pooler, in one round trip: the
+    process id that the connection's start reported (a pooler such as PgBouncer makes its own
+    up) is not the server process's."""
+    cur = await conn.execute("SELECT pg_backend_pid()")
+    row = await cur.fetchone()
+    return row is None or row[0] != conn.info.backend_pid
 
 
 # libpq receives a result into an input buffer of 16 KiB, and each read from the socket takes
@@ -396,7 +449,7 @@ async def open_pool(
         url,
         min_size=min_size,
         max_size=max_size,
-        kwargs={"autocommit": True},
+        kwargs={"autocommit": True, **connect_options()},
         configure=grow_read_buffer if large_reads else None,
         open=False,
         name=name,

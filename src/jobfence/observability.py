@@ -16,6 +16,7 @@ queue, tenant_id, correlation_id, attempt, outcome). Every record passes through
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import sys
 import threading
@@ -39,6 +40,7 @@ from pythonjsonlogger.json import JsonFormatter
 from jobfence import config, tracing
 from jobfence._sql import Queries
 from jobfence.app import App
+from jobfence.db import transaction_pooling
 from jobfence.errors import ConfigError
 from jobfence.redact import Redactor, printable
 
@@ -161,12 +163,18 @@ class DatabaseCollector:
             connect_timeout=timeout,
             application_name="jobfence-metrics",
         ) as conn:
-            conn.execute(
-                "SELECT set_config('statement_timeout', %s, false)",
-                (f"{int(self._timeout * 1000)}ms",),
-            )
-            rows = conn.execute(CORE_SQL["dead_letters_pending_summary"]).fetchall()
-            depth_rows = conn.execute(QUEUE_SQL["depth"]).fetchall() if self._queue_depth else []
+            # Behind a pooler in transaction mode, a session's setting would stay on the
+            # server connection for other clients: there the timeout is the transaction's.
+            pooled = transaction_pooling()
+            with conn.transaction() if pooled else contextlib.nullcontext():
+                conn.execute(
+                    "SELECT set_config('statement_timeout', %s, %s)",
+                    (f"{int(self._timeout * 1000)}ms", pooled),
+                )
+                rows = conn.execute(CORE_SQL["dead_letters_pending_summary"]).fetchall()
+                depth_rows = (
+                    conn.execute(QUEUE_SQL["depth"]).fetchall() if self._queue_depth else []
+                )
         return self._snapshot(rows, depth_rows)
 
     def _snapshot(

@@ -461,7 +461,14 @@ async def open_queue(target: QueueTarget, pool: AsyncConnectionPool[Any]) -> Que
     holds the URL's password."""
     if not target.external:
         from jobfence.adapters.pg_queue import PgQueue
+        from jobfence.db import transaction_pooling
 
+        if transaction_pooling():
+            log.info(
+                "the PostgreSQL queue behind a pooler in transaction mode: no LISTEN, workers"
+                " find new jobs by polling, once a second"
+            )
+            return PgQueue(pool, listen=False)
         return PgQueue(pool)
     if target.kind == "memory":
         from jobfence.adapters.memory import MemoryQueue

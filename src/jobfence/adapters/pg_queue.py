@@ -119,7 +119,9 @@ def _receipt(delivery: Delivery) -> PgReceipt:
 
 
 class PgQueue:
-    """The PostgreSQL queue adapter. ``clock`` defaults to the database's own clock."""
+    """The PostgreSQL queue adapter. ``clock`` defaults to the database's own clock.
+    ``listen=False``: no LISTEN connection, new jobs are found by the poll alone (behind a
+    pooler in transaction mode, which delivers no NOTIFY)."""
 
     capabilities = QueueCapabilities(transactional=True, delayed_publish=True, delayed_retry=True)
 
@@ -130,6 +132,7 @@ class PgQueue:
         clock: Clock | None = None,
         poll_interval_seconds: float = 1.0,
         listen_conninfo: str | None = None,
+        listen: bool = True,
     ) -> None:
         if not 0 < poll_interval_seconds < float("inf"):  # NaN fails too
             # A delayed job falls due with no NOTIFY: only the poll finds it.
@@ -142,6 +145,9 @@ class PgQueue:
                 raise TypeError("pass listen_conninfo when the pool's conninfo is not a string")
             listen_conninfo = pool.conninfo
         self._listen_conninfo = listen_conninfo
+        # False behind a pooler in transaction mode, which cannot deliver a NOTIFY: receivers
+        # then find new jobs by the poll alone.
+        self._listens = listen
         self._pool = pool
         self._clock = clock
         self._poll_interval = poll_interval_seconds
@@ -197,7 +203,7 @@ class PgQueue:
     ) -> list[Delivery]:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_seconds
-        if wait_seconds > 0:
+        if wait_seconds > 0 and self._listens:
             self._ensure_listener()
         while True:
             self._wakeup.clear()
