@@ -32,7 +32,7 @@ import random
 import re
 import time
 import traceback
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -448,18 +448,6 @@ def _call_sync(job: Job, tx: object) -> object:
         RUNNING_JOB.reset(running)
 
 
-@contextlib.contextmanager
-def _after_fence_insert() -> Iterator[None]:
-    """Around what follows a transaction's fence insert, its first write: a read-only refusal
-    raised there is the transaction's own doing, not an outage
-    (:func:`jobfence.db.refused_after_first_write`)."""
-    try:
-        yield
-    except BaseException as exc:
-        refused_after_first_write(exc)
-        raise
-
-
 def _sync_work(
     jobs: list[Job],
     fenced: list[bool] | None,
@@ -669,7 +657,7 @@ class Harness:
         """Fences, handlers, commit, for a group; which jobs ran (the others are duplicates),
         also put in ``fenced`` as soon as the fences are inserted."""
         tx, cur = await Tx.begin(conn, SQL["fence_insert_group"], _group_params(jobs))
-        with _after_fence_insert():
+        try:
             try:
                 fresh = _group_fresh(jobs, await cur.fetchall())
                 fenced[:] = fresh
@@ -683,6 +671,9 @@ class Harness:
                 await tx.commit(_held_check(fresh))
             except CommitRefused:
                 raise not_held() from None
+        except BaseException as exc:
+            refused_after_first_write(exc)  # after the fence insert: the transaction's own
+            raise
         if any(fresh):
             self._keep_session(jobs, conn)
         return fresh
@@ -886,56 +877,53 @@ class Harness:
         else:
             tx, cur = await Tx.begin(conn, SQL["fence_insert"], _fence_params(job))
             fresh = await cur.fetchone() is not None
-        with _after_fence_insert():
-            return await self._handle_and_commit(job, conn, ahead, tx, fresh)
-
-    async def _handle_and_commit(
-        self, job: Job, conn: AsyncConnection[Any], ahead: Lookahead | None, tx: Tx, fresh: bool
-    ) -> bool:
-        """:meth:`_transaction` once the fence insert is done: the handler, then the commit."""
         try:
-            if fresh:
-                await self._run_handler(job, conn)
-        except BaseException as exc:
-            # A psycopg.Rollback too: it rolled back the fence with the work, so nothing of
-            # the job committed; it fails the job like any other exception (docs/concepts.md).
-            await tx.rollback(exc)
-            raise
-        check = _held_check([fresh])
-        following = self._next_job(ahead)
-        if following is None:
             try:
-                await tx.commit(check)
+                if fresh:
+                    await self._run_handler(job, conn)
+            except BaseException as exc:
+                # A psycopg.Rollback too: it rolled back the fence with the work, so nothing of
+                # the job committed; it fails the job like any other exception (docs/concepts.md).
+                await tx.rollback(exc)
+                raise
+            check = _held_check([fresh])
+            following = self._next_job(ahead)
+            if following is None:
+                try:
+                    await tx.commit(check)
+                except CommitRefused:
+                    raise not_held() from None
+                if fresh:
+                    self._keep_session([job], conn)
+                return fresh
+            assert ahead is not None
+            try:
+                next_tx, cur = await tx.commit_then_begin(
+                    SQL["fence_insert"], _fence_params(following), check
+                )
+                next_fresh = await cur.fetchone() is not None
+            except NextBeginFailed:
+                ahead.hold(following.delivery)  # committed; the next job starts on its own
+                if fresh:
+                    self._keep_session([job], conn)
+                return fresh
             except CommitRefused:
+                ahead.hold(following.delivery)  # nothing committed; the next job starts on its own
                 raise not_held() from None
-            if fresh:
-                self._keep_session([job], conn)
+            except BaseException:
+                ahead.hold(following.delivery)
+                raise  # this job's COMMIT failed, or its outcome went with the connection
+            if fresh and not self._keep_session([job], conn):
+                # Begun on the session the handler changed: rolled back, it starts on another.
+                with contextlib.suppress(psycopg.Error):
+                    await next_tx.rollback()
+                ahead.hold(following.delivery)
+                return fresh
+            ahead.hold(following.delivery, Started(following, next_tx, next_fresh))
             return fresh
-        assert ahead is not None
-        try:
-            next_tx, cur = await tx.commit_then_begin(
-                SQL["fence_insert"], _fence_params(following), check
-            )
-            next_fresh = await cur.fetchone() is not None
-        except NextBeginFailed:
-            ahead.hold(following.delivery)  # committed; the next job starts on its own
-            if fresh:
-                self._keep_session([job], conn)
-            return fresh
-        except CommitRefused:
-            ahead.hold(following.delivery)  # nothing committed; the next job starts on its own
-            raise not_held() from None
-        except BaseException:
-            ahead.hold(following.delivery)
-            raise  # this job's COMMIT failed, or its outcome went with the connection
-        if fresh and not self._keep_session([job], conn):
-            # Begun on the session the handler changed: rolled back, it starts on another.
-            with contextlib.suppress(psycopg.Error):
-                await next_tx.rollback()
-            ahead.hold(following.delivery)
-            return fresh
-        ahead.hold(following.delivery, Started(following, next_tx, next_fresh))
-        return fresh
+        except BaseException as exc:
+            refused_after_first_write(exc)  # after the fence insert: the transaction's own
+            raise
 
     def _keep_session(self, jobs: Sequence[Job], conn: AsyncConnection[Any]) -> bool:
         """After the transaction of ``jobs`` committed on ``conn``: False, ``conn`` retired and
