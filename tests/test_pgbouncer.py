@@ -25,8 +25,9 @@ import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+import points_orm
 import pointsapp
-from jobfence import db
+from jobfence import App, Producer, db
 from jobfence.adapters.pg_queue import PgQueue
 from jobfence.observability import DatabaseCollector
 from jobfence.queues import queue_from_env
@@ -91,8 +92,7 @@ ignore_startup_parameters = extra_float_digits
     return proc, port, folder
 
 
-@pytest.fixture
-def bouncer(server_url: str) -> Iterator[Callable[..., str]]:
+def pgbouncers(server_url: str) -> Iterator[Callable[..., str]]:
     """``bouncer(database_url, mode, pool_size=4)``: the URL of ``database_url``'s database
     through a PgBouncer of its own in ``mode`` (session or transaction). Without the binary:
     skipped, or failed under CI (``.ci/run`` installs it), as the brokers' tests are."""
@@ -120,6 +120,9 @@ def bouncer(server_url: str) -> Iterator[Callable[..., str]]:
             proc.kill()
             proc.wait(10)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+bouncer = pytest.fixture(pgbouncers, name="bouncer")
 
 
 def _jobfence(url: str, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
@@ -229,12 +232,20 @@ def test_cleanup_behind_transaction_pooling_runs_many_batches_without_prepared_s
             "jobfence outbox-relay",
         ),
         (
+            ["alert-relay"],
+            {
+                "JOBFENCE_BETTERSTACK_TOKEN": "not-a-real-token",
+                "JOBFENCE_BETTERSTACK_REQUESTER_EMAIL": "ops@example.com",
+            },
+            "jobfence alert-relay",
+        ),
+        (
             ["worker", "pointsapp:app"],
             {"JOBFENCE_QUEUE_URL": "redis://127.0.0.1:6379/0"},
             "the outbox relay a worker runs on a broker",
         ),
     ],
-    ids=["migrate", "outbox-relay", "worker-on-a-broker"],
+    ids=["migrate", "outbox-relay", "alert-relay", "worker-on-a-broker"],
 )
 def test_the_parts_that_need_a_session_are_refused_under_transaction_pooling(
     database_url: str, bouncer: Callable[..., str], args: list[str], env: dict[str, str], what: str
@@ -314,3 +325,179 @@ def test_a_metrics_scrape_behind_transaction_pooling_leaves_no_statement_timeout
     with psycopg.connect(url, autocommit=True, prepare_threshold=None) as other:
         row = other.execute("SHOW statement_timeout").fetchone()
     assert row == ("0",)
+
+
+# -- sync handlers, group commit, SQLAlchemy, producers, the Ops API and CLI ----------------
+
+
+def _orm_app(jobs_per_transaction: int, flavour: str) -> App:
+    app = App()
+    handler = {
+        "sync": pointsapp.apply_award_sync,
+        "orm": points_orm.apply_award_orm,
+        "orm-async": points_orm.apply_award_orm_async,
+    }[flavour]
+    app.consumer(
+        "award_points",
+        queue=pointsapp.QUEUE,
+        schema=pointsapp.Award,
+        jobs_per_transaction=jobs_per_transaction,
+    )(handler)
+    return app
+
+
+# Loaded by the worker subprocesses below as test_pgbouncer:<name>.
+sync_app = _orm_app(1, "sync")
+sync_group_app = _orm_app(5, "sync")
+orm_group_app = _orm_app(5, "orm")
+orm_async_group_app = _orm_app(5, "orm-async")
+
+
+@pytest.mark.parametrize(
+    "app_name", ["sync_app", "sync_group_app", "orm_group_app", "orm_async_group_app"]
+)
+def test_sync_handlers_group_commit_and_sqlalchemy_behind_transaction_pooling(
+    database_url: str, bouncer: Callable[..., str], app_name: str
+) -> None:
+    url = bouncer(database_url, "transaction", pool_size=3)
+    jobs = 200
+    with psycopg.connect(database_url, autocommit=True) as c:
+        c.execute(pointsapp.SCHEMA_SQL)
+    asyncio.run(pointsapp.enqueue_awards(database_url, [f"j{i}" for i in range(jobs)]))
+    result = _jobfence(
+        url,
+        "worker",
+        f"test_pgbouncer:{app_name}",
+        "--concurrency",
+        "4",
+        "--until",
+        "empty",
+        **{POOL_MODE: "transaction"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "prepared statement" not in result.stderr, result.stderr[-3000:]
+    assert "failed" not in result.stderr and "went away" not in result.stderr, result.stderr[-3000:]
+    with psycopg.connect(database_url, autocommit=True) as c:
+        assert c.execute(
+            "SELECT count(*), count(DISTINCT job_id) FROM public.awards"
+        ).fetchone() == (jobs, jobs)
+        assert c.execute("SELECT points FROM public.accounts WHERE id = 1").fetchone() == (jobs,)
+        assert c.execute("SELECT count(*) FROM core.dead_letters").fetchone() == (0,)
+        assert c.execute("SELECT count(*) FROM core.processed_jobs").fetchone() == (jobs,)
+
+
+def test_producers_on_their_own_connections_behind_transaction_pooling(
+    database_url: str, bouncer: Callable[..., str]
+) -> None:
+    import psycopg2
+    from sqlalchemy import create_engine
+    from sqlalchemy.orm import Session
+
+    url = bouncer(database_url, "transaction", pool_size=2)
+    producer = Producer(routes={"award_points": pointsapp.QUEUE})
+    n = 12  # more than psycopg's prepare threshold (5) on each connection
+    with psycopg.connect(url, prepare_threshold=None) as conn:
+        for i in range(n):
+            producer.enqueue_sync(
+                conn, "award_points", {"account_id": 1, "points": 1}, job_id=f"p{i}"
+            )
+            conn.commit()  # each in its own transaction: each may get another server connection
+    dsn = conninfo_to_dict(url)
+    with psycopg2.connect(**dsn) as conn2:
+        for i in range(n):
+            pointsapp.app.enqueue_sync(
+                conn2, "award_points", {"account_id": 1, "points": 1}, job_id=f"q{i}"
+            )
+            conn2.commit()
+    engine = create_engine(
+        "postgresql+psycopg://", creator=lambda: psycopg.connect(url, prepare_threshold=None)
+    )
+    try:
+        for i in range(n):
+            with Session(engine) as session, session.begin():
+                pointsapp.app.enqueue_sync(
+                    session, "award_points", {"account_id": 1, "points": 1}, job_id=f"s{i}"
+                )
+    finally:
+        engine.dispose()
+
+    async def produce_async() -> None:
+        async with await psycopg.AsyncConnection.connect(url, prepare_threshold=None) as aconn:
+            for i in range(n):
+                await producer.enqueue(
+                    aconn, "award_points", {"account_id": 1, "points": 1}, job_id=f"a{i}"
+                )
+                await aconn.commit()
+
+    asyncio.run(produce_async())
+    with psycopg.connect(database_url, autocommit=True) as c:
+        assert c.execute(
+            "SELECT count(*), count(DISTINCT job_id) FROM jobfence_queue.messages"
+        ).fetchone() == (4 * n, 4 * n)
+
+
+def _seed_dead_letters(database_url: str, count: int) -> None:
+    with psycopg.connect(database_url, autocommit=True) as c:
+        c.execute(
+            "INSERT INTO core.dead_letters (job_id, queue, consumer, tenant_id, payload,"
+            " attempts, last_error, error_class)"
+            " SELECT 'd' || i, 'loyalty', 'award_points', 't1',"
+            " '{\"account_id\": 1, \"points\": 5}'::jsonb, 6, 'Flaky: it failed', 'Flaky'"
+            " FROM generate_series(1, %s) i",
+            (count,),
+        )
+
+
+def _replayed_once(database_url: str, count: int) -> None:
+    with psycopg.connect(database_url, autocommit=True) as c:
+        assert c.execute(
+            "SELECT count(*) FROM core.dead_letters WHERE status = 'replayed'"
+        ).fetchone() == (count,)
+        assert c.execute(
+            "SELECT count(*), count(DISTINCT job_id) FROM jobfence_queue.messages"
+        ).fetchone() == (count, count)
+
+
+def test_dead_letter_commands_behind_transaction_pooling(
+    database_url: str, bouncer: Callable[..., str]
+) -> None:
+    url = bouncer(database_url, "transaction", pool_size=2)
+    _seed_dead_letters(database_url, 40)
+    env = {POOL_MODE: "transaction", "JOBFENCE_ACTOR": "ops"}
+    listed = _jobfence(url, "dead-letters", "list", "--limit", "5", **env)
+    assert listed.returncode == 0, listed.stderr[-3000:]
+    shown = _jobfence(url, "dead-letters", "replay", "1", **env)
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    bulk = _jobfence(url, "dead-letters", "replay-bulk", "--queue", "loyalty", **env)
+    assert bulk.returncode == 0, bulk.stderr[-3000:]
+    assert "prepared statement" not in bulk.stderr
+    _replayed_once(database_url, 40)
+
+
+async def test_the_ops_api_behind_transaction_pooling_lists_and_bulk_replays(
+    database_url: str, bouncer: Callable[..., str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from jobfence.api import ApiSettings
+    from test_api_support import PREFIX, SECRET, auth, running_api, wait_bulk_finished
+
+    url = bouncer(database_url, "transaction", pool_size=2)
+    monkeypatch.setenv(POOL_MODE, "transaction")
+    _seed_dead_letters(database_url, 40)
+    pool = await db.open_pool(url, max_size=4, large_reads=True, lend_checked=True)
+    settings = ApiSettings(jwt_secret=SECRET, bulk_chunk_size=3)
+    try:
+        async with running_api(pool, settings=settings) as api:
+            for _ in range(8):  # pages, the same statements again and again
+                page = await api.client.get(f"{PREFIX}?limit=5", headers=auth())
+                assert page.status_code == 200, page.text
+                one = await api.client.get(f"{PREFIX}/1", headers=auth())
+                assert one.status_code == 200, one.text
+            started = await api.client.post(
+                f"{PREFIX}/replay-bulk", json={"queue": "loyalty"}, headers=auth()
+            )
+            assert started.status_code == 202, started.text
+            done = await wait_bulk_finished(api, started.json()["id"])
+            assert done["status"] == "finished", done
+    finally:
+        await pool.close()
+    _replayed_once(database_url, 40)

@@ -319,8 +319,8 @@ async def _cmd_cleanup(args: argparse.Namespace) -> int:
     url = db.resolve_database_url()
     await db.check_connection(url)
     metrics = PrometheusCleanupMetrics()
-    server = _start_metrics_server(args, metrics.registry, database=None, app=None)
     sink = _cleanup_heartbeat(metrics)  # + the Better Stack heartbeat after each success
+    server = _start_metrics_server(args, metrics.registry, database=None, app=None)
     try:
         async with await psycopg.AsyncConnection.connect(
             url, autocommit=True, **db.connect_options()
@@ -353,10 +353,15 @@ async def _cmd_cleanup(args: argparse.Namespace) -> int:
 
 def _cleanup_heartbeat(metrics: CleanupMetricsSink) -> HeartbeatOnSuccess:
     from jobfence.adapters.betterstack import BetterStackHeartbeat, HeartbeatOnSuccess
-    from jobfence.config import cleanup_heartbeat_url_from_env
+    from jobfence.config import betterstack_allow_http_from_env, cleanup_heartbeat_url_from_env
 
     url = cleanup_heartbeat_url_from_env()
-    return HeartbeatOnSuccess(metrics, BetterStackHeartbeat(url, name="cleanup") if url else None)
+    heartbeat = (
+        BetterStackHeartbeat(url, name="cleanup", allow_http=betterstack_allow_http_from_env())
+        if url
+        else None
+    )
+    return HeartbeatOnSuccess(metrics, heartbeat)
 
 
 async def _cmd_alert_relay(args: argparse.Namespace) -> int:
@@ -374,16 +379,19 @@ async def _cmd_alert_relay(args: argparse.Namespace) -> int:
     url = db.resolve_database_url()
     if args.retry_failed:
         await db.check_connection(url)
-        async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        async with await psycopg.AsyncConnection.connect(
+            url, autocommit=True, **db.connect_options()
+        ) as conn:
             await schema.ensure_migrated(conn)
             print(f"{await retry_failed_alerts(conn)} failed alert(s) queued for delivery again")
         return 0
+    # Its session advisory lock (one active relay) and its session settings: refused under
+    # transaction pooling before the relay is set up (and logs its settings).
+    await db.check_connection(url, needs_session="jobfence alert-relay")
     metrics = PrometheusAlertMetrics()
     relay = AlertRelay.from_config(url, config, poll_seconds=args.poll_seconds, metrics=metrics)
     server = None
     try:
-        # Its session advisory lock (one active relay) and its session settings.
-        await db.check_connection(url, needs_session="jobfence alert-relay")
         server = _start_metrics_server(args, metrics.registry, database=None, app=None)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -313,6 +313,12 @@ def cleanup_heartbeat_url_from_env(environ: Mapping[str, str] | None = None) -> 
     return _optional(os.environ if environ is None else environ, ENV_CLEANUP_HEARTBEAT_URL)
 
 
+def betterstack_allow_http_from_env(environ: Mapping[str, str] | None = None) -> bool:
+    """JOBFENCE_BETTERSTACK_ALLOW_HTTP: whether plain http:// to a host that is not loopback is
+    allowed for the Better Stack API and heartbeat URLs (a trusted network)."""
+    return _flag(os.environ if environ is None else environ, ENV_BETTERSTACK_ALLOW_HTTP)
+
+
 def alert_config_from_env(environ: Mapping[str, str] | None = None) -> AlertConfig:
     """Read the Better Stack settings (all optional here; the relay requires the token).
 

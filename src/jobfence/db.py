@@ -155,7 +155,10 @@ async def check_connection(
         raise DatabaseUnavailable(
             f"cannot connect to the database at {redact_url(url)}: {reason}"
         ) from None
+    from jobfence.transport import warn_about_database
+
     try:
+        warn_about_database(conn)  # a WARNING, once, for a remote host without verified TLS
         if mode is None and await behind_pooler(conn):
             raise ConfigError(
                 f"{ENV_DATABASE_URL} reaches PostgreSQL through a connection pooler (PgBouncer):"

@@ -7,7 +7,7 @@ the URL's scheme picks a broker adapter from a small registry, imported only whe
 scheme                    adapter module                   extra
 ========================  ===============================  ==============================
 ``amqp://``, ``amqps://``  ``jobfence.adapters.rabbitmq``      ``jobfence[rabbitmq]``
-``nats://``               ``jobfence.adapters.nats``          ``jobfence[nats]``
+``nats://``, ``tls://``   ``jobfence.adapters.nats``          ``jobfence[nats]``
 ``redis://``, ``rediss://``  ``jobfence.adapters.redis_streams``  ``jobfence[redis]``
 ``memory://``             :class:`~jobfence.MemoryQueue` (in this process only: tests, demos)
 ========================  ===============================  ==============================
@@ -74,11 +74,12 @@ BACKENDS: dict[str, Backend] = {
     "amqp": Backend("rabbitmq", "jobfence.adapters.rabbitmq", "rabbitmq"),
     "amqps": Backend("rabbitmq", "jobfence.adapters.rabbitmq", "rabbitmq"),
     "nats": Backend("nats", "jobfence.adapters.nats", "nats"),
+    "tls": Backend("nats", "jobfence.adapters.nats", "nats"),  # NATS, TLS required
     "redis": Backend("redis", "jobfence.adapters.redis_streams", "redis"),
     "rediss": Backend("redis", "jobfence.adapters.redis_streams", "redis"),
     "memory": Backend("memory", "jobfence.adapters.memory", None),
 }
-_SCHEMES = "amqp://, amqps://, nats://, redis://, rediss://"
+_SCHEMES = "amqp://, amqps://, nats://, tls://, redis://, rediss://"
 
 
 def queue_url_from_env(environ: Mapping[str, str] | None = None) -> str | None:
@@ -98,7 +99,14 @@ MAX_REPLICAS = 5  # JetStream's largest replica count
 DEFAULT_STREAM_WAIT_SECONDS = 30
 MAX_STREAM_WAIT_SECONDS = 35
 
-_DEFAULT_PORTS = {"amqp": 5672, "amqps": 5671, "nats": 4222, "redis": 6379, "rediss": 6379}
+_DEFAULT_PORTS = {
+    "amqp": 5672,
+    "amqps": 5671,
+    "nats": 4222,
+    "tls": 4222,
+    "redis": 6379,
+    "rediss": 6379,
+}
 # The same name rules as the adapters' constructors (which check them again).
 _RABBIT_NAME = re.compile(r"^[A-Za-z0-9_.\-:]{1,200}$")
 _NATS_STREAM = re.compile(r"^[A-Za-z0-9_\-]{1,200}$")
@@ -119,6 +127,11 @@ class BrokerSettings:
     replicas: int = 1
     stream_wait: int = DEFAULT_STREAM_WAIT_SECONDS  # seconds a NATS open waits for its stream
     prefetch: int | None = None  # None: the RabbitMQ adapter's own (the first receive's + 100)
+    # NATS over TLS: the CA file that verifies the servers (None: the system's), and a client
+    # certificate with its key.
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +150,12 @@ def _integer(low: int, high: int) -> Callable[[str], int]:
         return int(text)
 
     return parse
+
+
+def _path(text: str) -> str:
+    if not 1 <= len(text) <= 4096 or not text.isprintable():
+        raise ValueError(text)
+    return text
 
 
 def _matching(pattern: re.Pattern[str]) -> Callable[[str], str]:
@@ -173,6 +192,9 @@ _PARAMS: dict[str, dict[str, _Param]] = {
             f"a whole number of seconds from 1 to {MAX_STREAM_WAIT_SECONDS}",
             names_place=False,
         ),
+        "tls_ca": _Param(_path, "the path of a PEM file", names_place=False),
+        "tls_cert": _Param(_path, "the path of a PEM file", names_place=False),
+        "tls_key": _Param(_path, "the path of a PEM file", names_place=False),
     },
     "redis": {
         "prefix": _Param(
@@ -420,6 +442,12 @@ def _parse_query(
                 ) from None
         elif kind == "redis" and name == "db":
             raise refuse("the Redis database number goes in the path (redis://HOST:PORT/N)")
+        elif kind == "rabbitmq" and name == "no_verify_ssl" and value not in ("0", "1"):
+            # aiormq reads any value but 0 as "do not verify" (no_verify_ssl=false too).
+            raise refuse(
+                f"the parameter 'no_verify_ssl' must be 0 or 1 (1 turns off the verification"
+                f" of the server's certificate), got {value!r}"
+            )
         elif name in theirs:
             passed.append((name, value))
         else:
@@ -429,6 +457,8 @@ def _parse_query(
                 f"unknown parameter {name!r} for a {kind} queue URL "
                 f"(jobfence's: {accepted}{client})"
             )
+    if "tls_key" in values and "tls_cert" not in values:
+        raise refuse("the parameter tls_key goes with tls_cert (the client certificate)")
     settings = BrokerSettings(**values)  # type: ignore[arg-type]
     return settings, urlencode(passed)
 
@@ -481,6 +511,10 @@ async def open_broker(target: QueueTarget) -> QueuePort:
     """A broker's adapter, connected (``open_queue`` for a broker target)."""
     factory = _factory(target)
     assert target.url is not None
+    from jobfence.transport import queue_transport_warnings, warn_once
+
+    for message in queue_transport_warnings(target):
+        warn_once(message)
     bound = asyncio.timeout(OPEN_TIMEOUT_SECONDS)
     try:
         # Bounded: some clients keep retrying an unreachable server for minutes.
@@ -536,7 +570,8 @@ def add_queue_url_option(parser: argparse.ArgumentParser) -> None:
         "--queue-url",
         default=None,
         metavar="URL",
-        help="the queue: amqp://, amqps://, nats:// (or a comma-separated seed list), redis://"
+        help="the queue: amqp://, amqps://, nats:// or tls:// (or a comma-separated seed list),"
+        " redis://"
         " or rediss:// for a broker, its settings as query parameters (?replicas=3)"
         " (default: JOBFENCE_QUEUE_URL, else the PostgreSQL queue in the jobfence database;"
         " prefer the variable: a flag shows in the process list)",

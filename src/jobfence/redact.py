@@ -106,16 +106,34 @@ def _unquoted(value: str) -> str:
 
 def _key_values(text: str, found: list[str]) -> str:
     """``text`` with the value of each secret ``key=value`` replaced by ``***`` (and added to
-    ``found``)."""
-
-    def hide(match: re.Match[str]) -> str:
+    ``found``). An unquoted value runs to the next whitespace; in a URL's query that holds the
+    parameters after it (``?sslmode=require&sslpassword=...``), which are read too: a secret
+    after a value that is shown is hidden, and one inside a hidden value is added to ``found``
+    on its own."""
+    if "=" not in text:
+        return text
+    out: list[str] = []
+    pos = 0  # where the next key may start
+    shown_to = 0  # text[:shown_to] is in ``out``
+    hidden_to = 0  # text[:hidden_to] is shown (or hidden) already: secrets only collected
+    while (match := _KEY_VALUE.search(text, pos)) is not None:
         key, equals, value = match.groups()
-        if not is_secret_key(key):
-            return match.group(0)
-        found.append(value)
-        return f"{key}{equals}{REDACTED}"
-
-    return _KEY_VALUE.sub(hide, text) if "=" in text else text
+        secret = is_secret_key(key)
+        if secret:
+            found.append(value)
+        amp = -1 if value[:1] in ("'", '"') else value.find("&")
+        after = match.end() if amp < 0 else match.start(3) + amp + 1
+        if match.start() >= hidden_to:
+            out.append(text[shown_to : match.start()])
+            if secret:
+                out.append(f"{key}{equals}{REDACTED}")
+                shown_to = hidden_to = match.end()
+            else:
+                out.append(text[match.start() : after])
+                shown_to = after
+        pos = after
+    out.append(text[shown_to:])
+    return "".join(out)
 
 
 def _user_info(userinfo: str, scheme: str, found: list[str]) -> str:

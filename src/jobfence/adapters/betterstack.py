@@ -49,6 +49,7 @@ from jobfence.alerts.model import (
 from jobfence.errors import ConfigError
 from jobfence.ports import CleanupMetricsSink
 from jobfence.redact import printable
+from jobfence.transport import is_loopback
 
 log = logging.getLogger("jobfence.alerts")
 
@@ -487,10 +488,19 @@ class BetterStackHeartbeat:
         name: str,
         timeout_seconds: float = 10.0,
         transport: httpx.AsyncBaseTransport | None = None,
+        allow_http: bool = False,
     ) -> None:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise ConfigError(f"the {name} heartbeat URL must be an http(s) URL")
+        # The URL's path is the heartbeat's token: plain http:// only to this host, or with
+        # allow_http (JOBFENCE_BETTERSTACK_ALLOW_HTTP=1, a trusted network), as for the API URL.
+        if parts.scheme == "http" and not allow_http and not is_loopback(parts.hostname or ""):
+            raise ConfigError(
+                f"the {name} heartbeat URL is plain http:// to {parts.hostname}: its token would"
+                " travel in clear text. Use https://, or set JOBFENCE_BETTERSTACK_ALLOW_HTTP=1 if"
+                " the network in between is trusted"
+            )
         self._url = url
         self.name = name
         _mask_in_httpx_logs(url)

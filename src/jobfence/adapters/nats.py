@@ -57,6 +57,7 @@ import logging
 import math
 import random
 import re
+import ssl
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -212,6 +213,18 @@ class _Client(NatsClient):
     "connected"). Here such a block becomes :class:`_UnreadableHeaders`, and the delivery that
     carries it one ``UnfenceableMessage`` dead letter (:meth:`NatsQueue._delivery`)."""
 
+    # Set for a tls:// URL: a server whose INFO does not ask for TLS is refused before the
+    # client sends its CONNECT (its credentials). nats-py alone would go on in clear text.
+    require_tls = False
+
+    async def _process_info(self, info: dict[str, Any], initial_connection: bool = False) -> None:
+        if initial_connection and self.require_tls and not info.get("tls_required"):
+            raise TlsNotOffered(
+                "the NATS server does not offer TLS, and a tls:// URL requires it (no credentials"
+                " were sent): enable TLS on the server, or use nats:// on a trusted network"
+            )
+        await super()._process_info(info, initial_connection=initial_connection)
+
     async def _process_headers(self, headers: bytes | None) -> dict[str, str] | None:
         try:
             parsed: dict[str, str] | None = await super()._process_headers(headers)
@@ -224,6 +237,45 @@ class _Client(NatsClient):
             readable.why = f"its header block cannot be read ({type(exc).__name__}: {exc})"
             return readable
         return parsed
+
+
+class TlsNotOffered(nats.errors.Error):
+    """A server reached with a ``tls://`` URL did not offer TLS."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
+
+    def __str__(self) -> str:
+        return self.why
+
+
+def tls_context(
+    ca: str | None = None, cert: str | None = None, key: str | None = None
+) -> ssl.SSLContext | None:
+    """The TLS settings of a NATS URL (``tls_ca``, ``tls_cert``, ``tls_key``) as a context that
+    verifies the server's certificate and host name (against ``ca``, else the system's CAs);
+    None when the URL gives none (nats-py's own default context then, which verifies too). A
+    file that cannot be read is a :class:`ConfigError` naming the parameter."""
+    if ca is None and cert is None:
+        return None
+    try:
+        context = ssl.create_default_context(cafile=ca)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"tls_ca: cannot load the CA file {ca!r} ({_reason(exc)})") from None
+    if cert is not None:
+        try:
+            context.load_cert_chain(cert, key)
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(
+                f"tls_cert: cannot load the client certificate {cert!r}"
+                f"{' with its tls_key' if key else ''} ({_reason(exc)})"
+            ) from None
+    return context
+
+
+def _reason(exc: BaseException) -> str:
+    return getattr(exc, "strerror", None) or getattr(exc, "reason", None) or type(exc).__name__
 
 
 def _stopped_reading(nc: NatsClient) -> bool:
@@ -534,6 +586,7 @@ class NatsQueue:
         replicas: int = 1,
         default_lease_seconds: float = 30.0,
         stream_wait_seconds: float = 30.0,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         if not _NAME.match(stream):
             raise ConfigError(f"stream must be letters, digits, _ or -, got {stream!r}")
@@ -544,6 +597,7 @@ class NatsQueue:
                 f"stream_wait_seconds must be a finite number above 0, got {stream_wait_seconds!r}"
             )
         self._url = url
+        self._tls = tls  # None: nats-py's default context when a server asks for TLS
         self._stream = stream
         self._subject_prefix = subject_prefix
         self._replicas = replicas
@@ -580,9 +634,11 @@ class NatsQueue:
                     await asyncio.wait_for(stale.close(), _RECHECK_ANSWER_SECONDS)
             if self._js is None:
                 client = _Client()
+                client.require_tls = self._url.strip().lower().startswith("tls://")
                 await client.connect(
                     [server.strip() for server in self._url.split(",")],
                     name="jobfence",
+                    tls=self._tls,
                     # Seconds, slept with asyncio.sleep: a float works (typed int).
                     reconnect_time_wait=_RECONNECT_SECONDS,  # type: ignore[arg-type]
                     error_cb=_client_error,
@@ -1394,28 +1450,59 @@ async def open_queue(url: str) -> NatsQueue:
     target = parse_queue_url(url)
     assert target.client_url is not None
     servers = target.client_url.split(",")
+    settings = target.settings
+    tls = tls_context(settings.tls_ca, settings.tls_cert, settings.tls_key)
+    errors: list[Exception] = []
+    unverified = asyncio.Event()
 
     async def quiet(exc: Exception) -> None:
-        return None
+        errors.append(exc)
+        if isinstance(exc, ssl.SSLCertVerificationError):
+            unverified.set()
 
     # Each server of a seed list is tried (twice at most): one that is down does not fail the
-    # start-up while another answers.
-    probe = await nats.connect(
-        servers,
-        name="jobfence",
-        connect_timeout=5,
-        max_reconnect_attempts=1,
-        reconnect_time_wait=1,
-        error_cb=quiet,
+    # start-up while another answers. A certificate that does not verify stops it at once:
+    # it will not verify on the next try, and nats-py's next try on that connection hangs.
+    probe = _Client()
+    probe.require_tls = target.client_url.lower().startswith("tls://")
+    connecting = asyncio.ensure_future(
+        probe.connect(
+            servers,
+            name="jobfence",
+            connect_timeout=5,
+            max_reconnect_attempts=1,
+            reconnect_time_wait=1,
+            error_cb=quiet,
+            tls=tls,
+        )
     )
-    await probe.close()
-    settings = target.settings
+    refused = asyncio.ensure_future(unverified.wait())
+    try:
+        await asyncio.wait({connecting, refused}, return_when=asyncio.FIRST_COMPLETED)
+        if not connecting.done():
+            connecting.cancel()
+            with contextlib.suppress(BaseException):
+                await connecting
+            raise next(e for e in errors if isinstance(e, ssl.SSLCertVerificationError))
+        await connecting
+    except nats.errors.NoServersError:
+        # Why the last try failed (no TLS offered, say) says more than "no servers available".
+        reason = next((e for e in reversed(errors) if isinstance(e, TlsNotOffered)), None)
+        if reason is not None:
+            raise reason from None
+        raise
+    finally:
+        refused.cancel()
+        connecting.cancel()
+        with contextlib.suppress(Exception):  # what failed the start-up is the error to see
+            await probe.close()
     queue = NatsQueue(
         target.client_url,
         stream=settings.stream,
         subject_prefix=settings.subject_prefix,
         replicas=settings.replicas,
         stream_wait_seconds=settings.stream_wait,
+        tls=tls,
     )
     try:
         await queue._jetstream()

@@ -425,6 +425,7 @@ class AlertRelay:
                 config.relay_heartbeat_url,
                 name="alert relay",
                 timeout_seconds=config.timeout_seconds,
+                allow_http=config.allow_http,
             )
             if config.relay_heartbeat_url
             else None

@@ -17,9 +17,13 @@ from jobfence.sync import SyncTransactionRunner
 def run_jobfence(argv: list[str], *, sync_runner: SyncTransactionRunner | None = None) -> int:
     """``jobfence ARGV`` in this process, on ``DATABASES[JOBFENCE["DATABASE_ALIAS"]]``: that
     database's URL becomes this process's ``JOBFENCE_DATABASE_URL`` (jobfence's one way to be
-    told its database, whose password its output and logs never show). When ``LOGGING``
-    gives the root logger a handler, jobfence logs through it instead of adding its own."""
-    os.environ[ENV_DATABASE_URL] = database_url(jobfence_settings().database_alias)
+    told its database, whose password its output and logs never show), and
+    ``JOBFENCE["DATABASE_POOL_MODE"]``, when set, its ``JOBFENCE_DATABASE_POOL_MODE``. When
+    ``LOGGING`` gives the root logger a handler, jobfence logs through it instead of adding
+    its own."""
+    config = jobfence_settings()
+    os.environ[ENV_DATABASE_URL] = database_url(config.database_alias)
+    config.export_pool_mode()
     # A root logger configured by LOGGING is followed: no handler of jobfence's own on top.
     return cli.main(argv, sync_runner=sync_runner, follow_logging=True)
 

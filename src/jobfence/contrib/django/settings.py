@@ -3,6 +3,7 @@ database of ``DATABASES``, read in this one place."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,8 +13,10 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
 from psycopg.conninfo import make_conninfo
 
+from jobfence.config import ENV_DATABASE_POOL_MODE, POOL_MODES, database_pool_mode_from_env
+
 SETTING = "JOBFENCE"
-KEYS = ("DATABASE_ALIAS", "APP", "WORKER")
+KEYS = ("DATABASE_ALIAS", "APP", "WORKER", "DATABASE_POOL_MODE")
 # WORKER key -> (``jobfence worker`` flag, the type its value must have)
 WORKER_FLAGS: dict[str, tuple[str, type | tuple[type, ...]]] = {
     "QUEUES": ("--queue", (list, tuple)),
@@ -32,11 +35,25 @@ _NOT_LIBPQ = ("cursor_factory", "context", "prepare_threshold")
 class JobfenceSettings:
     """``settings.JOBFENCE``, checked. ``database_alias`` ("default"): the ``DATABASES`` entry
     holding jobfence's schema and queue; ``app``: the ``jobfence.App`` as
-    ``"MODULE:ATTRIBUTE"``; ``worker``: ``manage.py jobfence_worker``'s defaults."""
+    ``"MODULE:ATTRIBUTE"``; ``worker``: ``manage.py jobfence_worker``'s defaults;
+    ``database_pool_mode``: the pool mode of the PgBouncer in front of that database
+    (``session`` or ``transaction``), None when not set."""
 
     database_alias: str = "default"
     app: str | None = None
     worker: Mapping[str, Any] = field(default_factory=dict)
+    database_pool_mode: str | None = None
+
+    def pool_mode(self) -> str | None:
+        """``DATABASE_POOL_MODE``, else JOBFENCE_DATABASE_POOL_MODE, else None."""
+        return self.database_pool_mode or database_pool_mode_from_env()
+
+    def export_pool_mode(self) -> None:
+        """Make ``DATABASE_POOL_MODE``, when set, this process's JOBFENCE_DATABASE_POOL_MODE,
+        which jobfence's commands and connections follow (as ``DATABASES`` gives them
+        JOBFENCE_DATABASE_URL)."""
+        if self.database_pool_mode is not None:
+            os.environ[ENV_DATABASE_POOL_MODE] = self.database_pool_mode
 
     def worker_argv(self, *, with_queues: bool = True) -> list[str]:
         """``worker`` as ``jobfence worker`` flags (a flag on the command line wins)."""
@@ -87,7 +104,18 @@ def jobfence_settings() -> JobfenceSettings:
         kind = WORKER_FLAGS[key][1]
         if not isinstance(value, kind) or isinstance(value, bool):
             raise _problem(f"WORKER[{key!r}] has the wrong type: {value!r}")
-    return JobfenceSettings(database_alias=alias, app=app, worker=dict(worker))
+    mode = raw.get("DATABASE_POOL_MODE")
+    if mode is not None and (not isinstance(mode, str) or mode.strip().lower() not in POOL_MODES):
+        raise _problem(
+            f"DATABASE_POOL_MODE must be {' or '.join(repr(m) for m in POOL_MODES)} (the pool"
+            f" mode of the PgBouncer in front of the database), got {mode!r}"
+        )
+    return JobfenceSettings(
+        database_alias=alias,
+        app=app,
+        worker=dict(worker),
+        database_pool_mode=None if mode is None else mode.strip().lower(),
+    )
 
 
 def require_app(config: JobfenceSettings) -> str:
