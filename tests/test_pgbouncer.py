@@ -300,6 +300,8 @@ async def test_the_pg_queue_behind_session_pooling_is_woken_by_notify(
 async def test_the_pg_queue_behind_transaction_pooling_polls_and_holds_no_listen_connection(
     database_url: str, bouncer: Callable[..., str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Through the CLI's queue (``queue_from_env``) and a ``PgQueue(pool)`` a library user
+    makes: both poll, holding no LISTEN that could never hear."""
     url = bouncer(database_url, "transaction")
     monkeypatch.setenv(POOL_MODE, "transaction")
     pool = await db.open_pool(url, max_size=2)
@@ -309,6 +311,12 @@ async def test_the_pg_queue_behind_transaction_pooling_polls_and_holds_no_listen
             # Found by the poll (once a second), with no LISTEN that could never hear.
             assert await _received_within(queue, url, 10) < 5
             assert queue._listener is None
+        own = PgQueue(pool)
+        try:
+            assert await _received_within(own, url, 10) < 5
+            assert own._listener is None
+        finally:
+            await own.close()
         async with pool.connection() as conn:
             assert conn.prepare_threshold is None
     finally:

@@ -27,7 +27,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from jobfence._sql import Queries
 from jobfence.adapters._shared import check_prior_attempts, publish_each
-from jobfence.db import RECONNECT_MAX_DELAY_SECONDS
+from jobfence.db import RECONNECT_MAX_DELAY_SECONDS, transaction_pooling
 from jobfence.errors import ConfigError
 from jobfence.limits import checked_delay
 from jobfence.model import Delivery, Message, Outgoing
@@ -121,7 +121,8 @@ def _receipt(delivery: Delivery) -> PgReceipt:
 class PgQueue:
     """The PostgreSQL queue adapter. ``clock`` defaults to the database's own clock.
     ``listen=False``: no LISTEN connection, new jobs are found by the poll alone (behind a
-    pooler in transaction mode, which delivers no NOTIFY)."""
+    pooler in transaction mode, which delivers no NOTIFY); the default (None) is False when
+    JOBFENCE_DATABASE_POOL_MODE is ``transaction``, else True."""
 
     capabilities = QueueCapabilities(transactional=True, delayed_publish=True, delayed_retry=True)
 
@@ -132,7 +133,7 @@ class PgQueue:
         clock: Clock | None = None,
         poll_interval_seconds: float = 1.0,
         listen_conninfo: str | None = None,
-        listen: bool = True,
+        listen: bool | None = None,
     ) -> None:
         if not 0 < poll_interval_seconds < float("inf"):  # NaN fails too
             # A delayed job falls due with no NOTIFY: only the poll finds it.
@@ -147,7 +148,7 @@ class PgQueue:
         self._listen_conninfo = listen_conninfo
         # False behind a pooler in transaction mode, which cannot deliver a NOTIFY: receivers
         # then find new jobs by the poll alone.
-        self._listens = listen
+        self._listens = not transaction_pooling() if listen is None else listen
         self._pool = pool
         self._clock = clock
         self._poll_interval = poll_interval_seconds
