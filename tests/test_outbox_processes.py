@@ -207,7 +207,7 @@ def test_a_queue_url_with_an_unknown_scheme_is_refused_at_start_up(
     _assert_refused(
         done,
         "JOBFENCE_QUEUE_URL: 'kafka://app:***@broker:9092/' is not a queue URL",
-        "amqp://, amqps://, nats://, redis://, rediss://",
+        "amqp://, amqps://, nats://, tls://, redis://, rediss://",
     )
 
 
