@@ -58,21 +58,31 @@ REDACTED = "***"
 # token, auth, authorization, credentials, api_key, apikey, sslkey, sig, signature, jwt, nkey,
 # seed, session...
 _SECRET_KEY = re.compile(r"pass|pwd|secret|token|auth|cred|key|sig|jwt|seed|session", re.I)
-# ``key=value`` where a key may stand: at the start, after whitespace or a query separator.
-# The value is quoted (libpq's ``'...'`` with backslash escapes, or ``"..."``) and ends with
-# the string or a space after its closing quote, or it runs to the next whitespace (a password
-# holding ``&`` is hidden whole, and what follows with it). A quote left open, or closed in the
-# middle of a word, hides the rest of the string: where such a value ends is anyone's guess.
-_KEY_VALUE = re.compile(
-    r"""(?:^|(?<=[\s?&;,(\[{]))([A-Za-z_][\w.-]*)(\s*=\s*)"""
-    r"""('(?:[^'\\]|\\.)*'(?=\s|$)|"(?:[^"\\]|\\.)*"(?=\s|$)|['"].*|[^\s'"]\S*)""",
-    re.DOTALL,
+# ``key=`` where a key may stand: at the start, after whitespace, a query separator, a quote or
+# a dash (``--password=...`` as argparse quotes an argument). A key may be percent-encoded
+# (libpq decodes a URL's parameter names). Possessive, so that a long run costs one pass.
+_KEY = re.compile(
+    r"""(?:^|(?<=[\s?&;,(\[{'"-]))((?:[A-Za-z_]|%[0-9A-Fa-f]{2})(?:[\w.-]|%[0-9A-Fa-f]{2})*+)"""
+    r"(\s*+=\s*+)"
 )
+# A secret key's value: quoted (libpq's ``'...'`` with backslash escapes, or ``"..."``) and
+# ending with the string or a space after its closing quote, or running to the next whitespace
+# (a password holding ``&`` is hidden whole, and what follows with it). A quote left open, or
+# closed in the middle of a word, hides the rest of the string: where such a value ends is
+# anyone's guess.
+_VALUE = re.compile(
+    r"""'(?:[^'\\]|\\.)*+'(?=\s|$)|"(?:[^"\\]|\\.)*+"(?=\s|$)|['"].*|\S*""", re.DOTALL
+)
+# Where the value of a secret key inside a hidden value ends, as far as it is collected: at the
+# next query separator or whitespace (or where the next key starts).
+_PARAMETER_END = re.compile(r"[\s&;]")
 # How a libpq key=value connection string starts (anything else holding an ``@`` is read as
 # ``user:password@host``, whatever ``key=value`` pairs a password may hold).
 _CONNINFO = re.compile(r"\s*[A-Za-z_][\w.-]*\s*=")
 # The start of a URL's authority: its scheme and ``://``.
-_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
+# Matched only where a run of scheme characters starts (possessive), so that a long run that is
+# not followed by ``://`` costs one pass: the scheme is the run from its first letter.
+_SCHEME = re.compile(r"(?<![A-Za-z0-9+.-])[0-9+.-]*+([A-Za-z][A-Za-z0-9+.-]*+)://")
 # Where a URL parser (urllib, libpq, a broker client) may cut a password written unescaped.
 _CUTS = re.compile(r"[/?#@:,;\s]+")
 # A user name as a URL may hold it (RFC 3986 userinfo without ``:``): unreserved characters,
@@ -104,40 +114,59 @@ def _unquoted(value: str) -> str:
     return value
 
 
-def _key_values(text: str, found: list[str]) -> str:
+def _key_values(text: str, found: list[str], spans: list[tuple[int, int]] | None = None) -> str:
     """``text`` with the value of each secret ``key=value`` replaced by ``***`` (and added to
-    ``found``). An unquoted value runs to the next whitespace; in a URL's query that holds the
-    parameters after it (``?sslmode=require&sslpassword=...``), which are read too: a secret
-    after a value that is shown is hidden, and one inside a hidden value is added to ``found``
-    on its own."""
+    ``found``). A plain key's value is shown and read on: a secret key after it, whatever
+    separates them (``?sslmode=require&sslpassword=...``, ``;``, ``,``, a quote closed in the
+    middle of a word) is hidden. A secret key inside a hidden value has its value (to the next
+    ``&``, ``;``, whitespace or key) added to ``found`` on its own. Where each hidden value
+    starts and ends is added to ``spans``. One pass: linear time."""
     if "=" not in text:
         return text
     out: list[str] = []
-    pos = 0  # where the next key may start
-    shown_to = 0  # text[:shown_to] is in ``out``
-    hidden_to = 0  # text[:hidden_to] is shown (or hidden) already: secrets only collected
-    while (match := _KEY_VALUE.search(text, pos)) is not None:
-        key, equals, value = match.groups()
-        secret = is_secret_key(key)
-        if secret:
+    hidden_to = 0  # text[:hidden_to] is in ``out``
+    inner = -1  # where the value of a secret key inside a hidden value starts, if any
+
+    def collect(end: int) -> None:
+        cut = _PARAMETER_END.search(text, inner, end)
+        if (value := text[inner : end if cut is None else cut.start()]) != "":
             found.append(value)
-        amp = -1 if value[:1] in ("'", '"') else value.find("&")
-        after = match.end() if amp < 0 else match.start(3) + amp + 1
-        if match.start() >= hidden_to:
-            out.append(text[shown_to : match.start()])
-            if secret:
+
+    for match in _KEY.finditer(text):
+        if inner >= 0:
+            collect(min(match.start(), hidden_to))
+            inner = -1
+        key, equals = match.groups()
+        if not is_secret_key(key):
+            continue
+        start = match.end()
+        if start <= hidden_to:  # inside a value hidden already: only collected
+            inner = start
+            continue
+        value_match = _VALUE.match(text, start)
+        value = "" if value_match is None else value_match.group(0)
+        if value:
+            found.append(value)
+            if match.start() >= hidden_to:
+                out.append(text[hidden_to : match.start()])
                 out.append(f"{key}{equals}{REDACTED}")
-                shown_to = hidden_to = match.end()
-            else:
-                out.append(text[match.start() : after])
-                shown_to = after
-        pos = after
-    out.append(text[shown_to:])
+            else:  # the key ends a hidden value, its ``=`` and value come after it
+                out.append(text[hidden_to:start])
+                out.append(REDACTED)
+            hidden_to = start + len(value)
+            if spans is not None:
+                spans.append((start, hidden_to))
+    if inner >= 0:
+        collect(hidden_to)
+    out.append(text[hidden_to:])
     return "".join(out)
 
 
 def _user_info(userinfo: str, scheme: str, found: list[str]) -> str:
     """The user information of a URL as it may be shown; its secrets added to ``found``."""
+    # A query whose value holds an ``@`` is cut into the user information: the value of a
+    # secret key=value in it is a secret on its own too.
+    _key_values(userinfo, found)
     user, colon, password = userinfo.partition(":")
     if _USER_NAME.fullmatch(user) is None:
         # A character no URL holds unescaped before the ``:`` (``[``, ``\``, a space...): the
@@ -167,18 +196,26 @@ def _scan(url: str) -> tuple[str, list[str]]:
         if at > 0 and _CONNINFO.match(url) is None:
             shown = _user_info(shown[:at], "", found) + shown[at:]
         return shown, found
-    parts = [url[: starts[0].start()]]
+    parts = [url[: starts[0].start(1)]]
     for index, start in enumerate(starts):
-        end = starts[index + 1].start() if index + 1 < len(starts) else len(url)
+        end = starts[index + 1].start(1) if index + 1 < len(starts) else len(url)
         items = url[start.end() : end].split(",")
         if not all("@" in item for item in items):
             items = [",".join(items)]  # not a list of servers with credentials: one item
         servers: list[str] = []
         for item in items:
             at = item.rfind("@")
+            if at >= 0:
+                # A secret query value holding an unescaped ``@`` (?password=p@ss): the user
+                # information ends at an ``@`` before that value, if any.
+                spans: list[tuple[int, int]] = []
+                _key_values(item, [], spans)
+                value = next((s for s, e in spans if s <= at < e), -1)
+                if value >= 0:
+                    at = item.rfind("@", 0, value)
             rest = item if at < 0 else _user_info(item[:at], start.group(1), found) + item[at:]
             servers.append(_key_values(rest, found))
-        parts.append(url[start.start() : start.end()] + ",".join(servers))
+        parts.append(url[start.start(1) : start.end()] + ",".join(servers))
     return "".join(parts), found
 
 
@@ -235,10 +272,17 @@ class Redactor:
         if "://" not in text:
             return text
         # Each whitespace-delimited word that holds a URL is redacted as one.
-        return _URL_WORD.sub(lambda m: _scan(m.group(0))[0], text)
+        return _WORD.sub(_redact_word, text)
 
 
-_URL_WORD = re.compile(r"\S*://\S*")
+# A whitespace-delimited word (not ``\S*://\S*``, which costs a pass per character of a long
+# word without ``://``).
+_WORD = re.compile(r"\S+")
+
+
+def _redact_word(match: re.Match[str]) -> str:
+    word = match.group(0)
+    return _scan(word)[0] if "://" in word else word
 
 
 def redact_text(text: str, secrets: Iterable[str] = ()) -> str:

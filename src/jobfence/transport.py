@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, urlsplit
 
+from jobfence.redact import redact_url
+
 if TYPE_CHECKING:
     from jobfence.queues import QueueTarget
 
@@ -46,7 +48,8 @@ def warn_once(message: str) -> None:
 
 
 def _host(server: str) -> str:
-    return server.rpartition(":")[0].strip("[]")
+    """The host of ``host:port``; of ``user:password@host:port`` too (never its credentials)."""
+    return server.rpartition("@")[2].rpartition(":")[0].strip("[]")
 
 
 def queue_transport_warnings(target: QueueTarget) -> list[str]:
@@ -57,6 +60,7 @@ def queue_transport_warnings(target: QueueTarget) -> list[str]:
     if not target.external or target.url is None or target.client_url is None:
         return []
     lines: list[str] = []
+    location = redact_url(target.location or "")  # redacted already when parse_queue_url made it
     scheme = target.client_url.partition("://")[0].lower()
     servers = target.client_url.partition("?")[0].split(",")
     with_credentials = any("@" in urlsplit(server).netloc for server in servers)
@@ -65,7 +69,7 @@ def queue_transport_warnings(target: QueueTarget) -> list[str]:
         secure = _TLS_SCHEME[scheme]
         unless = " unless the server asks for TLS" if scheme == "nats" else ""
         lines.append(
-            f"the {target.kind} queue at {target.location} is reached with {scheme}://: its"
+            f"the {target.kind} queue at {location} is reached with {scheme}://: its"
             f" credentials travel in clear text to {', '.join(remote)}{unless}; use"
             f" {secure}:// on a network you do not trust"
         )
@@ -81,7 +85,7 @@ def queue_transport_warnings(target: QueueTarget) -> list[str]:
             off.append(f"ssl_check_hostname={query['ssl_check_hostname']}")
     if off:
         lines.append(
-            f"the {target.kind} queue at {target.location} is reached over TLS with"
+            f"the {target.kind} queue at {location} is reached over TLS with"
             f" {' and '.join(off)}: the server's certificate or host name is not verified, so"
             " anyone between this host and the broker can pose as it and read the credentials"
             " and the jobs"
