@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
 import tempfile
 import warnings
@@ -175,3 +176,19 @@ def nats_url() -> str:
 @pytest.fixture(scope="session")
 def amqp_url() -> str:
     return _broker_url("JOBFENCE_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/", 5672)
+
+
+@pytest.fixture
+def restore_logging() -> Iterator[None]:
+    """The root logger's handlers and level, and the ``jobfence`` logger's level, as they were
+    before the test (which may call ``configure_logging``)."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    jobfence_level = logging.getLogger("jobfence").level
+    yield
+    for handler in list(root.handlers):
+        if handler not in handlers:
+            root.removeHandler(handler)
+            handler.close()
+    root.setLevel(level)
+    logging.getLogger("jobfence").setLevel(jobfence_level)

@@ -17,7 +17,6 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -340,20 +339,6 @@ def test_a_key_of_a_mapping_in_the_payload_is_shown_as_key_and_the_schemas_names
     with pytest.raises(ValidationError) as caught:
         Ledger.model_validate({"by_owner": {CARD: "x"}, "Checkout": {"kind": "card", "amount": 1}})
     assert "by_owner.<key>:" in describe_validation_error(caught.value)
-
-
-@pytest.fixture
-def restore_logging() -> Iterator[None]:
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    jobfence_level = logging.getLogger("jobfence").level
-    yield
-    for handler in list(root.handlers):
-        if handler not in handlers:
-            root.removeHandler(handler)
-            handler.close()
-    root.setLevel(level)
-    logging.getLogger("jobfence").setLevel(jobfence_level)
 
 
 @pytest.mark.usefixtures("restore_logging")

@@ -9,7 +9,6 @@ import logging
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -204,20 +203,6 @@ def test_a_bad_jobfence_log_format_is_one_clear_error_line() -> None:
     assert done.stderr.strip().splitlines() == [
         "jobfence: error: JOBFENCE_LOG_FORMAT must be one of text, json, got 'xml'"
     ]
-
-
-@pytest.fixture
-def restore_logging() -> Iterator[None]:
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    jobfence_level = logging.getLogger("jobfence").level
-    yield
-    for handler in list(root.handlers):
-        if handler not in handlers:
-            root.removeHandler(handler)
-            handler.close()
-    root.setLevel(level)
-    logging.getLogger("jobfence").setLevel(jobfence_level)
 
 
 @pytest.mark.usefixtures("restore_logging")

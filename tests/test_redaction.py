@@ -220,20 +220,6 @@ def environment(values: dict[str, str]) -> Iterator[None]:
         os.environ.update(saved)
 
 
-@pytest.fixture
-def restore_logging() -> Iterator[None]:
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    jobfence_level = logging.getLogger("jobfence").level
-    yield
-    for handler in list(root.handlers):
-        if handler not in handlers:
-            root.removeHandler(handler)
-            handler.close()
-    root.setLevel(level)
-    logging.getLogger("jobfence").setLevel(jobfence_level)
-
-
 class Records(logging.Handler):
     """Every record any logger emits, as the message and traceback it carries (before the
     output handler's redaction: jobfence's own records must hold no secret at all)."""

@@ -410,20 +410,6 @@ def test_the_database_warning_names_host_port_and_sslmode_only() -> None:
     assert "6543" not in redact_text(line, url_secrets(url))
 
 
-@pytest.fixture
-def restore_logging() -> Iterator[None]:
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    jobfence_level = logging.getLogger("jobfence").level
-    yield
-    for handler in list(root.handlers):
-        if handler not in handlers:
-            root.removeHandler(handler)
-            handler.close()
-    root.setLevel(level)
-    logging.getLogger("jobfence").setLevel(jobfence_level)
-
-
 @pytest.mark.usefixtures("restore_logging")
 def test_a_warning_line_is_escaped_and_redacted_by_the_log_filter() -> None:
     import io
