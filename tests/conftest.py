@@ -22,6 +22,8 @@ import psycopg
 import pytest
 from psycopg_pool import AsyncConnectionPool
 
+from alert_helpers import TOKEN
+from fake_betterstack import FakeBetterStack
 from jobfence import db
 from jobfence.schema import migrate
 from support import with_dbname
@@ -192,3 +194,12 @@ def restore_logging() -> Iterator[None]:
             handler.close()
     root.setLevel(level)
     logging.getLogger("jobfence").setLevel(jobfence_level)
+
+
+@pytest.fixture
+def server() -> Iterator[FakeBetterStack]:
+    """The fake Better Stack (``fake_betterstack.py``) on a free loopback port, for the token
+    the alert tests use; closed after the test."""
+    fake = FakeBetterStack(TOKEN).start()
+    yield fake
+    fake.close()

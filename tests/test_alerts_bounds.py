@@ -10,7 +10,6 @@ resolve and escalate like the others.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -22,7 +21,6 @@ from alert_helpers import (
     CONSUMER,
     HARD,
     QUEUE,
-    TOKEN,
     MovableClock,
     alert_rows,
     fast_settings,
@@ -42,13 +40,6 @@ from jobfence.errors import ConfigError
 from support import scalar, wait_until
 
 BOUNDS_QUEUE = "bounds"
-
-
-@pytest.fixture
-def server() -> Iterator[FakeBetterStack]:
-    fake = FakeBetterStack(TOKEN).start()
-    yield fake
-    fake.close()
 
 
 class Job(BaseModel):

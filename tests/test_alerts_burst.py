@@ -8,10 +8,8 @@ set-based, with their outbox rows recorded by the same function in the same tran
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from typing import Any
 
-import pytest
 from psycopg import AsyncConnection
 from psycopg_pool import AsyncConnectionPool
 
@@ -20,7 +18,6 @@ from alert_helpers import (
     CONSUMER,
     HARD,
     QUEUE,
-    TOKEN,
     MovableClock,
     bulk_dead_letters,
     fast_settings,
@@ -41,13 +38,6 @@ GROUPS = [
     (QUEUE, "ghost", "UnknownConsumer"),
 ]
 TOTAL = 10_000
-
-
-@pytest.fixture
-def server() -> Iterator[FakeBetterStack]:
-    fake = FakeBetterStack(TOKEN).start()
-    yield fake
-    fake.close()
 
 
 async def test_a_burst_of_10000_dead_letters_across_3_groups_opens_3_incidents(

@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
 from pathlib import Path
@@ -22,13 +21,6 @@ from jobfence import ConfigError
 from jobfence.adapters.betterstack import BetterStackSettings, parse_retry_after
 from jobfence.alerts import AlertRelay
 from jobfence.config import alert_config_from_env
-
-
-@pytest.fixture
-def server() -> Iterator[FakeBetterStack]:
-    fake = FakeBetterStack(TOKEN).start()
-    yield fake
-    fake.close()
 
 
 def test_alert_config_defaults() -> None:

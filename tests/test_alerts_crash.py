@@ -23,7 +23,6 @@ from psycopg_pool import AsyncConnectionPool
 
 from alert_helpers import (
     TESTS_DIR,
-    TOKEN,
     alert_rows,
     relay_env,
     wait_for_alerts,
@@ -68,13 +67,6 @@ class RelayProcess:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(timeout=10)
-
-
-@pytest.fixture
-def server() -> Iterator[FakeBetterStack]:
-    fake = FakeBetterStack(TOKEN).start()
-    yield fake
-    fake.close()
 
 
 @pytest.fixture

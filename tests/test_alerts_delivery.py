@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -39,13 +38,6 @@ from jobfence.adapters.betterstack import BetterStackHeartbeat
 from jobfence.alerts import alert_counts, record_dead_letter_alerts, retry_failed_alerts
 from jobfence.harness import SQL as CORE_SQL
 from support import scalar, wait_until
-
-
-@pytest.fixture
-def server() -> Iterator[FakeBetterStack]:
-    fake = FakeBetterStack(TOKEN).start()
-    yield fake
-    fake.close()
 
 
 def metadata_value(body: dict[str, Any], key: str) -> str:

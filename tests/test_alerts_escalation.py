@@ -4,15 +4,12 @@ or discarded. The relay's clock is moved by hand instead of waiting 72 hours."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
-import pytest
 from psycopg import AsyncConnection
 from psycopg_pool import AsyncConnectionPool
 
 from alert_helpers import (
-    TOKEN,
     MovableClock,
     alert_rows,
     fast_settings,
@@ -27,13 +24,6 @@ from fake_betterstack import FakeBetterStack
 from jobfence import PgQueue, discard_dead_letter, replay_dead_letter
 from jobfence.alerts import RelaySettings
 from support import scalar, wait_until
-
-
-@pytest.fixture
-def server() -> Iterator[FakeBetterStack]:
-    fake = FakeBetterStack(TOKEN).start()
-    yield fake
-    fake.close()
 
 
 def value(post_body: dict[str, Any], key: str) -> str:

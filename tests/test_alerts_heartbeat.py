@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from psycopg import AsyncConnection
 
 from alert_helpers import (
-    TOKEN,
     MovableClock,
     RecordingAlertMetrics,
     fast_settings,
@@ -29,13 +27,6 @@ from jobfence.adapters.prometheus import PrometheusCleanupMetrics
 from jobfence.alerts import retry_failed_alerts
 from jobfence.cleanup import cleanup_every
 from support import wait_until, with_dbname
-
-
-@pytest.fixture
-def server() -> Iterator[FakeBetterStack]:
-    fake = FakeBetterStack(TOKEN).start()
-    yield fake
-    fake.close()
 
 
 async def beats_after(server: FakeBetterStack, start: int, kind: str, count: int = 2) -> None:

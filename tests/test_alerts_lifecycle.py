@@ -12,7 +12,6 @@ state freshness of a minute, one update per ten minutes: the defaults).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -39,13 +38,6 @@ from jobfence.adapters.prometheus import PrometheusAlertMetrics
 from jobfence.alerts import alert_counts
 from jobfence.alerts.relay import RESOLVED_BY, AlertRelay
 from support import scalar, wait_until
-
-
-@pytest.fixture
-def server() -> Iterator[FakeBetterStack]:
-    fake = FakeBetterStack(TOKEN).start()
-    yield fake
-    fake.close()
 
 
 def minute_settings(**overrides: Any) -> Any:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -15,7 +14,6 @@ from psycopg_pool import AsyncConnectionPool
 
 import pointsapp
 from alert_helpers import (
-    TOKEN,
     alert_rows,
     fast_settings,
     make_relay,
@@ -33,13 +31,6 @@ from test_read_only_database import read_only_switch
 
 JOBS = 80
 HARD_EVERY = 8  # 10 of the 80 jobs fail for good
-
-
-@pytest.fixture
-def server() -> Iterator[FakeBetterStack]:
-    fake = FakeBetterStack(TOKEN).start()
-    yield fake
-    fake.close()
 
 
 async def run_batch(

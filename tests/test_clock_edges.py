@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import email.utils
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from datetime import datetime, tzinfo
 from types import SimpleNamespace
 from typing import Any
@@ -21,7 +21,6 @@ from psycopg import AsyncConnection
 from psycopg_pool import AsyncConnectionPool
 
 from alert_helpers import (
-    TOKEN,
     alert_rows,
     make_relay,
     running,
@@ -34,13 +33,6 @@ from jobfence.adapters import betterstack, memory
 from test_api_support import PREFIX, Api, assert_problem, bearer, make_token, running_api
 
 HOUR = 3600.0
-
-
-@pytest.fixture
-def server() -> Iterator[FakeBetterStack]:
-    fake = FakeBetterStack(TOKEN).start()
-    yield fake
-    fake.close()
 
 
 def skew_betterstack_clock(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
