@@ -245,3 +245,51 @@ async def test_two_migrate_processes_at_once_one_applies_the_other_finds_it_up_t
     firsts = sorted(out.splitlines()[0] for out, _ in outputs)
     assert firsts[0] == f"already up to date (version {latest_version():04d})", outputs
     assert firsts[1].startswith("applied 0001_core"), outputs
+
+
+@pytest.mark.parametrize(
+    ("sqlstate", "name"), [("40001", "SerializationFailure"), ("40P01", "DeadlockDetected")]
+)
+async def test_a_replay_the_database_rolls_back_for_a_conflict_is_a_503_naming_the_conflict(
+    database_url: str, conn: AsyncConnection[Any], sqlstate: str, name: str
+) -> None:
+    """The database may roll a request's transaction back for a conflict with another one (a
+    serialization failure, a deadlock: here a trigger raises it once, as a concurrent change
+    would): the answer is a 503 that says so, with ``Retry-After``, not "the database cannot
+    be reached"; nothing of the request was written, and the same request then works."""
+    dl = await insert_dead_letter(conn, job_id="conflict-1")
+    # A sequence counts the calls: unlike a row, nextval() outlives the rollback it causes.
+    await conn.execute("CREATE SEQUENCE public.conflict_once")
+    await conn.execute(
+        sql.SQL(
+            """CREATE FUNCTION public.conflict_once() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN
+              IF nextval('public.conflict_once') = 1 THEN
+                RAISE EXCEPTION 'could not serialize access' USING ERRCODE = {};
+              END IF;
+              RETURN NEW;
+            END $$"""
+        ).format(sql.Literal(sqlstate))
+    )
+    await conn.execute(
+        "CREATE TRIGGER conflict_once BEFORE UPDATE ON core.dead_letters"
+        " FOR EACH ROW EXECUTE FUNCTION public.conflict_once()"
+    )
+    try:
+        async with api_on(database_url) as api:
+            refused = await api.client.post(f"{PREFIX}/{dl}/replay", headers=auth())
+            assert refused.status_code == 503, refused.text
+            body = refused.json()
+            assert body["type"] == "urn:jobfence:problem:transaction-conflict", body
+            assert name in body["detail"] and "try again" in body["detail"], body
+            assert refused.headers["Retry-After"] == "1"
+            assert await queued_job_ids(conn) == []
+            assert await scalar(
+                conn, "SELECT status FROM core.dead_letters WHERE id = %s", (dl,)
+            ) == ("pending_review")
+            replayed = await api.client.post(f"{PREFIX}/{dl}/replay", headers=auth())
+            assert replayed.status_code == 200, replayed.text
+    finally:
+        await conn.execute("DROP TRIGGER conflict_once ON core.dead_letters")
+        await conn.execute("DROP FUNCTION public.conflict_once()")
+        await conn.execute("DROP SEQUENCE public.conflict_once")

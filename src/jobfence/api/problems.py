@@ -43,6 +43,7 @@ TYPE_BODY_TOO_LARGE = _TYPE + "body-too-large"
 TYPE_UNAUTHORIZED = _TYPE + "unauthorized"
 TYPE_FORBIDDEN = _TYPE + "forbidden"
 TYPE_UNAVAILABLE = _TYPE + "database-unavailable"
+TYPE_CONFLICT = _TYPE + "transaction-conflict"
 TYPE_INTERNAL = _TYPE + "internal"
 TYPE_QUEUE_MOVED = _TYPE + "queue-moved"
 AUTH_REALM = 'Bearer realm="jobfence"'
@@ -286,6 +287,22 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(PoolTimeout)
     @app.exception_handler(psycopg.OperationalError)
     async def _unavailable(request: Request, exc: Exception) -> ProblemResponse:
+        if isinstance(exc, psycopg.Error) and (exc.sqlstate or "").startswith("40"):
+            # SQLSTATE class 40 (a serialization failure, a deadlock; psycopg raises each as
+            # an OperationalError of its own): the database rolled the request's transaction
+            # back for a conflict with another one. Nothing of it was written, and the same
+            # request may well work at once: not an outage.
+            log.warning("transaction conflict for %s: %s", request.url.path, type(exc).__name__)
+            return respond(
+                request,
+                problem(
+                    503,
+                    "the database rolled this request back for a conflict with a concurrent"
+                    f" transaction ({type(exc).__name__}); nothing was changed: try again",
+                    type_=TYPE_CONFLICT,
+                ),
+                headers={"Retry-After": "1"},
+            )
         log.warning("database unavailable for %s: %s", request.url.path, type(exc).__name__)
         return respond(
             request,
