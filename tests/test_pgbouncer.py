@@ -95,12 +95,21 @@ ignore_startup_parameters = extra_float_digits
 def pgbouncers(server_url: str) -> Iterator[Callable[..., str]]:
     """``bouncer(database_url, mode, pool_size=4)``: the URL of ``database_url``'s database
     through a PgBouncer of its own in ``mode`` (session or transaction). Without the binary:
-    skipped, or failed under CI (``.ci/run`` installs it), as the brokers' tests are."""
+    skipped, or failed under CI (``.ci/run`` installs it), as the brokers' tests are. On a
+    server reached by a Unix socket (the embedded PostgreSQL of a run without
+    JOBFENCE_DATABASE_URL): skipped, since PgBouncer, which refuses to run as root, runs as an
+    unprivileged user that cannot open that socket; CI runs them on its TCP server."""
     if shutil.which("pgbouncer") is None:
         missing = "the pgbouncer binary is not installed (apt-get install pgbouncer)"
         if os.environ.get("CI"):
             pytest.fail(f"{missing}: .ci/run installs it")
         pytest.skip(missing)
+    host = str(conninfo_to_dict(server_url).get("host") or "")
+    if not host or host.startswith(("/", "@")):
+        pytest.skip(
+            "PgBouncer reaches PostgreSQL over TCP here, and this server listens on a Unix"
+            " socket (the embedded PostgreSQL): set JOBFENCE_DATABASE_URL to a TCP server"
+        )
     started: list[tuple[subprocess.Popen[bytes], Path]] = []
 
     def through(database_url: str, mode: str, pool_size: int = 4) -> str:
