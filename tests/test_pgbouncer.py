@@ -505,3 +505,40 @@ async def test_the_ops_api_behind_transaction_pooling_lists_and_bulk_replays(
     finally:
         await pool.close()
     _replayed_once(database_url, 40)
+
+
+@pytest.mark.parametrize(
+    "mode", ["statement", "sesion", "session\x1b[2J s3cr3t-Zq9", "transaction; DROP", " "]
+)
+def test_a_pool_mode_that_is_not_one_is_refused_with_one_line_and_nothing_is_touched(
+    database_url: str, conn_sync_count: Callable[[], int], mode: str
+) -> None:
+    """``JOBFENCE_DATABASE_POOL_MODE`` is a setting anyone may mistype or fill with garbage:
+    anything but ``session`` or ``transaction`` (or blank: unset) is one line and exit status
+    2, naming the variable and the two values, never echoing what it held; no fence is
+    touched. Runs on any server (no PgBouncer needed)."""
+    before = conn_sync_count()
+    result = _jobfence(database_url, "cleanup", **{POOL_MODE: mode})
+    if not mode.strip():  # blank is unset: PostgreSQL directly
+        assert result.returncode == 0, result.stderr[-2000:]
+        return
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("jobfence: error: JOBFENCE_DATABASE_POOL_MODE must be"), lines
+    assert "session or transaction" in lines[0]
+    assert "s3cr3t" not in result.stderr and "\x1b" not in result.stderr
+    assert "DROP" not in result.stderr and "sesion" not in result.stderr
+    assert conn_sync_count() == before
+
+
+@pytest.fixture
+def conn_sync_count(database_url: str) -> Callable[[], int]:
+    """The number of fence rows, read on a connection of the test's own."""
+
+    def count() -> int:
+        with psycopg.connect(database_url, autocommit=True) as c:
+            row = c.execute("SELECT count(*) FROM core.processed_jobs").fetchone()
+        return int(row[0]) if row else 0
+
+    return count
